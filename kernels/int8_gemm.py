@@ -1,0 +1,75 @@
+"""The int8 GEMM path: comfy-kitchen's `int8_linear` through its backend registry, or one backend forced.
+
+`TP2_INT8_KERNEL` = auto (the registry picks per call: CUDA/CUTLASS on GPUs, eager elsewhere) | cuda |
+triton | eager. The choice is logged once per process; a forced backend that cannot run here is an error
+raised at selection time, not at the first forward. Imports torch and comfy_kitchen; no TP logic.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_INT8_KERNEL = "TP2_INT8_KERNEL"
+INT8_KERNELS = ("auto", "cuda", "triton", "eager")
+
+# (x, qdata, scale, bias, out_dtype, convrot_group or None, input_act or None) -> y
+Int8Gemm = Callable[..., torch.Tensor]
+
+_selected: dict[str, Int8Gemm] = {}
+
+
+def _kitchen():
+    try:
+        import comfy_kitchen
+    except ImportError as e:  # pragma: no cover - comfy-kitchen is a hard dependency
+        raise _unavailable("auto", f"comfy-kitchen is not installed ({e}); run the set-up command") from e
+    return comfy_kitchen
+
+
+class KernelUnavailableError(RuntimeError):
+    """The requested GEMM kernel cannot run on this device."""
+
+
+def _unavailable(name: str, why: str) -> KernelUnavailableError:
+    return KernelUnavailableError(
+        f"{ENV_INT8_KERNEL}={name} cannot run on this machine: {why}. Unset {ENV_INT8_KERNEL} (auto) or choose one of "
+        f"{', '.join(INT8_KERNELS)} that this device supports."
+    )
+
+
+def select_int8_gemm(name: str | None = None) -> Int8Gemm:
+    """The int8 GEMM callable for `name` (default: $TP2_INT8_KERNEL or auto), validated and logged once."""
+    name = (name or os.environ.get(ENV_INT8_KERNEL, "auto")).strip().lower()
+    if name in _selected:
+        return _selected[name]
+    if name not in INT8_KERNELS:
+        raise _unavailable(name, f"unknown kernel (choose {', '.join(INT8_KERNELS)})")
+    ck = _kitchen()
+    registry = ck.registry
+    if name != "auto":
+        info = registry.list_backends().get(name)
+        if info is None or not info["available"]:
+            raise _unavailable(name, (info or {}).get("unavailable_reason") or "backend not registered")
+        if "int8_linear" not in info["capabilities"]:
+            raise _unavailable(name, "this comfy-kitchen backend has no int8_linear")
+
+    def gemm(x, qdata, scale, bias=None, out_dtype=torch.float32, convrot_group=None, input_act=None):
+        kwargs = dict(
+            x=x, weight=qdata, weight_scale=scale, bias=bias, out_dtype=out_dtype,
+            convrot=convrot_group is not None, convrot_groupsize=convrot_group or 256,
+            input_act=input_act, input_act_weight=None, input_act_eps=0.0, residual=None, residual_scale=None,
+        )  # fmt: skip
+        impl = registry.get_implementation("int8_linear", backend=None if name == "auto" else name, kwargs=kwargs)
+        return impl(**kwargs)
+
+    gemm.kernel_name = name  # type: ignore[attr-defined]
+    available = [b for b, i in registry.list_backends().items() if i["available"] and "int8_linear" in i["capabilities"]]
+    log.info("int8 GEMM: comfy-kitchen int8_linear, kernel=%s (backends able to run it here: %s)", name, ", ".join(available))
+    _selected[name] = gemm
+    return gemm

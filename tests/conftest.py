@@ -1,0 +1,67 @@
+"""Shared fixtures: synthetic H3 checkpoints made by scripts/make_tiny_h3.py (the same generator users run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "unit", "data")
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("make_tiny_h3", os.path.join(ROOT, "scripts", "make_tiny_h3.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+make_tiny_h3 = _load_generator()
+
+
+def make_checkpoint(path: str, *args: str) -> str:
+    """Write a synthetic checkpoint with the generator's CLI arguments; returns the path."""
+    assert make_tiny_h3.main([path, *args]) == 0
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_float(tiny_dir):
+    return make_checkpoint(os.path.join(tiny_dir, "h3_tiny_float.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def tiny_float_full_adaln(tiny_dir):
+    return make_checkpoint(os.path.join(tiny_dir, "h3_tiny_float_full.safetensors"), "--adaln", "full")
+
+
+@pytest.fixture(scope="session")
+def tiny_int8(tiny_dir):
+    return make_checkpoint(os.path.join(tiny_dir, "h3_tiny_int8.safetensors"), "--int8")
+
+
+def real_layout(name: str):
+    from tp2.checkpoint import CheckpointLayout
+
+    with open(os.path.join(DATA, name)) as f:
+        return CheckpointLayout.from_json(json.load(f))
+
+
+@pytest.fixture(scope="session")
+def h3_int8_layout():
+    """The real MiniMax-H3 int8 ConvRot release layout (curve-form adaln): names, dtypes, shapes, quant markers."""
+    return real_layout("h3_int8_convrot.layout.json")
+
+
+@pytest.fixture(scope="session")
+def h3_full_layout():
+    """The real MiniMax-H3 full-form (bf16, time_embedder + 260 M-parameter adaln per block) layout."""
+    return real_layout("h3_bf16_full.layout.json")

@@ -1,0 +1,209 @@
+"""TP process groups and the collectives the pack uses, each with a one-line contract and a bounded wait.
+
+Three layers, each talking only to the one below (as in vLLM): `TPGroup` (group state, from env), the
+collective functions here, and the parallel layers in `layers.py`. Every collective runs under the group's
+timeout; a peer that died or never came surfaces as `PeerLostError` on the surviving rank.
+
+Env: TP2_RANK, TP2_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TP2_TIMEOUT_S (default 300).
+Imports torch only; never `comfy`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import PeerLostError, TP2Error
+
+log = logging.getLogger(__name__)
+
+ENV_RANK = "TP2_RANK"
+ENV_WORLD_SIZE = "TP2_WORLD_SIZE"
+ENV_TIMEOUT = "TP2_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class TPEnv:
+    """What the environment says about this rank (read before anything distributed starts)."""
+
+    tp_rank: int
+    tp_size: int
+    master_addr: str
+    master_port: int
+    timeout_s: float
+
+
+def read_tp_env(environ: dict[str, str] | None = None) -> TPEnv | None:
+    """The TP settings from env, or None when TP2_RANK and TP2_WORLD_SIZE are both unset (pack inactive)."""
+    env = os.environ if environ is None else environ
+    if ENV_RANK not in env and ENV_WORLD_SIZE not in env:
+        return None
+    try:
+        tp_rank, tp_size = int(env[ENV_RANK]), int(env[ENV_WORLD_SIZE])
+        port = int(env.get("MASTER_PORT", "29511"))
+        timeout_s = float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
+    except KeyError as e:
+        raise TP2Error(f"{e.args[0]} is not set but the other TP variable is. Set both TP2_RANK and TP2_WORLD_SIZE, or neither.") from e
+    except ValueError as e:
+        raise TP2Error(f"TP environment variables must be numbers ({e}). Example: TP2_RANK=0 TP2_WORLD_SIZE=2 MASTER_PORT=29511.") from e
+    if not 0 <= tp_rank < tp_size:
+        raise TP2Error(f"TP2_RANK={tp_rank} must be in 0..{tp_size - 1} for TP2_WORLD_SIZE={tp_size}.")
+    if timeout_s <= 0:
+        raise TP2Error(f"TP2_TIMEOUT_S={timeout_s} must be positive (seconds a rank waits for its peers).")
+    return TPEnv(tp_rank, tp_size, env.get("MASTER_ADDR", "127.0.0.1"), port, timeout_s)
+
+
+@dataclass
+class TPGroup:
+    """One rank's view of the TP world: its rank, the tensor group (NCCL or gloo) and a gloo CPU group."""
+
+    tp_rank: int
+    tp_size: int
+    device: torch.device
+    group: dist.ProcessGroup | None  # tensor collectives
+    cpu_group: dist.ProcessGroup | None  # handshakes and small objects, never blocks a GPU stream
+    timeout_s: float
+
+    @property
+    def backend(self) -> str:
+        return dist.get_backend(self.group) if self.group is not None else "none"
+
+
+def init_tp_group(env: TPEnv, device: torch.device | None = None) -> TPGroup:
+    """Join the TP world (NCCL on CUDA, gloo on CPU); a peer that never arrives is an error after the timeout."""
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=env.timeout_s)
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.tp_rank,
+            world_size=env.tp_size,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
+        )
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    except (RuntimeError, dist.DistError) as e:
+        raise PeerLostError(
+            f"Rank {env.tp_rank} of {env.tp_size} could not form the TP group at {env.master_addr}:{env.master_port} "
+            f"within {env.timeout_s:.0f} s ({type(e).__name__}: {e}). Start every rank with the same MASTER_ADDR, "
+            "MASTER_PORT and TP2_WORLD_SIZE, and check the other ranks' logs."
+        ) from e
+    log.info("[tp2 r%d/%d] joined TP group (%s, timeout %.0f s)", env.tp_rank, env.tp_size, backend, env.timeout_s)
+    return TPGroup(env.tp_rank, env.tp_size, device, dist.group.WORLD, cpu_group, env.timeout_s)
+
+
+def single_rank_group(device: torch.device | None = None) -> TPGroup:
+    """A world of one (TP1): every collective is the identity."""
+    return TPGroup(0, 1, device or torch.device("cpu"), None, None, DEFAULT_TIMEOUT_S)
+
+
+def destroy_tp_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError:
+    return PeerLostError(
+        f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: a peer rank died or did not answer within "
+        f"{tp.timeout_s:.0f} s ({type(e).__name__}: {e}). Check the other ranks' logs; restart the ranks that died."
+    )
+
+
+def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Forward: all-reduce(sum) in place over the TP group; identity at tp_size 1."""
+    if tp.tp_size == 1:
+        return t
+    try:
+        dist.all_reduce(t, group=tp.group)
+    except (RuntimeError, dist.DistError) as e:
+        raise _lost(tp, f"all_reduce of {tuple(t.shape)} {t.dtype}", e) from e
+    return t
+
+
+def broadcast_object(obj: object, tp: TPGroup, src: int = 0) -> object:
+    """Rank `src`'s picklable object on every rank (over the CPU group)."""
+    if tp.tp_size == 1:
+        return obj
+    box = [obj if tp.tp_rank == src else None]
+    try:
+        dist.broadcast_object_list(box, src=src, group=tp.cpu_group)
+    except (RuntimeError, dist.DistError) as e:
+        raise _lost(tp, "broadcast of an object", e) from e
+    return box[0]
+
+
+def all_gather_object(obj: object, tp: TPGroup) -> list:
+    """Every rank's picklable object, in rank order (over the CPU group)."""
+    if tp.tp_size == 1:
+        return [obj]
+    out: list = [None] * tp.tp_size
+    try:
+        dist.all_gather_object(out, obj, group=tp.cpu_group)
+    except (RuntimeError, dist.DistError) as e:
+        raise _lost(tp, "all_gather of objects", e) from e
+    return out
+
+
+def _flatten(obj, tensors: list[torch.Tensor]):
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return ("__tensor__", len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _flatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_flatten(v, tensors) for v in obj)
+    return obj
+
+
+def _unflatten(skel, tensors: list[torch.Tensor]):
+    if isinstance(skel, tuple) and len(skel) == 4 and skel[0] == "__tensor__":
+        return tensors[skel[1]]
+    if isinstance(skel, dict):
+        return {k: _unflatten(v, tensors) for k, v in skel.items()}
+    if isinstance(skel, (list, tuple)):
+        return type(skel)(_unflatten(v, tensors) for v in skel)
+    return skel
+
+
+def broadcast_tree(obj: object, tp: TPGroup, src: int = 0) -> object:
+    """Rank `src`'s nested dict/list/tuple of tensors and plain values, identical on every rank.
+
+    The structure, shapes and dtypes go over the CPU group; tensors go over the tensor group on `tp.device`.
+    Contract: forward: broadcast from `src`; other ranks' inputs are ignored (pass None).
+    """
+    if tp.tp_size == 1:
+        return obj
+    tensors: list[torch.Tensor] = []
+    skel = _flatten(obj, tensors) if tp.tp_rank == src else None
+    skel = broadcast_object(skel, tp, src)
+    if tp.tp_rank != src:
+        metas: list = []
+        _collect_meta(skel, metas)
+        tensors = [torch.empty(shape, dtype=dtype, device=tp.device) for shape, dtype in metas]
+    else:
+        tensors = [t.to(tp.device).contiguous() for t in tensors]
+    try:
+        for t in tensors:
+            dist.broadcast(t, src=src, group=tp.group)
+    except (RuntimeError, dist.DistError) as e:
+        raise _lost(tp, f"broadcast of {len(tensors)} tensors", e) from e
+    return _unflatten(skel, tensors)
+
+
+def _collect_meta(skel, out: list) -> None:
+    if isinstance(skel, tuple) and len(skel) == 4 and skel[0] == "__tensor__":
+        out.append((skel[2], skel[3]))
+    elif isinstance(skel, dict):
+        for v in skel.values():
+            _collect_meta(v, out)
+    elif isinstance(skel, (list, tuple)):
+        for v in skel:
+            _collect_meta(v, out)

@@ -1,0 +1,32 @@
+"""The pack's exceptions. Every message says what failed, on which object, with the numbers, and what to do.
+
+Imports nothing from the pack or from `comfy`.
+"""
+
+
+class TP2Error(Exception):
+    """Base class: anything the TP pack refuses or cannot do."""
+
+
+class CheckpointFormatError(TP2Error):
+    """The file is not a readable safetensors checkpoint."""
+
+
+class PlanError(TP2Error):
+    """The checkpoint cannot be split as asked (not H3, indivisible shapes, unknown tensors or quant formats)."""
+
+
+class ShardMismatchError(TP2Error):
+    """A pre-sharded rank file belongs to another rank, tp_size, plan or source checkpoint."""
+
+
+class RankMismatchError(TP2Error):
+    """Ranks disagree on something they must share (pack version, plan, checkpoint, tp_size, prompt)."""
+
+
+class PeerLostError(TP2Error):
+    """A peer rank died, never arrived, or stopped answering within the timeout."""
+
+
+class MissingRoleError(TP2Error):
+    """An int8 or sharded linear ran inside a TP model without a colwise/rowwise role."""

@@ -1,0 +1,43 @@
+"""The rank handshake: before the first tensor collective, ranks prove they agree on what they will run.
+
+Each rank sends a flat dict of fingerprint fields over the CPU group; if any field differs, every rank raises
+`RankMismatchError` naming the field and each rank's value. The same call compares per-prompt fingerprints.
+Imports torch only (via `collectives`); never `comfy`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import __version__
+from .collectives import TPGroup, all_gather_object
+from .errors import RankMismatchError
+
+log = logging.getLogger(__name__)
+
+
+def model_fingerprint(plan_fingerprint: str, checkpoint_fingerprint: str, tp_size: int) -> dict[str, str]:
+    """The fields ranks must share before they load and run a model."""
+    return {
+        "pack_version": __version__,
+        "plan": plan_fingerprint,
+        "checkpoint": checkpoint_fingerprint,
+        "tp_size": str(tp_size),
+    }
+
+
+def handshake(tp: TPGroup, fields: dict[str, str], what: str = "model") -> None:
+    """Compare `fields` across ranks; raise RankMismatchError on every rank if any field differs."""
+    everyone = all_gather_object(dict(fields), tp)
+    diffs = []
+    for key in sorted({k for f in everyone for k in f}):
+        values = [f.get(key, "<missing>") for f in everyone]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            diffs.append(f"'{key}' ({per_rank})")
+    if diffs:
+        raise RankMismatchError(
+            f"[tp2 r{tp.tp_rank}/{tp.tp_size}] ranks disagree on the {what}: {'; '.join(diffs)}. Every rank must run the "
+            "same pack version, checkpoint, tp_size and workflow: give all ranks the same files and the same prompt."
+        )
+    log.info("[tp2 r%d/%d] %s handshake ok (%s)", tp.tp_rank, tp.tp_size, what, ", ".join(f"{k}={v}" for k, v in sorted(fields.items())))

@@ -1,0 +1,359 @@
+"""The MiniMax-H3 tensor-parallel plan: which tensor each rank holds, resolved from a checkpoint layout.
+
+Dims are never hard-coded: heads, head_dim, ffn and hidden come from the shapes, the way ComfyUI's own
+detection reads them. Everything is validated here, before any weight is read or any collective runs.
+Imports nothing from `comfy`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+from .checkpoint import TP_METADATA_PREFIX, CheckpointLayout, convrot_group
+from .errors import PlanError
+
+COLWISE = "colwise"  # Y = X A, A split by output rows; no collective
+COLWISE_PACKED = "colwise_packed"  # the same, per fused part ([q|k|v], [gate|up]): each rank its slice of each
+ROWWISE = "rowwise"  # Y = sum_r X_r A_r, A split by input columns; all-reduce(sum) after
+ROWWISE_SPLIT_INPUT = "rowwise_split_input"  # rowwise whose input is replicated: each rank slices it first
+REPLICATE = "replicate"
+
+LINEAR_STYLES = (COLWISE, COLWISE_PACKED, ROWWISE, ROWWISE_SPLIT_INPUT, REPLICATE)
+ROW_PARALLEL = (ROWWISE, ROWWISE_SPLIT_INPUT)
+
+# How one tensor of a rank file relates to the full tensor.
+SPLIT = "split"  # narrowed along `dim` (per packed part)
+WHOLE = "whole"  # identical on every rank
+RANK0 = "rank0"  # a row-parallel bias: rank 0 holds it, other ranks hold zeros, so the reduce adds it once
+
+# Megatron-style plan of the H3 DiT, by module-name pattern ("*" is a block index) -> (style, packed parts).
+# Attention and MLP are split column-then-row, so each block needs two all-reduces and nothing else.
+# `adaln_proj.linear` of the DiT blocks is resolved by checkpoint form (see `_adaln_style`).
+H3_TP_PLAN: dict[str, tuple[str, int]] = {
+    "blocks.*.attn.qkv_proj": (COLWISE_PACKED, 3),  # [q|k|v]: each rank takes its heads from each part
+    "blocks.*.attn.out_proj": (ROWWISE, 1),
+    "blocks.*.mlp.fc1": (COLWISE_PACKED, 2),  # [gate|up]: each rank takes its half of each
+    "blocks.*.mlp.fc2": (ROWWISE, 1),  # called via linear_input_act(..., "swiglu") in ComfyUI
+    "token_refiner.blocks.*.attn.qkv_proj": (COLWISE_PACKED, 3),  # the refiner is built with the DiT's head count
+    "token_refiner.blocks.*.attn.out_proj": (ROWWISE, 1),
+    "token_refiner.blocks.*.mlp.fc1": (COLWISE_PACKED, 2),
+    "token_refiner.blocks.*.mlp.fc2": (ROWWISE, 1),
+    "blocks.*.adaln_proj.linear": (REPLICATE, 1),  # placeholder, resolved by form
+}
+
+# Replicated on purpose: patch/condition projections and the time embedder (small, consumed by every rank
+# before the first block), norms and per-head q/k norms (per-channel weights), rope and the adaln curve table
+# (buffers), the final layer (one small head run once per forward), and the DiT blocks' adaln in curve form
+# (~1 M parameters per block). Listed so that an unknown tensor is an error instead of silently replicated.
+H3_REPLICATED = (
+    "video_patch_proj",
+    "audio_patch_proj",
+    "condition_proj",
+    "time_embedder.proj_in",
+    "time_embedder.proj_out",
+    "blocks.*.norm1",
+    "blocks.*.norm2",
+    "blocks.*.attn.q_norm",
+    "blocks.*.attn.k_norm",
+    "token_refiner.blocks.*.norm1",
+    "token_refiner.blocks.*.norm2",
+    "token_refiner.blocks.*.attn.q_norm",
+    "token_refiner.blocks.*.attn.k_norm",
+    "token_refiner.final_norm",
+    "final_layer.norm",
+    "final_layer.adaln_proj.linear",
+    "final_layer.video_out",
+    "final_layer.audio_out",
+)
+H3_BUFFERS = ("adaln_t_table", "rope.inv_freq")
+KNOWN_SUFFIXES = ("weight", "bias", "weight_scale", "comfy_quant")
+SUPPORTED_QUANT_FORMATS = ("int8_tensorwise",)
+H3_REQUIRED = (
+    "video_patch_proj.weight",
+    "audio_patch_proj.weight",
+    "condition_proj.weight",
+    "blocks.0.attn.qkv_proj.weight",
+    "blocks.0.attn.q_norm.weight",
+    "blocks.0.attn.out_proj.weight",
+    "blocks.0.mlp.fc1.weight",
+    "blocks.0.mlp.fc2.weight",
+    "final_layer.video_out.weight",
+)
+KNOWN_PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.")
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+
+
+_LINEAR_RULES = [(_compile(p), p, style) for p, style in H3_TP_PLAN.items()]
+_REPLICATED_RULES = [_compile(p) for p in H3_REPLICATED]
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """One tensor's place in the plan: how a rank's copy is cut from the full tensor."""
+
+    name: str  # full key in the checkpoint (with prefix)
+    kind: str  # SPLIT, WHOLE or RANK0
+    dim: int | None  # SPLIT only
+    parts: int  # packed parts along `dim` (1 when not packed)
+    full_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
+    layer_style: str  # style of the linear it belongs to, REPLICATE for non-linears
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved plan for one checkpoint at one tp_size (identical on every rank)."""
+
+    tp_size: int
+    prefix: str
+    adaln_form: str  # "full" (time_embedder + big adaln) or "curve" (adaln_t_table)
+    hidden: int
+    heads: int
+    head_dim: int
+    ffn: int
+    num_layers: int
+    refiner_layers: int
+    linears: dict[str, str]  # every linear (2-D weight), by layer name without prefix -> style
+    tensors: dict[str, TensorShard]
+
+    @property
+    def local_heads(self) -> int:
+        return self.heads // self.tp_size
+
+    @property
+    def local_ffn(self) -> int:
+        return self.ffn // self.tp_size
+
+    def fingerprint(self) -> str:
+        doc = {
+            "tp_size": self.tp_size,
+            "tensors": [[t.name, t.kind, t.dim, t.parts, list(t.full_shape), t.dtype] for t in self.tensors.values()],
+        }
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for style in self.linears.values():
+            counts[style] = counts.get(style, 0) + 1
+        styles = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        return (
+            f"H3 tp_size={self.tp_size}: {self.num_layers} blocks + {self.refiner_layers} refiner, "
+            f"heads {self.heads}->{self.local_heads}/rank, ffn {self.ffn}->{self.local_ffn}/rank, "
+            f"adaln {self.adaln_form}-form; linears: {styles}; plan {self.fingerprint()}"
+        )
+
+
+def resolve_plan(layout: CheckpointLayout, tp_size: int) -> Plan:
+    """Resolve and validate the plan; raises PlanError (with the tp_sizes that would work) on any problem."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}. Use the number of GPUs (ranks), e.g. 2.")
+    plan, problems = _resolve(layout, tp_size)
+    if problems:
+        allowed = allowed_tp_sizes(layout)
+        hint = f" Use tp_size {_join_or(allowed)}." if allowed else ""
+        raise PlanError(problems[0] + hint)
+    return plan
+
+
+def allowed_tp_sizes(layout: CheckpointLayout, limit: int = 64) -> list[int]:
+    """Every tp_size in 1..limit that this checkpoint can be split into."""
+    return [n for n in range(1, limit + 1) if not _resolve(layout, n)[1]]
+
+
+def _join_or(values: list[int]) -> str:
+    s = [str(v) for v in values]
+    return s[0] if len(s) == 1 else ", ".join(s[:-1]) + " or " + s[-1]
+
+
+def find_prefix(layout: CheckpointLayout) -> str:
+    """The key prefix under which the H3 DiT sits, or raise PlanError when this is not an H3 DiT."""
+    for prefix in KNOWN_PREFIXES:
+        if f"{prefix}video_patch_proj.weight" in layout.tensors and f"{prefix}audio_patch_proj.weight" in layout.tensors:
+            missing = [k for k in H3_REQUIRED if prefix + k not in layout.tensors]
+            if missing:
+                raise PlanError(
+                    f"'{layout.source}' looks like MiniMax-H3 but lacks {', '.join(missing)}: the file is incomplete "
+                    "or a different model. Use a complete MiniMax-H3 diffusion model file."
+                )
+            return prefix
+    raise PlanError(
+        f"'{layout.source}' is not a MiniMax-H3 diffusion model: it has no 'video_patch_proj.weight' and "
+        "'audio_patch_proj.weight'. Load other models with the stock loader; TP applies to H3 only."
+    )
+
+
+def _adaln_style(layout: CheckpointLayout, prefix: str) -> tuple[str, str]:
+    if f"{prefix}adaln_t_table" in layout.tensors:
+        return "curve", REPLICATE
+    if f"{prefix}time_embedder.proj_out.weight" in layout.tensors:
+        return "full", ROWWISE_SPLIT_INPUT  # ~260 M params per block at full size: halve it per rank
+    raise PlanError(
+        f"'{layout.source}' has neither 'adaln_t_table' (curve form) nor 'time_embedder.proj_out.weight' "
+        "(full form): cannot tell how its timestep conditioning works. Use an unmodified H3 checkpoint."
+    )
+
+
+def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
+    hits = [(p, style) for rx, p, style in _LINEAR_RULES if rx.match(module)]
+    if len(hits) > 1:
+        raise PlanError(f"Internal plan error: '{module}' matches {len(hits)} patterns ({[h[0] for h in hits]}).")
+    if not hits:
+        return None
+    pattern, style = hits[0]
+    return (adaln_style, 1) if pattern == "blocks.*.adaln_proj.linear" else style
+
+
+def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[Plan | None, list[str]]:
+    prefix = find_prefix(layout)
+    src = layout.source
+    already = sorted(k for k in layout.metadata if k.startswith(TP_METADATA_PREFIX))
+    if already:
+        raise PlanError(
+            f"'{src}' is already a tensor-parallel shard (rank {layout.metadata.get('tp2.tp_rank')} of "
+            f"{layout.metadata.get('tp2.tp_size')}); it cannot be sliced again. Give the slicer the original "
+            "checkpoint, or load this rank file directly on its own rank."
+        )
+    form, adaln = _adaln_style(layout, prefix)
+    shape = lambda k: layout.shape(prefix + k)  # noqa: E731
+    hidden = shape("video_patch_proj.weight")[0]
+    head_dim = shape("blocks.0.attn.q_norm.weight")[0]
+    heads = shape("blocks.0.attn.qkv_proj.weight")[0] // (3 * head_dim)
+    ffn = shape("blocks.0.mlp.fc1.weight")[0] // 2
+    t_dim = shape("adaln_t_table")[1] if form == "curve" else shape("time_embedder.proj_out.weight")[0]
+    expected = {
+        "attn.qkv_proj.weight": (3 * heads * head_dim, hidden),
+        "attn.out_proj.weight": (hidden, heads * head_dim),
+        "mlp.fc1.weight": (2 * ffn, hidden),
+        "mlp.fc2.weight": (hidden, ffn),
+    }
+    problems = _check_widths(heads, ffn, tp_size)
+    linears: dict[str, str] = {}
+    tensors: dict[str, TensorShard] = {}
+    for name, (dtype, full) in layout.tensors.items():
+        if not name.startswith(prefix):
+            problems.append(f"Tensor '{name}' in '{src}' is outside the H3 model (prefix '{prefix}'). Use a diffusion-model-only H3 file.")
+            continue
+        key = name[len(prefix) :]
+        if key in H3_BUFFERS:
+            tensors[name] = TensorShard(name, WHOLE, None, 1, full, full, dtype, REPLICATE)
+            continue
+        module, _, suffix = key.rpartition(".")
+        style = _layer_style(module, adaln)
+        if style is None and not any(rx.match(module) for rx in _REPLICATED_RULES):
+            problems.append(
+                f"Tensor '{key}' in '{src}' is not in the H3 tensor-parallel plan, so the pack cannot tell how to "
+                "split it. This file may be a newer or modified H3; report it with `python -m tp2.inspect FILE --json`."
+            )
+            continue
+        if suffix not in KNOWN_SUFFIXES:
+            problems.append(
+                f"Tensor '{key}' in '{src}' has suffix '.{suffix}', which the plan does not know (known: "
+                f"{', '.join(KNOWN_SUFFIXES)}). Use an unquantised or int8_tensorwise H3 checkpoint."
+            )
+            continue
+        style, parts = style or (REPLICATE, 1)
+        if suffix == "weight" and len(full) == 2:
+            linears[module] = style
+        for problem in _check_block_shape(key, module, full, expected, t_dim, src):
+            problems.append(problem)
+        shard, problem = _tensor_shard(name, suffix, dtype, full, style, parts, tp_size, layout.quant.get(prefix + module))
+        if problem:
+            problems.append(problem.replace("{name}", module))
+        if shard:
+            tensors[name] = shard
+    problems += _check_quant(layout, prefix, linears, tp_size)
+    if problems:
+        return None, problems
+    num_layers = 1 + max(int(k.split(".")[1]) for k in linears if k.startswith("blocks."))
+    refiner = [int(k.split(".")[2]) for k in linears if k.startswith("token_refiner.blocks.")]
+    plan = Plan(tp_size, prefix, form, hidden, heads, head_dim, ffn, num_layers, 1 + max(refiner) if refiner else 0, linears, tensors)
+    return plan, []
+
+
+def _check_block_shape(key, module, full, expected, t_dim, src) -> list[str]:
+    """Every block must have blocks.0's widths (detection reads only blocks.0), and adaln the timestep width."""
+    rest = key.split(".", 2)[-1] if key.startswith("blocks.") else key.split(".", 3)[-1]
+    want = expected.get(rest) if key.startswith(("blocks.", "token_refiner.blocks.")) else None
+    if module.endswith("adaln_proj.linear") and key.endswith(".weight"):
+        want = (full[0], t_dim)
+    if want is not None and tuple(full) != want:
+        return [
+            f"Tensor '{key}' in '{src}' has shape {list(full)} but the checkpoint's own dims (from blocks.0 and the "
+            f"timestep embedding) require {list(want)}. The file is inconsistent, perhaps sliced by another tool; "
+            "use the original full checkpoint."
+        ]
+    return []
+
+
+def _tensor_shard(name, suffix, dtype, full, style, parts, tp_size, quant) -> tuple[TensorShard | None, str | None]:
+    def split(dim: int) -> tuple[TensorShard | None, str | None]:
+        if len(full) <= dim or full[dim] % (parts * tp_size):
+            n = full[dim] if len(full) > dim else None
+            what = f"{parts} packed parts x " if parts > 1 else ""
+            return None, (
+                f"Cannot split '{{name}}' ({suffix}, shape {list(full)}) dim {dim} of size {n} into "
+                f"{what}tp_size={tp_size} slices: not divisible."
+            )
+        local = list(full)
+        local[dim] //= tp_size
+        return TensorShard(name, SPLIT, dim, parts, full, tuple(local), dtype, style), None
+
+    whole = TensorShard(name, WHOLE, None, 1, full, full, dtype, style)
+    if style == REPLICATE or suffix == "comfy_quant" or tp_size == 1:
+        return whole, None
+    if style in (COLWISE, COLWISE_PACKED):
+        if suffix == "weight_scale" and _numel(full) == 1:
+            return whole, None  # a tensorwise scalar scale applies to every row
+        return split(0)
+    # row-parallel: weights split along K; scales are per output row, identical on every rank
+    if suffix == "weight":
+        return split(1)
+    if suffix == "bias":
+        return TensorShard(name, RANK0, None, 1, full, full, dtype, style), None
+    return whole, None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _check_widths(heads: int, ffn: int, tp_size: int) -> list[str]:
+    problems = []
+    if heads % tp_size:
+        problems.append(f"Cannot split 'blocks.*.attn.qkv_proj' heads ({heads}) across tp_size={tp_size}: not divisible.")
+    if ffn % tp_size:
+        problems.append(f"Cannot split 'blocks.*.mlp.fc1' ffn width ({ffn}) across tp_size={tp_size}: not divisible.")
+    return problems
+
+
+def _check_quant(layout: CheckpointLayout, prefix: str, linears: dict[str, str], tp_size: int) -> list[str]:
+    problems = []
+    for module, conf in sorted(layout.quant.items()):
+        if conf.get("format") not in SUPPORTED_QUANT_FORMATS:
+            problems.append(
+                f"Layer '{module}' uses quantisation format '{conf.get('format')}', which the TP plan does not support "
+                f"(supported: {', '.join(SUPPORTED_QUANT_FORMATS)}, with or without ConvRot, and unquantised bf16/fp32). "
+                "Use the int8 ConvRot or the bf16 H3 checkpoint."
+            )
+            continue
+        style = linears.get(module[len(prefix) :])
+        group = convrot_group(conf)
+        if style in ROW_PARALLEL and group:
+            k = layout.shape(module + ".weight")[1]
+            if k % tp_size == 0 and (k // tp_size) % group:
+                problems.append(
+                    f"Cannot split '{module[len(prefix) :]}' input dim K={k} across tp_size={tp_size}: the local K "
+                    f"({k // tp_size}) is not a multiple of its ConvRot group ({group}), so a rank's slice would cut "
+                    "a Hadamard block and the result would be wrong."
+                )
+    return problems

@@ -1,0 +1,232 @@
+"""Safetensors files without holding them: header parsing, ranged reads, streaming writes.
+
+Owns the byte-level view of a `.safetensors` file. Reads go through `os.pread` into buffers that
+this process owns (not an mmap), so a rank that takes half of a 20 GB checkpoint never has the other
+half resident, and its peak RSS is what it keeps plus one read chunk. Writes stream one tensor at a
+time, so neither the pre-sharder nor the synthetic generator holds a whole file.
+
+Imports torch only; never `comfy`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CheckpointFormatError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+# Rows are read in chunks of about this many bytes when only some columns are kept.
+READ_CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in the file and what it is."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """The parsed header of a safetensors file: tensors by name and the string metadata."""
+
+    path: str
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    header_bytes: bytes
+    file_size: int
+
+
+def read_header(path: str) -> SafetensorsHeader:
+    """Parse the JSON header of `path`; reads no tensor data."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) != 8:
+                raise CheckpointFormatError(f"'{path}' is {size} bytes: too short to be a safetensors file.")
+            (n,) = struct.unpack("<Q", raw_len)
+            if n > size - 8 or n > 512 << 20:
+                raise CheckpointFormatError(
+                    f"'{path}' declares a {n}-byte header in a {size}-byte file: not a safetensors file "
+                    "(or a truncated download). Re-download it or pass a .safetensors file."
+                )
+            header_bytes = f.read(n)
+    except OSError as e:
+        raise CheckpointFormatError(f"Cannot read checkpoint '{path}': {e}.") from e
+    try:
+        doc = json.loads(header_bytes)
+    except ValueError as e:
+        raise CheckpointFormatError(f"'{path}' has no valid safetensors JSON header ({e}).") from e
+    metadata = doc.pop("__metadata__", None) or {}
+    base = 8 + n
+    tensors = {}
+    for name, entry in doc.items():
+        if entry["dtype"] not in DTYPES:
+            raise CheckpointFormatError(f"Tensor '{name}' in '{path}' has dtype {entry['dtype']}, which this pack cannot read.")
+        a, b = entry["data_offsets"]
+        tensors[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), base + a, base + b)
+    return SafetensorsHeader(path, tensors, metadata, header_bytes, size)
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            raise CheckpointFormatError(f"Unexpected end of file at byte {offset + done}: the checkpoint is truncated.")
+        done += got
+
+
+class TensorReader:
+    """Reads whole tensors, row ranges or column ranges with `pread`. Use as a context manager."""
+
+    def __init__(self, path: str):
+        self.header = read_header(path)
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _read_into(self, info: TensorInfo, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Fill the contiguous tensor `out` with the bytes at `start` (relative to the tensor's data)."""
+        if out.numel():
+            _pread_into(self._fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.start + start)
+        return out
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.header.tensors[name]
+        return self._read_into(info, 0, torch.empty(info.shape, dtype=info.torch_dtype))
+
+    def read_rows(self, name: str, row_start: int, row_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [row_start, row_end) of dim 0 in one contiguous read, into `out` when given."""
+        info = self.header.tensors[name]
+        row_bytes = info.itemsize * _prod(info.shape[1:])
+        if out is None:
+            out = torch.empty((row_end - row_start, *info.shape[1:]), dtype=info.torch_dtype)
+        return self._read_into(info, row_start * row_bytes, out)
+
+    def read_cols(self, name: str, col_start: int, col_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Columns [col_start, col_end) of a 2-D tensor, reading whole rows in chunks of ~READ_CHUNK_BYTES."""
+        info = self.header.tensors[name]
+        rows, cols = info.shape
+        if out is None:
+            out = torch.empty((rows, col_end - col_start), dtype=info.torch_dtype)
+        rows_per_chunk = max(1, READ_CHUNK_BYTES // max(1, cols * info.itemsize))
+        for r in range(0, rows, rows_per_chunk):
+            r_end = min(rows, r + rows_per_chunk)
+            out[r:r_end] = self.read_rows(name, r, r_end)[:, col_start:col_end]
+        return out
+
+
+def _prod(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@dataclass(frozen=True)
+class PendingTensor:
+    """A tensor to be written: its layout now, its data from `produce()` when its turn comes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]
+
+
+def write_streaming(
+    path: str,
+    tensors: list[PendingTensor],
+    metadata: dict[str, str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Write a safetensors file one tensor at a time (the header is computed from the layouts first).
+
+    Writes to `path + ".partial"` and renames at the end, so a crash never leaves a file that looks complete.
+    """
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for t in tensors:
+        nbytes = _prod(t.shape) * torch.empty((), dtype=t.dtype).element_size()
+        header[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path + ".partial"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for i, t in enumerate(tensors):
+            data = t.produce()
+            if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
+                raise ValueError(
+                    f"Tensor '{t.name}' was declared {t.dtype} {list(t.shape)} but produced "
+                    f"{data.dtype} {list(data.shape)}: the writer's plan and its data disagree."
+                )
+            f.write(data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            if progress is not None:
+                progress(i + 1, len(tensors))
+    os.replace(tmp, path)
+
+
+def file_fingerprint(header: SafetensorsHeader, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
+    """A cheap identity of a checkpoint: its header, its size and 16 sampled 64 KiB windows of data.
+
+    Hashing 20 GB would take minutes per start; this catches a different file with the same layout
+    (different weights) while reading 1 MiB.
+    """
+    h = hashlib.sha256()
+    h.update(header.header_bytes)
+    h.update(str(header.file_size).encode())
+    data_start = 8 + len(header.header_bytes)
+    span = max(0, header.file_size - data_start - sample_bytes)
+    with open(header.path, "rb") as f:
+        for i in range(samples):
+            f.seek(data_start + (span * i) // max(1, samples - 1))
+            h.update(f.read(sample_bytes))
+    return h.hexdigest()[:16]
