@@ -60,10 +60,10 @@ def select_int8_gemm(name: str | None = None) -> Int8Gemm:
             raise _unavailable(name, "this comfy-kitchen backend has no int8_linear")
 
     def gemm(x, qdata, scale, bias=None, out_dtype=torch.float32, convrot_group=None, input_act=None):
+        # only the arguments every comfy-kitchen >= 0.2.31 accepts (0.2.40 added norm/residual fusions)
         kwargs = dict(
             x=x, weight=qdata, weight_scale=scale, bias=bias, out_dtype=out_dtype,
-            convrot=convrot_group is not None, convrot_groupsize=convrot_group or 256,
-            input_act=input_act, input_act_weight=None, input_act_eps=0.0, residual=None, residual_scale=None,
+            convrot=convrot_group is not None, convrot_groupsize=convrot_group or 256, input_act=input_act,
         )  # fmt: skip
         impl = registry.get_implementation("int8_linear", backend=None if name == "auto" else name, kwargs=kwargs)
         return impl(**kwargs)

@@ -65,3 +65,19 @@ def h3_int8_layout():
 def h3_full_layout():
     """The real MiniMax-H3 full-form (bf16, time_embedder + 260 M-parameter adaln per block) layout."""
     return real_layout("h3_bf16_full.layout.json")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say plainly whether the ComfyUI suite ran, and against which checkout."""
+    comfy_dir = os.environ.get("COMFYUI_DIR", os.path.expanduser("~/ComfyUI"))
+    counts = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        counts[outcome] = sum(1 for r in terminalreporter.stats.get(outcome, []) if "tests/comfy/" in getattr(r, "nodeid", ""))
+    ran = counts["passed"] + counts["failed"] + counts["error"]
+    if ran:
+        line = f"ComfyUI suite: RAN {ran} tests against {comfy_dir} ({counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors)"
+    elif counts["skipped"]:
+        line = f"ComfyUI suite: SKIPPED ({counts['skipped']} tests): no ComfyUI checkout at {comfy_dir} (set COMFYUI_DIR)"
+    else:
+        line = "ComfyUI suite: not selected in this run"
+    terminalreporter.write_line(line, bold=True)

@@ -134,7 +134,7 @@ class Plan:
     def fingerprint(self) -> str:
         doc = {
             "tp_size": self.tp_size,
-            "tensors": [[t.name, t.kind, t.dim, t.parts, list(t.full_shape), t.dtype] for t in self.tensors.values()],
+            "tensors": sorted([t.name, t.kind, t.dim, t.parts, list(t.full_shape), t.dtype] for t in self.tensors.values()),
         }
         return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 

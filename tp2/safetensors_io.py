@@ -38,7 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 # Rows are read in chunks of about this many bytes when only some columns are kept.
-READ_CHUNK_BYTES = 64 << 20
+READ_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ class TensorReader:
     def __init__(self, path: str):
         self.header = read_header(path)
         self._fd = os.open(path, os.O_RDONLY)
+        self._chunk: torch.Tensor | None = None  # reused by read_cols
 
     def __enter__(self) -> TensorReader:
         return self
@@ -128,6 +129,7 @@ class TensorReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self._chunk = None
 
     def _read_into(self, info: TensorInfo, start: int, out: torch.Tensor) -> torch.Tensor:
         """Fill the contiguous tensor `out` with the bytes at `start` (relative to the tensor's data)."""
@@ -148,15 +150,23 @@ class TensorReader:
         return self._read_into(info, row_start * row_bytes, out)
 
     def read_cols(self, name: str, col_start: int, col_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Columns [col_start, col_end) of a 2-D tensor, reading whole rows in chunks of ~READ_CHUNK_BYTES."""
+        """Columns [col_start, col_end) of a 2-D tensor: whole rows are read in chunks into one reused buffer.
+
+        The buffer lives as long as the reader, so slicing a 20 GB file allocates it once instead of
+        fragmenting the heap with a temporary per chunk.
+        """
         info = self.header.tensors[name]
         rows, cols = info.shape
         if out is None:
             out = torch.empty((rows, col_end - col_start), dtype=info.torch_dtype)
-        rows_per_chunk = max(1, READ_CHUNK_BYTES // max(1, cols * info.itemsize))
+        row_bytes = max(1, cols * info.itemsize)
+        rows_per_chunk = max(1, READ_CHUNK_BYTES // row_bytes)
+        if self._chunk is None or self._chunk.numel() < rows_per_chunk * row_bytes:
+            self._chunk = torch.empty(max(READ_CHUNK_BYTES, row_bytes), dtype=torch.uint8)
         for r in range(0, rows, rows_per_chunk):
             r_end = min(rows, r + rows_per_chunk)
-            out[r:r_end] = self.read_rows(name, r, r_end)[:, col_start:col_end]
+            buf = self._chunk[: (r_end - r) * row_bytes].view(info.torch_dtype).view(r_end - r, cols)
+            out[r:r_end] = self.read_rows(name, r, r_end, out=buf)[:, col_start:col_end]
         return out
 
 

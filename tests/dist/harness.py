@@ -1,0 +1,75 @@
+"""Run a function on N spawned ranks with a real torch.distributed world (gloo on CPU) and collect results.
+
+Each rank gets TP2_RANK/TP2_WORLD_SIZE/MASTER_* in its env and returns a picklable value, or an error record
+(type name, message, seconds since start) so tests can assert on what every rank raised and when.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(target, tp_rank, tp_size, port, timeout_s, queue, args):
+    os.environ.update(
+        {"TP2_RANK": str(tp_rank), "TP2_WORLD_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TP2_TIMEOUT_S": str(timeout_s)}
+    )
+    t0 = time.monotonic()
+    try:
+        # plain pickle copies tensor data; torch's ForkingPickler would pass shared memory that dies with this process
+        queue.put(pickle.dumps((tp_rank, "ok", target(tp_rank, tp_size, *args), time.monotonic() - t0)))
+    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+        queue.put(pickle.dumps((tp_rank, "error", (type(e).__name__, str(e), traceback.format_exc()), time.monotonic() - t0)))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(target, tp_size: int, *args, ranks=None, timeout_s: float = 60.0, wall_s: float = 240.0) -> dict:
+    """Start `ranks` (default all) of a `tp_size` world running `target(tp_rank, tp_size, *args)`.
+
+    Returns {tp_rank: (status, value, seconds)}; a rank that reported nothing within `wall_s` is ("hang", None, wall_s).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    ranks = list(range(tp_size)) if ranks is None else ranks
+    procs = [ctx.Process(target=_entry, args=(target, r, tp_size, port, timeout_s, queue, args), daemon=True) for r in ranks]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + wall_s
+    while len(results) < len(ranks) and time.monotonic() < deadline:
+        try:
+            r, status, value, secs = pickle.loads(queue.get(timeout=0.5))
+            results[r] = (status, value, secs)
+        except queue_mod.Empty:  # also notice ranks that died without reporting
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    for r in ranks:
+        results.setdefault(r, ("hang", None, wall_s))
+    return results
+
+
+def values(results: dict) -> list:
+    """The ranks' return values in rank order; fails with every rank's error if any rank did not succeed."""
+    bad = {r: v for r, v in results.items() if v[0] != "ok"}
+    assert not bad, "\n".join(f"rank {r}: {v[0]} {v[1][0] if v[1] else ''}: {v[1][2] if v[1] else ''}" for r, v in bad.items())
+    return [results[r][1] for r in sorted(results)]

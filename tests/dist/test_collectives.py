@@ -1,0 +1,97 @@
+"""Handshake, broadcast and failure behaviour on real gloo process groups: mismatches and dead peers are errors
+on every surviving rank within the configured timeout, never hangs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from harness import run_ranks, values
+
+
+def _join():
+    from tp2.collectives import init_tp_group, read_tp_env
+
+    return init_tp_group(read_tp_env())
+
+
+def _handshake_worker(tp_rank, tp_size, checkpoint_by_rank):
+    from tp2.handshake import handshake, model_fingerprint
+
+    tp = _join()
+    handshake(tp, model_fingerprint("plan-a", checkpoint_by_rank[tp_rank], tp_size))
+    return "agreed"
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_handshake_agrees(tp_size):
+    assert values(run_ranks(_handshake_worker, tp_size, ["ckpt-1"] * tp_size)) == ["agreed"] * tp_size
+
+
+def test_handshake_mismatch_raises_on_every_rank():
+    results = run_ranks(_handshake_worker, 2, ["ckpt-1", "ckpt-2"])
+    for r in (0, 1):
+        status, (kind, msg, _), _ = results[r]
+        assert status == "error" and kind == "RankMismatchError", results[r]
+        assert f"[tp2 r{r}/2] ranks disagree on the model: 'checkpoint' (rank 0: ckpt-1, rank 1: ckpt-2)" in msg
+
+
+def _broadcast_worker(tp_rank, tp_size):
+    from tp2.collectives import all_reduce, broadcast_tree
+
+    tp = _join()
+    mine = {"x": [torch.full((2, 3), float(tp_rank)), torch.arange(4)], "t": torch.tensor([tp_rank * 1.5]), "name": f"r{tp_rank}", "n": None}
+    got = broadcast_tree(mine if tp_rank == 0 else None, tp)
+    summed = all_reduce(torch.full((5,), float(tp_rank + 1)), tp)
+    return got, summed
+
+
+def test_broadcast_tree_and_all_reduce():
+    outs = values(run_ranks(_broadcast_worker, 4))
+    for got, summed in outs:
+        assert got["name"] == "r0" and got["n"] is None
+        assert torch.equal(got["x"][0], torch.zeros(2, 3)) and torch.equal(got["x"][1], torch.arange(4))
+        assert got["t"].item() == 0.0
+        assert torch.equal(summed, torch.full((5,), 10.0))
+
+
+def _dies_after_handshake(tp_rank, tp_size):
+    from tp2.collectives import all_reduce
+    from tp2.handshake import handshake
+
+    tp = _join()
+    handshake(tp, {"plan": "p"})
+    if tp_rank == 1:
+        os._exit(3)  # a crashed ComfyUI: no goodbye
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    try:
+        all_reduce(torch.ones(1000), tp)
+    finally:
+        print(f"survivor waited {time.monotonic() - t0:.1f} s")
+    return "reduced with a dead peer?!"
+
+
+def test_dead_peer_is_an_error_within_the_timeout():
+    t0 = time.monotonic()
+    results = run_ranks(_dies_after_handshake, 2, timeout_s=10, wall_s=90)
+    status, err, secs = results[0]
+    assert status == "error" and err[0] == "PeerLostError", results[0]
+    assert "[tp2 r0/2] all_reduce of (1000,) torch.float32 failed: a peer rank died or did not answer within 10 s" in err[1]
+    assert secs < 10 + 15, secs  # start-up + handshake + at most the timeout
+    assert time.monotonic() - t0 < 60
+
+
+def _alone(tp_rank, tp_size):
+    _join()
+    return "joined a world of 2 alone?!"
+
+
+def test_peer_that_never_arrives_is_an_error_within_the_timeout():
+    results = run_ranks(_alone, 2, ranks=[0], timeout_s=5, wall_s=90)
+    status, err, secs = results[0]
+    assert status == "error" and err[0] == "PeerLostError", results[0]
+    assert "Rank 0 of 2 could not form the TP group at 127.0.0.1:" in err[1] and "within 5 s" in err[1]
+    assert secs < 5 + 20, secs

@@ -1,0 +1,168 @@
+"""Slicing round trips for every style, shard-on-read vs in-memory slicing, rank files and their refusals, CLIs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tp2.checkpoint import CheckpointLayout
+from tp2.errors import PlanError, ShardMismatchError
+from tp2.plan import RANK0, SPLIT, WHOLE, TensorShard, resolve_plan
+from tp2.safetensors_io import TensorReader, file_fingerprint, read_header
+from tp2.shard import (
+    load_rank_file,
+    rank_file_name,
+    shard_state_dict,
+    slice_tensor,
+    unshard_tensor,
+    verify_rank_file,
+    write_rank_file,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STYLES = [
+    ("colwise", TensorShard("w", SPLIT, 0, 1, (24, 8), (0, 0), "F32", "colwise")),
+    ("colwise_packed qkv", TensorShard("w", SPLIT, 0, 3, (48, 8), (0, 0), "F32", "colwise_packed")),
+    ("colwise_packed gate|up", TensorShard("w", SPLIT, 0, 2, (32, 8), (0, 0), "F32", "colwise_packed")),
+    ("packed scale [N,1]", TensorShard("s", SPLIT, 0, 3, (48, 1), (0, 0), "F32", "colwise_packed")),
+    ("rowwise", TensorShard("w", SPLIT, 1, 1, (8, 32), (0, 0), "F32", "rowwise")),
+    ("rowwise bias on rank 0", TensorShard("b", RANK0, None, 1, (8,), (8,), "F32", "rowwise")),
+    ("replicated", TensorShard("n", WHOLE, None, 1, (8,), (8,), "F32", "replicate")),
+]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("label,ts", STYLES, ids=[s[0] for s in STYLES])
+def test_slice_unshard_round_trip_is_exact(label, ts, tp_size):
+    full = torch.randn(ts.full_shape)
+    pieces = [slice_tensor(full, ts, r, tp_size) for r in range(tp_size)]
+    assert torch.equal(unshard_tensor(pieces, ts), full)
+    if ts.kind == RANK0 and tp_size > 1:
+        assert all(not p.any() for p in pieces[1:]), "only rank 0 may hold a row-parallel bias"
+
+
+def test_packed_slices_take_each_part():
+    # rows 0..5 = q, 6..11 = k, 12..17 = v; rank 1 of 2 must hold q[3:6], k[3:6], v[3:6]
+    ts = TensorShard("qkv", SPLIT, 0, 3, (18, 1), (9, 1), "F32", "colwise_packed")
+    full = torch.arange(18.0).view(18, 1)
+    assert slice_tensor(full, ts, 1, 2).flatten().tolist() == [3, 4, 5, 9, 10, 11, 15, 16, 17]
+
+
+@pytest.mark.parametrize("fixture,tp_size", [("tiny_float", 2), ("tiny_float", 4), ("tiny_float_full_adaln", 2), ("tiny_int8", 2)])
+def test_shard_on_read_equals_slicing_the_full_file(request, fixture, tp_size):
+    path = request.getfixturevalue(fixture)
+    full = load_file(path)
+    pieces = {}
+    for r in range(tp_size):
+        sd, md, plan = shard_state_dict(path, tp_size, r)
+        assert set(sd) == set(full)
+        for name, t in sd.items():
+            ts = plan.tensors[name]
+            assert tuple(t.shape) == ts.local_shape and t.dtype == full[name].dtype, name
+            assert torch.equal(t, slice_tensor(full[name], ts, r, tp_size)), name
+            pieces.setdefault(name, []).append(t)
+    for name, ps in pieces.items():
+        assert torch.equal(unshard_tensor(ps, plan.tensors[name]), full[name]), name
+
+
+def test_reader_reads_columns_in_chunks(tmp_path, monkeypatch):
+    import tp2.safetensors_io as io
+
+    t = torch.randn(37, 24).to(torch.bfloat16)
+    save_file({"t": t}, str(tmp_path / "t.safetensors"))
+    monkeypatch.setattr(io, "READ_CHUNK_BYTES", 100)  # 2 rows per chunk
+    with TensorReader(str(tmp_path / "t.safetensors")) as r:
+        assert torch.equal(r.read_cols("t", 5, 17), t[:, 5:17])
+        assert torch.equal(r.read_rows("t", 3, 9), t[3:9])
+
+
+def test_rank_files_round_trip_and_metadata(tiny_int8, tmp_path):
+    out = str(tmp_path / "ranks")
+    paths = [write_rank_file(tiny_int8, out, 2, r) for r in range(2)]
+    assert [os.path.basename(p) for p in paths] == [rank_file_name(tiny_int8, 2, r) for r in range(2)]
+    src_fp = file_fingerprint(read_header(tiny_int8))
+    for r, p in enumerate(paths):
+        sd, md, plan = load_rank_file(p, r, 2, expected_source=src_fp)
+        ref, _, ref_plan = shard_state_dict(tiny_int8, 2, r)
+        assert plan.fingerprint() == ref_plan.fingerprint() == md["tp2.plan"]
+        assert md["tp2.tp_rank"] == str(r) and md["tp2.tp_size"] == "2" and md["tp2.source"] == src_fp
+        assert set(sd) == set(ref) and all(torch.equal(sd[k], ref[k]) for k in sd)
+
+
+def test_rank_file_refusals(tiny_int8, tiny_float, tmp_path):
+    out = str(tmp_path / "ranks")
+    r1 = write_rank_file(tiny_int8, out, 2, 1)
+    with pytest.raises(ShardMismatchError, match=r"is rank 1 of tp_size 2, but this process is rank 0 of 2\. Give each rank its own file"):
+        verify_rank_file(r1, 0, 2)
+    with pytest.raises(ShardMismatchError, match=r"is rank 1 of tp_size 2, but this process is rank 1 of 4"):
+        verify_rank_file(r1, 1, 4)
+    other = file_fingerprint(read_header(tiny_float))
+    with pytest.raises(
+        ShardMismatchError, match=r"was cut from checkpoint \w+ \(h3_tiny_int8\.safetensors\), not from the expected " + other
+    ):
+        verify_rank_file(r1, 1, 2, expected_source=other)
+    with pytest.raises(ShardMismatchError, match=r"has no TP metadata: it is not a rank file"):
+        verify_rank_file(tiny_int8, 0, 2)
+    with pytest.raises(PlanError, match=r"is already a tensor-parallel shard \(rank 1 of 2\); it cannot be sliced again"):
+        shard_state_dict(r1, 2, 0)
+
+
+def test_rank_file_from_another_plan_refused(tiny_int8, tmp_path):
+    r0 = write_rank_file(tiny_int8, str(tmp_path), 2, 0)
+    sd = load_file(r0)
+    md = read_header(r0).metadata
+    forged = dict(md, **{"tp2.plan": "0123456789abcdef"})
+    save_file(sd, str(tmp_path / "forged.safetensors"), metadata=forged)
+    with pytest.raises(ShardMismatchError, match=r"records plan 0123456789abcdef but this pack resolves plan \w+"):
+        verify_rank_file(str(tmp_path / "forged.safetensors"), 0, 2)
+    sd["blocks.0.mlp.fc2.weight"] = sd["blocks.0.mlp.fc2.weight"][:, :128].contiguous()
+    save_file(sd, str(tmp_path / "edited.safetensors"), metadata=md)
+    with pytest.raises(
+        ShardMismatchError, match=r"tensor 'blocks\.0\.mlp\.fc2\.weight' is I8 \[256, 128\], the plan wants I8 \[256, 256\]"
+    ):
+        verify_rank_file(str(tmp_path / "edited.safetensors"), 0, 2)
+
+
+def test_fingerprint_sees_different_weights_with_the_same_layout(tiny_dir):
+    from conftest import make_checkpoint
+
+    a = make_checkpoint(os.path.join(tiny_dir, "seed1.safetensors"), "--seed", "1")
+    b = make_checkpoint(os.path.join(tiny_dir, "seed2.safetensors"), "--seed", "2")
+    ha, hb = read_header(a), read_header(b)
+    assert ha.header_bytes == hb.header_bytes
+    assert file_fingerprint(ha) != file_fingerprint(hb)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_inspect_cli(tiny_int8):
+    ok = _cli("tp2.inspect", tiny_int8, "--tp-size", "2", "--json")
+    assert ok.returncode == 0, ok.stderr
+    doc = json.loads(ok.stdout)
+    rows = {r["name"]: r for r in doc["tensors"]}
+    assert rows["blocks.0.attn.qkv_proj.weight"]["style"] == "colwise_packed"
+    assert rows["blocks.0.attn.qkv_proj.weight"]["local_shape"] == [768, 256]
+    assert doc["fingerprint"] == resolve_plan(CheckpointLayout.from_file(tiny_int8), 2).fingerprint()
+    bad = _cli("tp2.inspect", tiny_int8, "--tp-size", "4")
+    assert bad.returncode == 2
+    assert "local K (128) is not a multiple of its ConvRot group (256)" in bad.stderr and "Use tp_size 1 or 2." in bad.stderr
+
+
+def test_shard_cli(tiny_float, tmp_path):
+    res = _cli("tp2.shard", tiny_float, "--tp-size", "2", "--out-dir", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert sorted(os.listdir(tmp_path)) == ["h3_tiny_float.tp2-rank0.safetensors", "h3_tiny_float.tp2-rank1.safetensors"]
+    one = _cli("tp2.shard", tiny_float, "--tp-size", "4", "--tp-rank", "3", "--out-dir", str(tmp_path / "one"))
+    assert one.returncode == 0 and os.listdir(tmp_path / "one") == ["h3_tiny_float.tp4-rank3.safetensors"]
+    bad = _cli("tp2.shard", tiny_float, "--tp-size", "3", "--out-dir", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "heads (4) across tp_size=3: not divisible. Use tp_size 1, 2 or 4." in bad.stderr
+    assert not os.path.exists(tmp_path / "bad")
