@@ -75,19 +75,19 @@ class TPGroup:
         return dist.get_backend(self.group) if self.group is not None else "none"
 
 
-def init_tp_group(env: TPEnv, device: torch.device | None = None) -> TPGroup:
-    """Join the TP world (NCCL on CUDA, gloo on CPU); a peer that never arrives is an error after the timeout."""
+def init_tp_group(env: TPEnv, device: torch.device | None = None, store: dist.Store | None = None) -> TPGroup:
+    """Join the TP world (NCCL on CUDA, gloo on CPU); a peer that never arrives is an error after the timeout.
+
+    With `store`, the group forms over it (a session's generation-prefixed store); otherwise over
+    MASTER_ADDR:MASTER_PORT.
+    """
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=env.timeout_s)
+    where = {"store": store} if store is not None else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
     try:
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
-            rank=env.tp_rank,
-            world_size=env.tp_size,
-            timeout=timeout,
-            device_id=device if backend == "nccl" else None,
+            backend, rank=env.tp_rank, world_size=env.tp_size, timeout=timeout, device_id=device if backend == "nccl" else None, **where
         )
         cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     except (RuntimeError, dist.DistError) as e:

@@ -26,18 +26,21 @@ def model_fingerprint(plan_fingerprint: str, checkpoint_fingerprint: str, tp_siz
     }
 
 
-def handshake(tp: TPGroup, fields: dict[str, str], what: str = "model") -> None:
-    """Compare `fields` across ranks; raise RankMismatchError on every rank if any field differs."""
-    everyone = all_gather_object(dict(fields), tp)
+def compare_fields(everyone: list[dict[str, str]], tag: str, what: str, skip_prefix: str = "\0") -> None:
+    """Raise RankMismatchError naming every field whose value differs between ranks (ranks in list order)."""
     diffs = []
-    for key in sorted({k for f in everyone for k in f}):
+    for key in sorted({k for f in everyone for k in f if not k.startswith(skip_prefix)}):
         values = [f.get(key, "<missing>") for f in everyone]
         if len(set(values)) > 1:
-            per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            diffs.append(f"'{key}' ({per_rank})")
+            diffs.append(f"'{key}' (" + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) + ")")
     if diffs:
         raise RankMismatchError(
-            f"[tp2 r{tp.tp_rank}/{tp.tp_size}] ranks disagree on the {what}: {'; '.join(diffs)}. Every rank must run the "
-            "same pack version, checkpoint, tp_size and workflow: give all ranks the same files and the same prompt."
+            f"{tag} ranks disagree on the {what}: {'; '.join(diffs)}. Every rank must run the same pack version, "
+            "checkpoint, tp_size and workflow (graph, seeds, models, LoRAs): give all ranks the same files and prompt."
         )
+
+
+def handshake(tp: TPGroup, fields: dict[str, str], what: str = "model") -> None:
+    """Compare `fields` across ranks over the CPU group; raise RankMismatchError on every rank if any differs."""
+    compare_fields(all_gather_object(dict(fields), tp), f"[tp2 r{tp.tp_rank}/{tp.tp_size}]", what)
     log.info("[tp2 r%d/%d] %s handshake ok (%s)", tp.tp_rank, tp.tp_size, what, ", ".join(f"{k}={v}" for k, v in sorted(fields.items())))

@@ -38,6 +38,18 @@ def _entry(target, tp_rank, tp_size, port, timeout_s, queue, args):
             dist.destroy_process_group()
 
 
+def start_rank(target, tp_rank: int, tp_size: int, port: int, queue, *args, timeout_s: float = 60.0):
+    """Start one rank process (for tests that kill and restart ranks); results arrive pickled on `queue`."""
+    p = mp.get_context("spawn").Process(target=_entry, args=(target, tp_rank, tp_size, port, timeout_s, queue, args), daemon=True)
+    p.start()
+    return p
+
+
+def next_result(queue, wait_s: float = 120.0):
+    """The next (tp_rank, status, value, seconds) a rank reported."""
+    return pickle.loads(queue.get(timeout=wait_s))
+
+
 def run_ranks(target, tp_size: int, *args, ranks=None, timeout_s: float = 60.0, wall_s: float = 240.0) -> dict:
     """Start `ranks` (default all) of a `tp_size` world running `target(tp_rank, tp_size, *args)`.
 
