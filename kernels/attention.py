@@ -1,0 +1,75 @@
+"""Attention backend choice per device: `TP2_ATTN_BACKEND` = auto | ck | sdpa.
+
+The candidates are callables handed in by the caller (ComfyUI's own attention functions), so this module
+has no ComfyUI import and no TP logic. `auto` times each available candidate once per device on a
+representative problem and keeps the fastest; a forced backend that cannot run here is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_ATTN_BACKEND = "TP2_ATTN_BACKEND"
+ATTN_BACKENDS = ("auto", "ck", "sdpa")
+
+_chosen: dict[tuple[str, str], str] = {}
+
+
+class AttentionUnavailableError(RuntimeError):
+    """The requested attention backend cannot run on this device."""
+
+
+def _time_once(fn: Callable, q, k, v, heads: int, repeats: int = 3) -> float:
+    fn(q, k, v, heads)  # warm-up (kernel selection, compilation)
+    if q.is_cuda:
+        torch.cuda.synchronize(q.device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn(q, k, v, heads)
+    if q.is_cuda:
+        torch.cuda.synchronize(q.device)
+    return (time.perf_counter() - t0) / repeats
+
+
+def select_attention(
+    candidates: dict[str, tuple[Callable | None, str]],
+    device: torch.device,
+    name: str | None = None,
+    probe_shape: tuple[int, int, int] = (8, 4096, 128),
+) -> str:
+    """Pick a backend name from `candidates` ({name: (fn(q, k, v, heads) or None, why unavailable)}).
+
+    Logs the choice once per device. `probe_shape` = (heads, tokens, head_dim) of the timing problem.
+    """
+    name = (name or os.environ.get(ENV_ATTN_BACKEND, "auto")).strip().lower()
+    if name not in ATTN_BACKENDS:
+        raise AttentionUnavailableError(f"{ENV_ATTN_BACKEND}={name} is not a backend: choose one of {', '.join(ATTN_BACKENDS)}.")
+    key = (name, str(device))
+    if key in _chosen:
+        return _chosen[key]
+    usable = {n: fn for n, (fn, _) in candidates.items() if fn is not None}
+    if name != "auto":
+        if name not in usable:
+            why = candidates.get(name, (None, "unknown backend"))[1]
+            raise AttentionUnavailableError(f"{ENV_ATTN_BACKEND}={name} cannot run on {device}: {why}. Unset it (auto) or choose sdpa.")
+        choice, detail = name, "forced"
+    elif len(usable) == 1 or device.type != "cuda":
+        choice = "sdpa" if "sdpa" in usable else next(iter(usable))
+        skipped = ", ".join(f"{n}: {why}" for n, (fn, why) in candidates.items() if fn is None)
+        detail = f"auto, no timing on {device.type}" + (f" ({skipped})" if skipped else "")
+    else:
+        h, s, d = probe_shape
+        q, k, v = (torch.randn(1, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
+        times = {n: _time_once(fn, q, k, v, h) for n, fn in usable.items()}
+        choice = min(times, key=times.get)
+        detail = "auto: " + ", ".join(f"{n} {1e3 * t:.2f} ms" for n, t in sorted(times.items()))
+    log.info("attention backend on %s: %s (%s)", device, choice, detail)
+    _chosen[key] = choice
+    return choice

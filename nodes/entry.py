@@ -1,0 +1,56 @@
+"""The pack's V3 extension. Importing it activates TP on this rank when TP2_RANK / TP2_WORLD_SIZE are set,
+and changes nothing when they are not."""
+
+from __future__ import annotations
+
+import torch
+from comfy_api.latest import ComfyExtension
+
+from ..kernels import select_int8_gemm
+from ..tp2.collectives import read_tp_env
+from ..tp2.session import TPSession
+from .pack_nodes import NODES, register_conditioning_folder
+from .state import STATE, log, prompt_timeout_from_env
+
+
+def activate() -> None:
+    """Read the TP env; when present, create this rank's session and install the hooks (once)."""
+    if STATE.active:
+        return
+    env = read_tp_env()
+    if env is None:
+        log.debug("minimax-h3-tp2: TP env not set; the pack stays inactive")
+        return
+    import comfy.model_management
+
+    from .loader import install_loader_hook
+    from .lockstep import track_prompts
+    from .parallel import install_linear_input_act_patch
+
+    device = comfy.model_management.get_torch_device()
+    device = device if device.type == "cuda" else torch.device("cpu")
+    STATE.env, STATE.device = env, device
+    STATE.prompt_timeout_s = prompt_timeout_from_env()
+    STATE.int8_gemm = select_int8_gemm()
+    STATE.int8_kernel = STATE.int8_gemm.kernel_name
+    STATE.session = TPSession(env, device)
+    install_loader_hook()
+    install_linear_input_act_patch()
+    track_prompts()
+    log.info(
+        "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
+        STATE.tag, device, env.master_addr, env.master_port, STATE.int8_kernel, env.timeout_s, STATE.prompt_timeout_s,
+    )  # fmt: skip
+
+
+class TP2Extension(ComfyExtension):
+    async def on_load(self) -> None:
+        activate()
+
+    async def get_node_list(self):
+        return NODES
+
+
+async def comfy_entrypoint() -> TP2Extension:
+    register_conditioning_folder()
+    return TP2Extension()

@@ -1,0 +1,123 @@
+"""The UNETLoader hook: H3 checkpoints load as this rank's shard; everything else loads untouched.
+
+`comfy.sd.load_diffusion_model(unet_path, ...)` is replaced (it is looked up by module attribute). For an H3
+safetensors file on an active rank it reads only this rank's slices (or this rank's pre-sharded file), lets
+ComfyUI build the local-width model from the shapes through its own `load_diffusion_model_state_dict` (so the
+int8 mixed-precision path is picked exactly as without the pack), then tags, verifies and wires the model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import comfy.sd
+import torch
+
+from ..tp2.checkpoint import CheckpointLayout
+from ..tp2.errors import PlanError
+from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan, find_prefix
+from ..tp2.safetensors_io import file_fingerprint, read_header
+from ..tp2.shard import is_rank_file, load_rank_file, rank_file_name, shard_state_dict, verify_rank_file
+from .lockstep import install_lockstep
+from .parallel import tag_and_verify
+from .state import STATE, LoadedModel, log
+
+_original_load_diffusion_model = comfy.sd.load_diffusion_model
+_RANK_SUFFIX = re.compile(r"\.tp(\d+)-rank(\d+)\.safetensors$")
+
+
+def is_h3_file(path: str) -> bool:
+    """A cheap header probe: a safetensors file whose keys are a MiniMax-H3 DiT."""
+    if not path.endswith((".safetensors", ".sft")):
+        return False
+    try:
+        header = read_header(path)
+        find_prefix(CheckpointLayout({n: (t.dtype, t.shape) for n, t in header.tensors.items()}, header.metadata, source=path))
+        return True
+    except PlanError:
+        return False
+    except Exception:  # noqa: BLE001 - unreadable files are ComfyUI's to report, not ours
+        return False
+
+
+def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):  # noqa: B006 - ComfyUI's signature
+    if not STATE.active or not is_h3_file(unet_path):
+        return _original_load_diffusion_model(unet_path, model_options=model_options, disable_dynamic=disable_dynamic)
+    t0 = time.monotonic()
+    sd, metadata, plan, source_fp, rank_file = read_rank_state_dict(unet_path)
+    split_input = _pop_split_input(sd, plan)
+    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=metadata, disable_dynamic=disable_dynamic)
+    if patcher is None:
+        raise PlanError(
+            f"ComfyUI could not build a model from this rank's shard of '{os.path.basename(unet_path)}'. Report this with the file name."
+        )
+    dm = patcher.model.diffusion_model
+    _assign_split_input(dm, split_input)
+    counts = tag_and_verify(dm, plan)
+    install_lockstep(patcher, plan, source_fp)
+    patcher.cached_patcher_init = (tp_load_diffusion_model, (unet_path, model_options))
+    secs = time.monotonic() - t0
+    STATE.models.append(
+        LoadedModel(os.path.basename(unet_path), plan.summary(), plan.fingerprint(), source_fp, rank_file is not None, secs)
+    )
+    log.info(
+        "%s loaded %s%s in %.1f s: %s; linears %s",
+        STATE.tag,
+        os.path.basename(unet_path),
+        f" from {os.path.basename(rank_file)}" if rank_file else " (shard-on-read)",
+        secs,
+        plan.summary(),
+        ", ".join(f"{n} {r}" for r, n in counts.items()),
+    )
+    return patcher
+
+
+def read_rank_state_dict(unet_path: str):
+    """This rank's state dict: from its pre-sharded file when one exists (or was chosen), else shard-on-read."""
+    env = STATE.env
+    rank_path = _rank_file_for(unet_path, env.tp_rank, env.tp_size)
+    if rank_path is None:
+        sd, metadata, plan = shard_state_dict(unet_path, env.tp_size, env.tp_rank)
+        return sd, metadata, plan, file_fingerprint(read_header(unet_path)), None
+    expected = None if is_rank_file(unet_path) else file_fingerprint(read_header(unet_path))
+    sd, metadata, plan = load_rank_file(rank_path, env.tp_rank, env.tp_size, expected_source=expected)
+    source_fp = metadata["tp2.source"]
+    return sd, {k: v for k, v in metadata.items() if not k.startswith("tp2.")}, plan, source_fp, rank_path
+
+
+def _rank_file_for(path: str, tp_rank: int, tp_size: int) -> str | None:
+    """The rank file to use: the chosen one's sibling for this rank, or `<stem>.tpN-rankR` next to a full file."""
+    if is_rank_file(path):
+        m = _RANK_SUFFIX.search(path)
+        if not m:
+            verify_rank_file(path, tp_rank, tp_size)  # raises with the file's own rank/size if it is not ours
+            return path
+        sibling = path[: m.start()] + f".tp{tp_size}-rank{tp_rank}.safetensors"
+        if not os.path.exists(sibling):
+            raise PlanError(
+                f"'{os.path.basename(path)}' is a pre-sharded rank file; this rank ({tp_rank} of {tp_size}) needs "
+                f"'{os.path.basename(sibling)}' next to it. Run `python -m tp2.shard CKPT --tp-size {tp_size}` for all ranks."
+            )
+        return sibling
+    sibling = os.path.join(os.path.dirname(path), rank_file_name(path, tp_size, tp_rank))
+    return sibling if os.path.exists(sibling) else None
+
+
+def _pop_split_input(sd: dict, plan: Plan) -> dict[str, torch.Tensor]:
+    """Full-form adaln weights are split along K; ComfyUI would build (and size-check) them at full K, so they
+    are assigned after the build instead."""
+    names = [plan.prefix + layer + ".weight" for layer, style in plan.linears.items() if style == ROWWISE_SPLIT_INPUT]
+    return {n[len(plan.prefix) :]: sd.pop(n) for n in names if plan.tp_size > 1}
+
+
+def _assign_split_input(dm: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    for name, w in weights.items():
+        module = dm.get_submodule(name[: -len(".weight")])
+        module.weight = torch.nn.Parameter(w.to(device=module.weight.device, dtype=module.weight.dtype), requires_grad=False)
+
+
+def install_loader_hook() -> None:
+    if comfy.sd.load_diffusion_model is not tp_load_diffusion_model:
+        comfy.sd.load_diffusion_model = tp_load_diffusion_model

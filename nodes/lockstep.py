@@ -1,0 +1,190 @@
+"""Lockstep between ranks: prompt rendezvous at every sampler, rank 0's inputs broadcast to every forward.
+
+    track_prompts()        records the running prompt (id, graph fingerprint) and clears the node cache when
+                           a rank reported that ranks' caches may have diverged
+    OUTER_SAMPLE wrapper   before any collective: ranks agree (over the store, bounded wait) on prompt, sampler
+                           index, seed, sigmas and model; a process group is (re)made if needed
+    refiner wrapper        rank 0's text states go to every rank before the (sharded) token refiner runs
+    DIFFUSION_MODEL        rank 0's x, timestep, context and payload tensors go to every rank; the forward runs
+                           under the role guard with the chosen attention backend
+
+Node caching: the pack does not depend on caches being alike. A rank whose cache served a sampler that its peer
+runs is detected at the sampler rendezvous (a bounded wait, then a clear error), and every rank then clears its
+node cache at its next prompt, so the next prompt runs in lockstep again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+
+import comfy.patcher_extension as pe
+import execution
+import torch
+
+from ..kernels.attention import select_attention
+from ..tp2 import __version__
+from ..tp2.collectives import broadcast_tree
+from ..tp2.errors import PeerLostError
+from ..tp2.plan import Plan
+from .parallel import role_guard
+from .state import STATE, log
+
+KEY = "minimax_h3_tp2"
+CACHE_EPOCH_KEY = "tp2/cache_epoch"
+
+
+class _Prompt:
+    """The prompt this ComfyUI is executing (the prompt worker runs one at a time)."""
+
+    prompt_id: str | None = None
+    fingerprint: str = "none"
+    samplers: int = 0
+    cache_epoch_seen: int = 0
+
+
+CURRENT = _Prompt()
+
+
+def prompt_fingerprint(prompt: dict) -> str:
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cache_epoch(bump: bool = False) -> int | None:
+    """The store's cache epoch (bumped when ranks may have diverged); None when the store is not reachable now."""
+    session = STATE.session
+    if session is None or session._store is None:
+        return None
+    try:
+        return int(session._store.add(CACHE_EPOCH_KEY, 1 if bump else 0))
+    except Exception:  # noqa: BLE001 - rank 0 may be restarting; the sampler rendezvous will say so
+        return None
+
+
+def track_prompts() -> None:
+    original = execution.PromptExecutor.execute_async
+    if getattr(original, "_tp2", False):
+        return
+
+    @functools.wraps(original)
+    async def execute_async(self, prompt, prompt_id, extra_data={}, execute_outputs=[]):  # noqa: B006 - ComfyUI's signature
+        epoch = _cache_epoch()
+        if epoch is not None and epoch > CURRENT.cache_epoch_seen:
+            log.info("%s ranks may have run different nodes last time: clearing this rank's node cache", STATE.tag)
+            self.reset()
+            CURRENT.cache_epoch_seen = epoch
+        CURRENT.prompt_id, CURRENT.fingerprint, CURRENT.samplers = prompt_id, prompt_fingerprint(prompt), 0
+        try:
+            return await original(self, prompt, prompt_id, extra_data, execute_outputs)
+        finally:
+            CURRENT.prompt_id = None
+
+    execute_async._tp2 = True
+    execution.PromptExecutor.execute_async = execute_async
+
+
+def _digest(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return str(t)
+    return hashlib.sha256(t.detach().float().cpu().numpy().tobytes()).hexdigest()[:12]
+
+
+def install_lockstep(patcher, plan: Plan, checkpoint_fp: str) -> None:
+    """Wire one loaded TP model: wrappers on the patcher, the refiner broadcast on the model instance."""
+    model_fields = {"pack_version": __version__, "plan": plan.fingerprint(), "checkpoint": checkpoint_fp, "tp_size": str(plan.tp_size)}
+    patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, model_fields))
+    patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, _diffusion_model)
+    dm = patcher.model.diffusion_model
+    dm.preprocess_text_embeds = functools.partial(_refine_text, type(dm).preprocess_text_embeds.__get__(dm))
+
+
+def _outer_sample(model_fields, executor, *args, **kwargs):
+    session = STATE.session
+    CURRENT.samplers += 1
+    n = CURRENT.samplers
+    seed = args[7] if len(args) > 7 else kwargs.get("seed")
+    sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+    fields = dict(model_fields, prompt=CURRENT.fingerprint, sampler=str(n), seed=str(seed), sigmas=_digest(sigmas))
+    key = f"{CURRENT.prompt_id or 'no-prompt'}/sampler{n}"
+    try:
+        session.agree(key, fields, STATE.prompt_timeout_s)
+    except PeerLostError:
+        _cache_epoch(bump=True)
+        raise
+    STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
+    try:
+        return executor(*args, **kwargs)
+    except PeerLostError:
+        session.mark_broken()
+        _cache_epoch(bump=True)
+        raise
+
+
+def _refine_text(original, text_states):
+    """The token refiner is sharded: every rank must refine rank 0's text states, in step."""
+    group = STATE.session.group
+    text_states = broadcast_tree(text_states if STATE.env.tp_rank == 0 else None, group)
+    with role_guard():
+        return original(text_states)
+
+
+def _diffusion_model(executor, x, timestep, context, transformer_options, **kwargs):
+    group = STATE.session.group
+    payload = kwargs.get("minimax_payload") or {}
+    shared = None
+    if STATE.env.tp_rank == 0:
+        extra = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        shared = {
+            "x": list(x),
+            "t": timestep,
+            "context": context,
+            "payload": {k: v for k, v in payload.items() if k != "layout"},
+            "extra": extra,
+        }
+    shared = broadcast_tree(shared, group)
+    kwargs = dict(kwargs, **shared["extra"])
+    if "minimax_payload" in kwargs:  # rank 0's tensors and values; this rank's own (identical, rebuildable) layout
+        kwargs["minimax_payload"] = dict(shared["payload"], **({"layout": payload["layout"]} if "layout" in payload else {}))
+    override = _attention_override(group.device)
+    if override is not None:
+        transformer_options = dict(transformer_options, optimized_attention_override=override)
+    with role_guard():
+        return executor(shared["x"], shared["t"], shared["context"], transformer_options, **kwargs)
+
+
+@functools.cache
+def _attention_override(device: torch.device):
+    """ComfyUI's attention function for the backend TP2_ATTN_BACKEND resolves to on this device (None: ComfyUI's own)."""
+    import comfy.ldm.modules.attention as attn
+
+    def sdpa(func, *args, **kwargs):
+        return attn.attention_pytorch(*args, **kwargs)
+
+    def ck(func, *args, **kwargs):
+        return attn.attention_comfy_kitchen_int8(*args, **kwargs)
+
+    ck.container_function = attn.attention_comfy_kitchen_int8.container_function
+    candidates = {
+        "sdpa": (_probe(attn.attention_pytorch, device), "needs torch SDPA"),
+        "ck": (_probe(attn.attention_comfy_kitchen_int8, device), ""),
+    }
+    if candidates["ck"][0] is None:
+        candidates["ck"] = (None, "comfy-kitchen INT8 attention did not run on this device (a real call failed)")
+    choice = select_attention(candidates, device)
+    STATE.attention = choice
+    return {"sdpa": sdpa, "ck": ck}[choice]
+
+
+def _probe(fn, device):
+    """fn as fn(q, k, v, heads) if one real call on this device works, else None (trust a real call, not a flag)."""
+
+    def call(q, k, v, heads):
+        return fn(q, k, v, heads, skip_reshape=True)
+
+    q = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        call(q, q, q, 2)
+        return call
+    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+        return None

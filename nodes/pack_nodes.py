@@ -1,0 +1,91 @@
+"""The pack's own nodes (V3 schema): a TP status readout and a conditioning-from-file loader.
+
+Thin: schema plus a short execute that reads `STATE` or a file.
+"""
+
+from __future__ import annotations
+
+import os
+
+import folder_paths
+from comfy_api.latest import io
+
+from .state import STATE
+
+CATEGORY = "MiniMax-H3 TP"
+CONDITIONING_FOLDER = "h3_conditioning"
+
+
+def register_conditioning_folder() -> None:
+    """models/h3_conditioning/*.safetensors (cond [1, L, text_dim], optional token_tags [L])."""
+    if CONDITIONING_FOLDER not in folder_paths.folder_names_and_paths:
+        path = os.path.join(folder_paths.models_dir, CONDITIONING_FOLDER)
+        folder_paths.folder_names_and_paths[CONDITIONING_FOLDER] = ([path], {".safetensors"})
+
+
+def status_text() -> str:
+    if not STATE.active:
+        return "TP inactive: TP2_RANK / TP2_WORLD_SIZE are not set, ComfyUI runs as usual."
+    env, lines = STATE.env, []
+    lines.append(f"rank {env.tp_rank} of tp_size {env.tp_size}; peers at {env.master_addr}:{env.master_port}")
+    session = STATE.session
+    lines.append(f"process group: generation {session.generation}, {'healthy' if session.healthy else 'not formed / needs re-forming'}")
+    lines.append(f"last agreement: {STATE.last_agreement}")
+    lines.append(f"kernels: int8 GEMM {STATE.int8_kernel}, attention {STATE.attention}")
+    lines.append(f"timeouts: collectives {env.timeout_s:.0f} s, prompt rendezvous {STATE.prompt_timeout_s:.0f} s")
+    for m in STATE.models:
+        lines.append(
+            f"model {m.source}: {m.plan_summary}; checkpoint {m.checkpoint_fingerprint}; {'rank file' if m.from_rank_file else 'shard-on-read'}, {m.load_seconds:.1f} s"
+        )
+    return "\n".join(lines)
+
+
+class TP2Status(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="TP2Status",
+            display_name="TP2 Status (MiniMax-H3)",
+            category=CATEGORY,
+            description="This rank's tensor-parallel state: rank, tp_size, plan, kernels, last rank agreement.",
+            inputs=[],
+            outputs=[io.String.Output(display_name="status")],
+            is_output_node=True,
+            not_idempotent=True,
+        )
+
+    @classmethod
+    def execute(cls) -> io.NodeOutput:
+        text = status_text()
+        return io.NodeOutput(text, ui={"text": [text]})
+
+
+class LoadH3Conditioning(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="LoadH3Conditioning",
+            display_name="Load H3 Conditioning (file)",
+            category=CATEGORY,
+            description="Conditioning from models/h3_conditioning/*.safetensors (cond [1, L, text_dim], optional token_tags [L]), "
+            "so a workflow runs without the 32B text encoder.",
+            inputs=[io.Combo.Input("file", options=folder_paths.get_filename_list(CONDITIONING_FOLDER))],
+            outputs=[io.Conditioning.Output()],
+        )
+
+    @classmethod
+    def validate_inputs(cls, file):
+        if folder_paths.get_full_path(CONDITIONING_FOLDER, file) is None:
+            return f"No conditioning file '{file}' in models/{CONDITIONING_FOLDER}/. Make one with scripts/make_tiny_h3.py --conditioning."
+        return True
+
+    @classmethod
+    def execute(cls, file) -> io.NodeOutput:
+        from ..tp2.conditioning import load_conditioning
+
+        cond, tags = load_conditioning(folder_paths.get_full_path_or_raise(CONDITIONING_FOLDER, file))
+        extra = {"minimax_token_tags": tags} if tags is not None else {}
+        return io.NodeOutput([[cond, extra]])
+
+
+NODES = [TP2Status, LoadH3Conditioning]

@@ -1,0 +1,154 @@
+"""TP roles on ComfyUI's H3 modules and the row-parallel call that replaces their forward.
+
+    tag_and_verify(diffusion_model, plan)  every linear gets its plan role; widths and the int8 layout are checked
+    rowwise_call(linear, x, input_act)      local GEMM -> fp32 partial sum -> all-reduce(sum) -> x.dtype
+    tp_linear_input_act                     replaces comfy.ops.linear_input_act (the fc2 path that skips module hooks)
+    role_guard()                            while a TP forward runs, any ComfyUI linear without a role raises
+
+Column-parallel and replicated linears keep ComfyUI's own forward: their math is unchanged by TP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+
+import comfy.ops
+import torch
+import torch.nn.functional as F
+
+from ..tp2.collectives import all_reduce
+from ..tp2.errors import MissingRoleError, PlanError
+from ..tp2.layers import ROLE_ATTR, apply_input_act, require_role
+from ..tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
+from .state import STATE
+
+ROLE_OF_STYLE = {COLWISE: "colwise", COLWISE_PACKED: "colwise", ROWWISE: "rowwise", ROWWISE_SPLIT_INPUT: "rowwise", REPLICATE: "replicate"}
+_original_linear_input_act = comfy.ops.linear_input_act
+_in_tp_forward = threading.local()
+
+
+def _is_comfy_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, comfy.ops.CastWeightBiasOp) and type(module).__name__ == "Linear"
+
+
+def _group():
+    session = STATE.session
+    if session is None or session.group is None:
+        raise MissingRoleError(
+            f"{STATE.tag} a row-parallel layer ran outside a TP sampling run (no process group). Run it through a sampler node."
+        )
+    return session.group
+
+
+def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+    """Y = sum_r act(X)_r A_r: this rank's GEMM in fp32, one all-reduce(sum) in fp32, then cast to x's dtype."""
+    from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
+
+    if getattr(linear, "tp_split_input", False):
+        k = linear.tp_local_in
+        x = x.narrow(-1, STATE.env.tp_rank * k, k)
+    weight, bias, offload_stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True, compute_dtype=x.dtype, want_requant=True)
+    try:
+        if isinstance(weight, QuantizedTensor) and weight._layout_cls == "TensorWiseINT8Layout":
+            qdata, scale = TensorWiseINT8Layout.get_plain_tensors(weight)
+            group = weight._params.convrot_groupsize if getattr(weight._params, "convrot", False) else None
+            y = STATE.int8_gemm(x, qdata, scale, bias, torch.float32, group, input_act)
+        else:
+            if isinstance(weight, QuantizedTensor):
+                weight = weight.dequantize()
+            y = F.linear(apply_input_act(x, input_act), weight, bias).float()
+    finally:
+        comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
+    return all_reduce(y, _group()).to(x.dtype)
+
+
+def _rowwise_forward(self, x, *args, **kwargs):
+    return rowwise_call(self, x)
+
+
+def tp_linear_input_act(linear, x, input_act, *args, **kwargs):
+    """comfy.ops.linear_input_act for TP models: row-parallel linears reduce; others run ComfyUI's own path."""
+    role = getattr(linear, ROLE_ATTR, None)
+    if role == "rowwise":
+        return rowwise_call(linear, x, input_act)
+    if role is None and getattr(_in_tp_forward, "depth", 0):
+        require_role(linear, f"{type(linear).__name__} called through linear_input_act")
+    return _original_linear_input_act(linear, x, input_act, *args, **kwargs)
+
+
+def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> dict[str, int]:
+    """Give every linear of the built model its plan role, replace row-parallel forwards, and check the build.
+
+    Fails closed (PlanError / MissingRoleError) when ComfyUI built other widths than the plan's local ones, a
+    linear has no role, or the int8 layout did not survive the load.
+    """
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    counts = {"colwise": 0, "rowwise": 0, "replicate": 0}
+    quantised = {name for name, ts in plan.tensors.items() if name.endswith(".comfy_quant")}
+    for name, module in diffusion_model.named_modules():
+        if not _is_comfy_linear(module):
+            continue
+        style = plan.linears.get(name)
+        if style is None:
+            require_role(module, name)  # raises: a linear the plan never saw
+        role = ROLE_OF_STYLE[style]
+        setattr(module, ROLE_ATTR, role)
+        counts[role] += 1
+        if role == "rowwise" and plan.tp_size > 1:
+            module.forward = types.MethodType(_rowwise_forward, module)
+            if style == ROWWISE_SPLIT_INPUT:
+                module.tp_split_input, module.tp_local_in = True, plan.tensors[plan.prefix + name + ".weight"].local_shape[1]
+        if plan.prefix + name + ".comfy_quant" in quantised and not isinstance(module.weight, QuantizedTensor):
+            raise PlanError(
+                f"'{name}' is int8 in the checkpoint but ComfyUI loaded it as {type(module.weight).__name__}: the int8 path was "
+                "dropped (another node pack passing custom_operations?). Disable that pack for H3 or report it."
+            )
+    _verify_widths(diffusion_model, plan)
+    return counts
+
+
+def _verify_widths(dm: torch.nn.Module, plan: Plan) -> None:
+    blocks = [("blocks", b) for b in dm.blocks] + [("token_refiner.blocks", b) for b in dm.token_refiner.blocks]
+    if (len(dm.blocks), len(dm.token_refiner.blocks)) != (plan.num_layers, plan.refiner_layers):
+        raise PlanError(
+            f"ComfyUI built {len(dm.blocks)} blocks + {len(dm.token_refiner.blocks)} refiner blocks, the plan has "
+            f"{plan.num_layers} + {plan.refiner_layers}. The checkpoint and the built model disagree; report this with the file name."
+        )
+    for i, (where, block) in enumerate(blocks):
+        heads, fc1_rows = block.attn.heads, _rows(block.mlp.fc1)
+        if heads != plan.local_heads or fc1_rows != 2 * plan.local_ffn:
+            raise PlanError(
+                f"{where} block {i}: ComfyUI built {heads} heads and fc1 with {fc1_rows} rows, this rank's plan needs "
+                f"{plan.local_heads} heads and {2 * plan.local_ffn} rows (tp_size={plan.tp_size}). The loaded state dict "
+                "was not this rank's shard; restart the rank and report the log."
+            )
+
+
+def _rows(linear) -> int:
+    return int(linear.weight.shape[0])  # a QuantizedTensor reports its logical shape
+
+
+def _check_module(module, args):
+    if _is_comfy_linear(module) and getattr(module, ROLE_ATTR, None) is None:
+        require_role(module, type(module).__qualname__)
+
+
+@contextlib.contextmanager
+def role_guard():
+    """While active, any ComfyUI linear that runs without a TP role raises MissingRoleError (fail closed)."""
+    _in_tp_forward.depth = getattr(_in_tp_forward, "depth", 0) + 1
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(_check_module)
+    try:
+        yield
+    finally:
+        handle.remove()
+        _in_tp_forward.depth -= 1
+
+
+def install_linear_input_act_patch() -> None:
+    """comfy.ops.linear_input_act is looked up at call time by H3's MLP, so patching the module attribute suffices."""
+    if comfy.ops.linear_input_act is not tp_linear_input_act:
+        comfy.ops.linear_input_act = tp_linear_input_act

@@ -1,0 +1,68 @@
+"""This rank's TP state inside one ComfyUI process: the env, the session, the kernels, the loaded plan.
+
+Read by the loader, the lockstep wrappers and the status node. `STATE.env is None` means the pack is inactive
+(TP env vars unset) and must change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from ..tp2.collectives import TPEnv
+
+log = logging.getLogger("minimax_h3_tp2")
+
+ENV_PROMPT_TIMEOUT = "TP2_PROMPT_TIMEOUT_S"
+ENV_ATTN_BACKEND = "TP2_ATTN_BACKEND"
+DEFAULT_PROMPT_TIMEOUT_S = 45.0
+
+
+@dataclass
+class LoadedModel:
+    """What the loader learned about the H3 model it built for this rank."""
+
+    source: str
+    plan_summary: str
+    plan_fingerprint: str
+    checkpoint_fingerprint: str
+    from_rank_file: bool
+    load_seconds: float
+
+
+@dataclass
+class RankState:
+    env: TPEnv | None = None
+    session: object | None = None  # tp2.session.TPSession, created at activation
+    device: object | None = None
+    int8_kernel: str = "auto"
+    int8_gemm: object | None = None  # kernels.select_int8_gemm() result
+    attention: str = "comfyui"  # resolved backend name, "comfyui" = ComfyUI's own choice
+    prompt_timeout_s: float = DEFAULT_PROMPT_TIMEOUT_S
+    models: list[LoadedModel] = field(default_factory=list)
+    last_agreement: str = "none yet"
+
+    @property
+    def active(self) -> bool:
+        return self.env is not None
+
+    @property
+    def tag(self) -> str:
+        return f"[tp2 r{self.env.tp_rank}/{self.env.tp_size}]" if self.env else "[tp2 off]"
+
+
+STATE = RankState()
+
+
+def prompt_timeout_from_env() -> float:
+    raw = os.environ.get(ENV_PROMPT_TIMEOUT, str(DEFAULT_PROMPT_TIMEOUT_S))
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise ValueError(
+            f"{ENV_PROMPT_TIMEOUT}={raw!r} must be a number of seconds (how long a rank waits for its peers to reach a prompt)."
+        ) from e
+    if value <= 0:
+        raise ValueError(f"{ENV_PROMPT_TIMEOUT}={value} must be positive.")
+    return value

@@ -1,0 +1,174 @@
+"""Real ComfyUI servers for tests: one process per rank, each with its own base directory (models, custom_nodes
+with this pack linked, input/output/temp/user, sqlite db), on loopback ports; and a small HTTP client.
+
+The ComfyUI checkout itself is never written to: everything a server writes lives under its base directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR", os.path.expanduser("~/ComfyUI"))
+
+
+def have_comfyui() -> bool:
+    return os.path.isfile(os.path.join(COMFYUI_DIR, "main.py")) and os.path.isfile(
+        os.path.join(COMFYUI_DIR, "comfy", "ldm", "minimax", "model.py")
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One ComfyUI process. `env` adds environment variables (the TP ones, or none for a plain server)."""
+
+    def __init__(self, base: str, models: dict[str, str], env: dict[str, str] | None = None, pack: bool = True, args=()):
+        self.base, self.port = base, free_port()
+        for sub in ("custom_nodes", "input", "output", "temp", "user", "models/diffusion_models", "models/h3_conditioning"):
+            os.makedirs(os.path.join(base, sub), exist_ok=True)
+        if pack and not os.path.exists(os.path.join(base, "custom_nodes", "minimax-h3-tp2")):
+            os.symlink(ROOT, os.path.join(base, "custom_nodes", "minimax-h3-tp2"))
+        for rel, src in models.items():
+            dst = os.path.join(base, "models", rel)
+            if not os.path.exists(dst):
+                os.symlink(src, dst)
+        self.log_path = os.path.join(base, "comfyui.log")
+        cmd = [
+            sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port), "--base-directory", base,
+            "--database-url", f"sqlite:///{base}/comfyui.db", "--disable-auto-launch", "--disable-api-nodes", *args,
+        ]  # fmt: skip
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
+        full_env.update(env or {})
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=COMFYUI_DIR, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI on port {self.port} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                self.get("/system_stats")
+                return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError(f"ComfyUI on port {self.port} not ready after {timeout_s} s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        with open(self.log_path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-n:]).decode(errors="replace")
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict):
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def submit(self, prompt: dict, prompt_id: str) -> None:
+        status, body = self.post("/prompt", {"prompt": prompt, "prompt_id": prompt_id, "client_id": "tests"})
+        if status != 200:
+            raise AssertionError(f"port {self.port} refused the prompt ({status}): {body}")
+
+    def wait_history(self, prompt_id: str, timeout_s: float = 120) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            h = self.get(f"/history/{prompt_id}")
+            if prompt_id in h and h[prompt_id].get("status", {}).get("status_str") in ("success", "error"):
+                return h[prompt_id]
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI on port {self.port} died:\n{self.tail()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"prompt {prompt_id} not finished on port {self.port} after {timeout_s} s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.log.close()
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+def start_tp(root: str, tp_size: int, models: dict[str, str], extra_env: dict[str, str] | None = None) -> list[Server]:
+    """tp_size servers forming one TP world; followers first, as the launcher does."""
+    master = free_port()
+    servers = []
+    for r in reversed(range(tp_size)):
+        env = {"TP2_RANK": str(r), "TP2_WORLD_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
+        env.update(extra_env or {})
+        servers.insert(0, Server(os.path.join(root, f"rank{r}"), models, env))
+    for s in servers:
+        s.wait_ready()
+    return servers
+
+
+def error_message(history: dict) -> str:
+    for kind, data in history.get("status", {}).get("messages", []):
+        if kind == "execution_error":
+            return f"{data.get('exception_type')}: {data.get('exception_message')}"
+    return ""
+
+
+def output_files(server: Server, history: dict) -> dict[str, bytes]:
+    """Every saved latent of a finished prompt: {relative path: bytes}."""
+    out = {}
+    for node_out in history.get("outputs", {}).values():
+        for item in node_out.get("latents", []) + node_out.get("images", []):
+            rel = os.path.join(item.get("subfolder", ""), item["filename"])
+            with open(os.path.join(server.base, "output", rel), "rb") as f:
+                out[rel] = f.read()
+    return out
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+def tiny_workflow(unet: str, cond: str, seed: int = 42, steps: int = 2, prefix: str = "tp2test", cfg: float = 1.0) -> dict:
+    """Conditioning from file, EmptyMiniMaxH3LatentAV 64x64x5, KSampler, AV latent split and saved (no VAEs)."""
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
+        "2": {"class_type": "LoadH3Conditioning", "inputs": {"file": cond}},
+        "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 0]}},
+        "4": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}},
+        "5": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "seed": seed, "steps": steps, "cfg": cfg, "sampler_name": "euler",
+                                                    "scheduler": "simple", "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}},
+        "6": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["5", 0]}},
+        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"latents/{prefix}_video"}},
+        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 1], "filename_prefix": f"latents/{prefix}_audio"}},
+    }  # fmt: skip
+
+
+def cleanup(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,216 @@
+"""Stock H3 workflows on real ComfyUI servers (CPU, gloo): TP2 and TP4 ranks byte-identical, TP equal to one
+plain server within the thresholds below, refusals that leave the servers usable, and no trace without TP env.
+
+Thresholds. float: 1e-4 relative (max abs diff / max abs value of the final latent): TP only reorders fp32 sums
+and uses torch SDPA where the plain CPU server uses sub-quadratic attention; both are ~1e-6 apart, and a wrong
+shard or a missing reduce moves the latent by tens of percent (strong init). int8 ConvRot: SQNR >= 25 dB on the
+final latent: each row-parallel rank quantises its own half-row, which the block-level test measures at ~43 dB
+per layer; two sampling steps through 2 blocks + refiner accumulate that, and a broken layer scores < 10 dB.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+from comfy_harness import (
+    COMFYUI_DIR,
+    Server,
+    cleanup,
+    error_message,
+    have_comfyui,
+    new_id,
+    output_files,
+    start_tp,
+    tiny_workflow,
+)
+from conftest import make_checkpoint
+from safetensors.torch import load
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
+
+TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "10", "TP2_TIMEOUT_S": "30"}
+COND = "h3_tiny_cond.safetensors"
+FLOAT, INT8, INT8_G64 = "h3_tiny_float.safetensors", "h3_tiny_int8.safetensors", "h3_tiny_int8_g64.safetensors"
+
+
+@pytest.fixture(scope="module")
+def comfy_git_status():
+    before = subprocess.run(["git", "status", "--porcelain"], cwd=COMFYUI_DIR, capture_output=True, text=True).stdout
+    yield before
+    after = subprocess.run(["git", "status", "--porcelain"], cwd=COMFYUI_DIR, capture_output=True, text=True).stdout
+    assert after == before, f"the ComfyUI checkout changed during the tests:\n{after}"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, comfy_git_status):
+    d = tmp_path_factory.mktemp("models")
+    make_checkpoint(str(d / FLOAT))
+    make_checkpoint(str(d / INT8), "--int8")
+    make_checkpoint(str(d / INT8_G64), "--int8", "--convrot-group", "64")  # splits at tp_size 4 too
+    from conftest import make_tiny_h3
+
+    make_tiny_h3.main(["--conditioning", str(d / COND), "--text-dim", "128", "--tokens", "16"])
+    out = {f"diffusion_models/{n}": str(d / n) for n in (FLOAT, INT8, INT8_G64)}
+    out[f"h3_conditioning/{COND}"] = str(d / COND)
+    return out
+
+
+def _servers(request, tmp_path_factory, models, name, tp_size=None, pack=True, env=None):
+    root = str(tmp_path_factory.mktemp(name))
+    if tp_size:
+        servers = start_tp(root, tp_size, models, TP_ENV | (env or {}))
+    else:
+        servers = [Server(os.path.join(root, "plain"), models, env, pack=pack)]
+        servers[0].wait_ready()
+
+    def stop():
+        for s in servers:
+            s.stop()
+        cleanup(root)
+
+    request.addfinalizer(stop)
+    return servers
+
+
+@pytest.fixture(scope="module")
+def tp2(request, tmp_path_factory, models):
+    return _servers(request, tmp_path_factory, models, "tp2", tp_size=2)
+
+
+@pytest.fixture(scope="module")
+def tp4(request, tmp_path_factory, models):
+    return _servers(request, tmp_path_factory, models, "tp4", tp_size=4)
+
+
+@pytest.fixture(scope="module")
+def plain(request, tmp_path_factory, models):
+    """The pack linked but TP env unset: must behave as stock ComfyUI."""
+    return _servers(request, tmp_path_factory, models, "plain")[0]
+
+
+@pytest.fixture(scope="module")
+def stock(request, tmp_path_factory, models):
+    """ComfyUI without the pack."""
+    return _servers(request, tmp_path_factory, models, "stock", pack=False)[0]
+
+
+def run(servers, workflow, timeout_s=120):
+    """Submit one prompt (same prompt id) to every server; return each server's history entry."""
+    pid = new_id()
+    for s in servers:
+        s.submit(workflow, pid)
+    return [s.wait_history(pid, timeout_s) for s in servers]
+
+
+def ok(servers, histories):
+    for s, h in zip(servers, histories):
+        assert h["status"]["status_str"] == "success", f"port {s.port}: {error_message(h)}\n{s.tail()}"
+    return [output_files(s, h) for s, h in zip(servers, histories)]
+
+
+def latent(files: dict, kind: str) -> torch.Tensor:
+    (blob,) = [v for k, v in files.items() if f"_{kind}_" in k]
+    return load(blob)["latent_tensor"]
+
+
+def rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def sqnr_db(ref, x) -> float:
+    return float(10 * torch.log10(ref.double().pow(2).sum() / (ref.double() - x.double()).pow(2).sum()))
+
+
+@pytest.mark.parametrize("unet", [FLOAT, INT8])
+def test_tp2_ranks_byte_identical_and_match_one_server(tp2, plain, unet):
+    wf = tiny_workflow(unet, COND, prefix=f"cmp_{unet[:-12]}")
+    tp_files = ok(tp2, run(tp2, wf))
+    assert tp_files[0] == tp_files[1], "ranks wrote different bytes"
+    ref_files = ok([plain], run([plain], wf))[0]
+    for kind in ("video", "audio"):
+        a, b = latent(tp_files[0], kind), latent(ref_files, kind)
+        assert a.shape == b.shape and torch.isfinite(a).all()
+        if unet == FLOAT:
+            assert rel(a, b) < 1e-4, (kind, rel(a, b))
+        else:
+            assert sqnr_db(b, a) >= 25.0, (kind, sqnr_db(b, a))
+    # the DiT matters: a different seed moves the latent far beyond the thresholds
+    other = latent(ok([plain], run([plain], tiny_workflow(unet, COND, seed=7, prefix=f"seed7_{unet[:-12]}")))[0], "video")
+    assert rel(other, latent(ref_files, "video")) > 0.05
+
+
+@pytest.mark.parametrize("unet", [FLOAT, INT8_G64])
+def test_tp4_matches_tp2(tp4, tp2, unet):
+    wf = tiny_workflow(unet, COND, prefix=f"tp4_{unet[:-12]}")
+    four = ok(tp4, run(tp4, wf))
+    assert all(f == four[0] for f in four[1:]), "tp4 ranks wrote different bytes"
+    two = ok(tp2, run(tp2, wf))
+    for kind in ("video", "audio"):
+        a, b = latent(four[0], kind), latent(two[0], kind)
+        assert (rel(a, b) < 1e-4) if unet == FLOAT else (sqnr_db(b, a) >= 25.0), kind
+
+
+def _write_dataset(server: Server, cond_path: str) -> None:
+    """Conditioning through core ComfyUI's LoadTrainingDataset (stock ComfyUI has no LoadH3Conditioning)."""
+    from tp2.conditioning import load_conditioning
+
+    cond, tags = load_conditioning(cond_path)
+    d = os.path.join(server.base, "datasets", "h3_tiny_cond")
+    os.makedirs(d, exist_ok=True)
+    torch.save(
+        {"latents": [{"samples": torch.zeros(1, 4, 8, 8)}], "conditioning": [[[cond, {"minimax_token_tags": tags}]]]},
+        os.path.join(d, "shard_0000.pkl"),
+    )
+    with open(os.path.join(d, "metadata.json"), "w") as f:
+        f.write('{"num_samples": 1}')
+
+
+def test_inactive_pack_changes_nothing(plain, stock, models):
+    wf = tiny_workflow(FLOAT, COND, prefix="inactive")
+    wf["2"] = {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": "h3_tiny_cond"}}
+    wf["3"]["inputs"]["conditioning"] = ["2", 1]
+    wf["5"]["inputs"]["positive"] = ["2", 1]
+    for s in (plain, stock):
+        _write_dataset(s, models[f"h3_conditioning/{COND}"])
+    a = ok([plain], run([plain], wf))[0]
+    b = ok([stock], run([stock], wf))[0]
+    assert a and a == b, "the pack changed a single-GPU run with TP env unset"
+    assert "TP2Status" in plain.get("/object_info") and "TP2Status" not in stock.get("/object_info")
+
+
+def test_prompt_on_one_rank_only_is_refused_then_next_prompt_works(tp2):
+    wf = tiny_workflow(FLOAT, COND, prefix="alone")
+    pid = new_id()
+    t0 = time.monotonic()
+    tp2[0].submit(wf, pid)
+    h = tp2[0].wait_history(pid, 60)
+    assert h["status"]["status_str"] == "error" and time.monotonic() - t0 < 60
+    assert "PeerLostError" in error_message(h) and "rank(s) 1 did not reach" in error_message(h)
+    ok(tp2, run(tp2, tiny_workflow(FLOAT, COND, prefix="after_alone")))
+
+
+def test_different_seeds_refused_on_every_rank(tp2):
+    pid = new_id()
+    t0 = time.monotonic()
+    for s, seed in zip(tp2, (1, 2)):
+        s.submit(tiny_workflow(FLOAT, COND, seed=seed, prefix="seeds"), pid)
+    hs = [s.wait_history(pid, 60) for s in tp2]
+    assert time.monotonic() - t0 < 60
+    for h in hs:
+        msg = error_message(h)
+        assert h["status"]["status_str"] == "error" and "RankMismatchError" in msg, msg
+        assert "'seed' (rank 0: 1, rank 1: 2)" in msg and "'prompt' (rank 0:" in msg
+    ok(tp2, run(tp2, tiny_workflow(FLOAT, COND, prefix="after_seeds")))
+
+
+def test_unsplittable_tp_size_refused(tp4):
+    hs = run(tp4, tiny_workflow(INT8, COND, prefix="tp4_int8_g256"), timeout_s=60)
+    for h in hs:
+        msg = error_message(h)
+        assert h["status"]["status_str"] == "error" and "PlanError" in msg, msg
+        assert "local K (128) is not a multiple of its ConvRot group (256)" in msg and "Use tp_size 1 or 2." in msg
+    ok(tp4, run(tp4, tiny_workflow(FLOAT, COND, prefix="tp4_after_refusal")))
