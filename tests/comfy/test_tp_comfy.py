@@ -4,8 +4,9 @@ plain server within the thresholds below, refusals that leave the servers usable
 Thresholds. float: 1e-4 relative (max abs diff / max abs value of the final latent): TP only reorders fp32 sums
 and uses torch SDPA where the plain CPU server uses sub-quadratic attention; both are ~1e-6 apart, and a wrong
 shard or a missing reduce moves the latent by tens of percent (strong init). int8 ConvRot: SQNR >= 25 dB on the
-final latent: each row-parallel rank quantises its own half-row, which the block-level test measures at ~43 dB
-per layer; two sampling steps through 2 blocks + refiner accumulate that, and a broken layer scores < 10 dB.
+final latent: each row-parallel rank quantises its own half-row (~43 dB per layer in the block-level test); two
+sampling steps through 2 blocks + refiner measured 40.8 dB (video) / 41.1 dB (audio), and a broken layer scores
+< 10 dB. Measured float differences: ~3.5e-7.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f
 TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "10", "TP2_TIMEOUT_S": "30"}
 COND = "h3_tiny_cond.safetensors"
 FLOAT, INT8, INT8_G64 = "h3_tiny_float.safetensors", "h3_tiny_int8.safetensors", "h3_tiny_int8_g64.safetensors"
+FULL = "h3_tiny_full_adaln.safetensors"  # full form: time_embedder + adaln split along its input
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +53,11 @@ def models(tmp_path_factory, comfy_git_status):
     make_checkpoint(str(d / FLOAT))
     make_checkpoint(str(d / INT8), "--int8")
     make_checkpoint(str(d / INT8_G64), "--int8", "--convrot-group", "64")  # splits at tp_size 4 too
+    make_checkpoint(str(d / FULL), "--adaln", "full")
     from conftest import make_tiny_h3
 
     make_tiny_h3.main(["--conditioning", str(d / COND), "--text-dim", "128", "--tokens", "16"])
-    out = {f"diffusion_models/{n}": str(d / n) for n in (FLOAT, INT8, INT8_G64)}
+    out = {f"diffusion_models/{n}": str(d / n) for n in (FLOAT, INT8, INT8_G64, FULL)}
     out[f"h3_conditioning/{COND}"] = str(d / COND)
     return out
 
@@ -125,7 +128,7 @@ def sqnr_db(ref, x) -> float:
     return float(10 * torch.log10(ref.double().pow(2).sum() / (ref.double() - x.double()).pow(2).sum()))
 
 
-@pytest.mark.parametrize("unet", [FLOAT, INT8])
+@pytest.mark.parametrize("unet", [FLOAT, INT8, FULL])
 def test_tp2_ranks_byte_identical_and_match_one_server(tp2, plain, unet):
     wf = tiny_workflow(unet, COND, prefix=f"cmp_{unet[:-12]}")
     tp_files = ok(tp2, run(tp2, wf))
@@ -134,7 +137,8 @@ def test_tp2_ranks_byte_identical_and_match_one_server(tp2, plain, unet):
     for kind in ("video", "audio"):
         a, b = latent(tp_files[0], kind), latent(ref_files, kind)
         assert a.shape == b.shape and torch.isfinite(a).all()
-        if unet == FLOAT:
+        print(f"{unet} {kind}: rel {rel(a, b):.2e}, SQNR {sqnr_db(b, a):.1f} dB")
+        if unet != INT8:
             assert rel(a, b) < 1e-4, (kind, rel(a, b))
         else:
             assert sqnr_db(b, a) >= 25.0, (kind, sqnr_db(b, a))
