@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# Start, stop or inspect one ComfyUI per GPU, joined into one tensor-parallel world by minimax-h3-tp2.
+#
+#   scripts/start-tp2.sh --comfyui DIR [--tp-size N] [--gpus 0,1 | --cpu] [--base-port 18188] [--run-dir DIR]
+#                        [--base-dir DIR] [--listen ADDR --allow-remote] [-- extra ComfyUI args]
+#   scripts/start-tp2.sh stop   --run-dir DIR
+#   scripts/start-tp2.sh status --run-dir DIR
+#
+# Each rank r gets CUDA_VISIBLE_DEVICES=<its GPU>, HTTP port base-port + r, and its own output, temp, user
+# directories and sqlite database under the run dir (default ./tp2-run); logs are RUN_DIR/rank<r>.log and the
+# pids RUN_DIR/pids. Followers start first; the command returns once every rank answers its HTTP API.
+# --base-dir passes ComfyUI's --base-directory (models and custom_nodes from there; the demo uses it).
+# ComfyUI runs under $PYTHON if set, else the pack's .venv (scripts/install.sh), else python3.
+set -euo pipefail
+
+# ---- defaults: the one place they live (each can be overridden by the same env var) ----
+: "${TP2_INT8_KERNEL:=auto}"         # int8 GEMM of row-parallel layers: auto | cuda | triton | eager
+: "${TP2_ATTN_BACKEND:=auto}"        # attention: auto (measured once per GPU) | ck | sdpa
+: "${TP2_TIMEOUT_S:=300}"            # a collective waits this long for a peer before it is an error
+: "${TP2_PROMPT_TIMEOUT_S:=45}"      # ranks wait this long for each other at every sampler
+: "${TP2_START_TIMEOUT_S:=300}"      # start-up: how long to wait for every rank's HTTP API
+export TP2_INT8_KERNEL TP2_ATTN_BACKEND TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S
+
+PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+die() { echo "start-tp2: $*" >&2; exit 1; }
+
+cmd=start
+if [[ $# -gt 0 && ( "$1" == stop || "$1" == status ) ]]; then cmd=$1; shift; fi
+COMFYUI="${COMFYUI_DIR:-}"; TP_SIZE=2; GPUS=""; CPU=0; BASE_PORT=18188; RUN_DIR="$PWD/tp2-run"; BASE_DIR=""
+LISTEN=127.0.0.1; ALLOW_REMOTE=0; EXTRA=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --comfyui) COMFYUI="$2"; shift 2 ;;
+    --tp-size) TP_SIZE="$2"; shift 2 ;;
+    --gpus) GPUS="$2"; shift 2 ;;
+    --cpu) CPU=1; shift ;;
+    --base-port) BASE_PORT="$2"; shift 2 ;;
+    --run-dir) RUN_DIR="$2"; shift 2 ;;
+    --base-dir) BASE_DIR="$2"; shift 2 ;;
+    --listen) LISTEN="$2"; shift 2 ;;
+    --allow-remote) ALLOW_REMOTE=1; shift ;;
+    --) shift; EXTRA=("$@"); break ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) die "unknown option '$1' (see --help)" ;;
+  esac
+done
+RUN_DIR="$(mkdir -p "$RUN_DIR" && cd "$RUN_DIR" && pwd)"
+PIDS="$RUN_DIR/pids"
+
+alive() { kill -0 "$1" 2>/dev/null; }
+answers() { "$PY" - "$1" <<'EOF' 2>/dev/null
+import sys, urllib.request
+urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/system_stats", timeout=2).read()
+EOF
+}
+PY="${PYTHON:-}"
+[[ -z "$PY" && -x "$PACK_DIR/.venv/bin/python" ]] && PY="$PACK_DIR/.venv/bin/python"
+[[ -z "$PY" ]] && PY=python3
+
+tail_log() { echo "---- last lines of $1 ----" >&2; tail -n "${2:-15}" "$1" >&2 || true; }
+
+stop_ranks() {
+  [[ -f "$PIDS" ]] || { echo "start-tp2: nothing to stop in $RUN_DIR (no pids file)"; return 0; }
+  while read -r rank pid port; do
+    if alive "$pid"; then kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; fi
+  done < "$PIDS"
+  for _ in $(seq 1 60); do
+    local left=0
+    while read -r rank pid port; do alive "$pid" && left=1; done < "$PIDS"
+    [[ $left -eq 0 ]] && break
+    sleep 0.25
+  done
+  while read -r rank pid port; do
+    if alive "$pid"; then kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true; echo "rank $rank (pid $pid) killed"; fi
+  done < "$PIDS"
+  echo "stopped the ranks of $RUN_DIR"
+  rm -f "$PIDS"
+}
+
+status_ranks() {
+  [[ -f "$PIDS" ]] || die "no ranks recorded in $RUN_DIR (not started, or stopped)"
+  local bad=0
+  while read -r rank pid port; do
+    if ! alive "$pid"; then
+      echo "rank $rank: DEAD (pid $pid, port $port)"; tail_log "$RUN_DIR/rank$rank.log"; bad=1
+    elif answers "$port"; then
+      echo "rank $rank: up, http://$LISTEN:$port (pid $pid), log $RUN_DIR/rank$rank.log"
+    else
+      echo "rank $rank: running but not answering on port $port (pid $pid)"; bad=1
+    fi
+  done < "$PIDS"
+  return $bad
+}
+
+case "$cmd" in
+  stop) stop_ranks; exit 0 ;;
+  status) status_ranks; exit $? ;;
+esac
+
+# ---- start ----
+[[ -n "$COMFYUI" && -f "$COMFYUI/main.py" ]] || die "no ComfyUI at '${COMFYUI:-}' (give --comfyui DIR; scripts/install.sh can clone one)"
+COMFYUI="$(cd "$COMFYUI" && pwd)"
+[[ "$TP_SIZE" =~ ^[1-9][0-9]*$ ]] || die "--tp-size must be a positive integer, got '$TP_SIZE'"
+if [[ -f "$PIDS" ]]; then
+  while read -r rank pid port; do alive "$pid" && die "ranks of $RUN_DIR are already running (rank $rank pid $pid); run: $0 stop --run-dir $RUN_DIR"; done < "$PIDS"
+  rm -f "$PIDS"
+fi
+if [[ "$LISTEN" != 127.0.0.1 && "$LISTEN" != localhost ]]; then
+  [[ $ALLOW_REMOTE -eq 1 ]] || die "--listen $LISTEN exposes ComfyUI's API (no authentication) beyond this machine; add --allow-remote if you mean it"
+  echo "WARNING: listening on $LISTEN: anyone who can reach these ports can queue prompts and read outputs (ComfyUI's API has no authentication)" >&2
+fi
+nodes_dir="${BASE_DIR:-$COMFYUI}/custom_nodes"
+[[ -d "$nodes_dir" ]] || die "no custom_nodes folder at $nodes_dir"
+found=0
+for d in "$nodes_dir"/*; do [[ "$(readlink -f "$d")" == "$PACK_DIR" ]] && found=1; done
+[[ $found -eq 1 ]] || die "the pack is not in $nodes_dir; run: scripts/install.sh --comfyui $COMFYUI (or link $PACK_DIR there)"
+
+if [[ $CPU -eq 1 ]]; then
+  IFS=, read -r -a GPU_LIST <<< "$(seq -s, 0 $((TP_SIZE - 1)))"
+else
+  if [[ -z "$GPUS" ]]; then
+    n=$(nvidia-smi -L 2>/dev/null | wc -l || echo 0)
+    [[ $n -ge $TP_SIZE ]] || die "tp_size $TP_SIZE needs $TP_SIZE GPUs, nvidia-smi shows $n (use --gpus LIST, or --cpu for a CPU test run)"
+    GPUS="$(seq -s, 0 $((TP_SIZE - 1)))"
+  fi
+  IFS=, read -r -a GPU_LIST <<< "$GPUS"
+  [[ ${#GPU_LIST[@]} -eq $TP_SIZE ]] || die "--gpus lists ${#GPU_LIST[@]} GPUs for --tp-size $TP_SIZE"
+fi
+MASTER_PORT="$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+
+echo "minimax-h3-tp2: starting $TP_SIZE ranks of $COMFYUI under $PY"
+echo "  settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S MASTER_PORT=$MASTER_PORT"
+: > "$PIDS"
+for (( r = TP_SIZE - 1; r >= 0; r-- )); do
+  d="$RUN_DIR/rank$r"; mkdir -p "$d/output" "$d/temp" "$d/user"
+  args=(main.py --listen "$LISTEN" --port $((BASE_PORT + r)) --output-directory "$d/output" --temp-directory "$d/temp"
+        --user-directory "$d/user" --database-url "sqlite:///$d/comfyui.db" --disable-auto-launch)
+  [[ -n "$BASE_DIR" ]] && args+=(--base-directory "$BASE_DIR")
+  [[ $CPU -eq 1 ]] && args+=(--cpu)
+  args+=("${EXTRA[@]}")
+  ( cd "$COMFYUI"
+    if [[ $CPU -eq 1 ]]; then export CUDA_VISIBLE_DEVICES=""; else export CUDA_VISIBLE_DEVICES="${GPU_LIST[$r]}"; fi
+    export TP2_RANK=$r TP2_WORLD_SIZE=$TP_SIZE MASTER_ADDR=127.0.0.1 MASTER_PORT
+    exec setsid "$PY" "${args[@]}" > "$RUN_DIR/rank$r.log" 2>&1 ) &
+  echo "$r $! $((BASE_PORT + r))" >> "$PIDS"
+done
+
+deadline=$(( $(date +%s) + TP2_START_TIMEOUT_S ))
+while read -r rank pid port; do
+  until answers "$port"; do
+    if ! alive "$pid"; then
+      echo "start-tp2: rank $rank (GPU ${GPU_LIST[$rank]}, port $port) exited during start-up" >&2
+      tail_log "$RUN_DIR/rank$rank.log" 30; stop_ranks >/dev/null; exit 1
+    fi
+    if [[ $(date +%s) -gt $deadline ]]; then
+      echo "start-tp2: rank $rank (port $port) did not answer within ${TP2_START_TIMEOUT_S} s" >&2
+      tail_log "$RUN_DIR/rank$rank.log" 30; stop_ranks >/dev/null; exit 1
+    fi
+    sleep 0.5
+  done
+done < "$PIDS"
+sort -n "$PIDS" -o "$PIDS"
+while read -r rank pid port; do
+  echo "  rank $rank: http://$LISTEN:$port  $([[ $CPU -eq 1 ]] && echo cpu || echo "GPU ${GPU_LIST[$rank]}")  log $RUN_DIR/rank$rank.log"
+done < "$PIDS"
+echo "ready. submit:  scripts/tp2-submit WORKFLOW.json --ports $(cut -d' ' -f3 "$PIDS" | paste -sd,)"
+echo "stop:           $0 stop --run-dir $RUN_DIR"
