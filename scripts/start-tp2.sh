@@ -47,7 +47,10 @@ done
 RUN_DIR="$(mkdir -p "$RUN_DIR" && cd "$RUN_DIR" && pwd)"
 PIDS="$RUN_DIR/pids"
 
-alive() { kill -0 "$1" 2>/dev/null; }
+alive() {  # running, and not a zombie waiting for a parent that is gone
+  local st; st="$(ps -o stat= -p "$1" 2>/dev/null || true)"
+  [[ -n "$st" && "$st" != Z* ]]
+}
 answers() { "$PY" - "$1" <<'EOF' 2>/dev/null
 import sys, urllib.request
 urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/system_stats", timeout=2).read()
