@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU benchmark, run on a 2-GPU machine from the pack's folder (after scripts/bench/stage.sh made .device/):
+#   bash scripts/bench.sh [bench_comfy.py options, e.g. --tp-sizes 1,2 --resolutions 832x480]
+# Unpacks ComfyUI and the missing packages into /tmp/tp2bench, writes a full-size random-weight int8 ConvRot H3
+# checkpoint with the real key layout (scripts/make_tiny_h3.py --full-size --int8, ~20 GB) and a conditioning
+# file, then runs TP1 and TP2 side by side (scripts/bench/bench_comfy.py). Results go to $OUT (or ./bench-out).
+set -euo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+W=/tmp/tp2bench; OUTDIR="${OUT:-$PWD/bench-out}"; PY="${PYTHON:-python3}"
+[[ -d "$PACK_DIR/.device" ]] || { echo "bench.sh: no .device/ (run scripts/bench/stage.sh first and carry .device)" >&2; exit 1; }
+mkdir -p "$W/site" "$W/ComfyUI" "$W/fe" "$OUTDIR"
+t0=$(date +%s)
+if [[ ! -f "$W/ComfyUI/main.py" ]]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$PACK_DIR"/.device/wheels/*.whl
+  tar -C "$W/site" -xJf "$PACK_DIR/.device/comfy_kitchen.tar.xz"
+  cp -r "$PACK_DIR/scripts/bench/avstub/av" "$W/site/"   # benchmark-only stand-in for PyAV (latent-only workflow)
+  tar -C "$W/ComfyUI" -xJf "$PACK_DIR/.device/comfyui.tar.xz"
+fi
+echo '<html><body>minimax-h3-tp2 benchmark</body></html>' > "$W/fe/index.html"
+export PYTHONPATH="$W/site${PYTHONPATH:+:$PYTHONPATH}"
+BASE="$W/base"; mkdir -p "$BASE/custom_nodes" "$BASE/models/diffusion_models" "$BASE/models/h3_conditioning"
+ln -sfn "$PACK_DIR" "$BASE/custom_nodes/minimax-h3-tp2"
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+"$PY" -c "import torch, comfy_kitchen; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'int8 attention', comfy_kitchen.int8_attention_is_available())"
+CKPT="$BASE/models/diffusion_models/h3_full_int8.safetensors"
+[[ -f "$CKPT" ]] || "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$CKPT" --full-size --int8
+"$PY" "$PACK_DIR/scripts/make_tiny_h3.py" --conditioning "$BASE/models/h3_conditioning/h3_full_cond.safetensors" --text-dim 5120 --tokens 256
+echo "set-up took $(( $(date +%s) - t0 )) s"
+"$PY" "$PACK_DIR/scripts/bench/bench_comfy.py" --comfyui "$W/ComfyUI" --base "$BASE" --front-end "$W/fe" --out "$OUTDIR" "$@"

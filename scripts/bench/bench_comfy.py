@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""TP1 vs TP2 (vs TP4) on real ComfyUI servers, side by side in one invocation, on one GPU machine.
+
+For each tp_size: start the servers (one per GPU; tp_size 1 = plain ComfyUI with the pack inactive), run the
+same latent-only T2V workflow (conditioning from file, cfg 1, res_multistep/simple, seed 145) at each
+resolution, and record: s/step (median of the per-step times after the first step, from rank 0's websocket
+progress), checkpoint load time per rank (UNETLoader's span), peak GPU memory per rank (nvidia-smi every
+0.5 s), and whether all ranks' saved latents are byte-identical. Prints a table; writes bench.json.
+
+    python scripts/bench/bench_comfy.py --comfyui DIR --base DIR --front-end DIR --out DIR [--tp-sizes 1,2]
+        [--resolutions 832x480,1344x768] [--memory-resolutions 1600x896,1920x1088] [--steps 8] [--frames 124]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import aiohttp
+
+CKPT, COND = "h3_full_int8.safetensors", "h3_full_cond.safetensors"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GpuMemory:
+    """nvidia-smi sampled every 0.5 s in a thread: (time, gpu index, MiB used)."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, int, int]] = []
+        cmd = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits", "-lms", "500"]
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        except FileNotFoundError:  # a CPU dry run of the script itself
+            self.proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            try:
+                idx, used = (int(x) for x in line.split(","))
+                self.samples.append((time.time(), idx, used))
+            except ValueError:
+                pass
+
+    def peak(self, gpu: int, t0: float, t1: float) -> int:
+        return max((u for t, i, u in self.samples if i == gpu and t0 <= t <= t1), default=-1)
+
+    def stop(self):
+        if self.proc is not None:
+            self.proc.terminate()
+
+
+def start_servers(args, tp_size: int, run: str) -> list[tuple[subprocess.Popen, int, str]]:
+    master = free_port()
+    servers = []
+    for r in reversed(range(tp_size)):
+        d = os.path.join(run, f"tp{tp_size}_rank{r}")
+        for sub in ("output", "temp", "user"):
+            os.makedirs(os.path.join(d, sub), exist_ok=True)
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
+        env["CUDA_VISIBLE_DEVICES"] = str(r)
+        if tp_size > 1:
+            env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
+                       TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="600", TP2_TIMEOUT_S="600")  # fmt: skip
+        cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", args.base,
+               "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
+               "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
+               "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
+        log = open(os.path.join(run, f"tp{tp_size}_rank{r}.log"), "w")
+        p = subprocess.Popen(cmd, cwd=args.comfyui, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        servers.insert(0, (p, port, log.name))
+    return servers
+
+
+async def wait_ready(session, servers, timeout_s=300):
+    deadline = time.monotonic() + timeout_s
+    for p, port, log in servers:
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(f"server on {port} exited:\n" + open(log).read()[-4000:])
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/system_stats") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server on {port} not ready:\n" + open(log).read()[-4000:])
+            await asyncio.sleep(0.5)
+
+
+def workflow(w: int, h: int, frames: int, steps: int, tag: str) -> dict:
+    return {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": CKPT, "weight_dtype": "default"}},
+        "2": {"class_type": "LoadH3Conditioning", "inputs": {"file": COND}},
+        "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 0]}},
+        "4": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": w, "height": h, "length": frames}},
+        "5": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "seed": 145, "steps": steps, "cfg": 1.0, "sampler_name": "res_multistep",
+                                                    "scheduler": "simple", "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}},
+        "6": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["5", 0]}},
+        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"latents/{tag}_video"}},
+        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 1], "filename_prefix": f"latents/{tag}_audio"}},
+    }  # fmt: skip
+
+
+async def run_one(session, servers, wf, run_dir) -> dict:
+    pid = str(uuid.uuid4())
+    events = [[] for _ in servers]  # (time, type, data)
+
+    async def ws(i, port, cid):
+        async with session.ws_connect(f"ws://127.0.0.1:{port}/ws?clientId={cid}") as sock:
+            async for msg in sock:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    d = json.loads(msg.data)
+                    events[i].append((time.time(), d["type"], d.get("data", {})))
+
+    cids = [uuid.uuid4().hex for _ in servers]
+    watchers = [asyncio.create_task(ws(i, port, cids[i])) for i, (_, port, _) in enumerate(servers)]
+    await asyncio.sleep(0.5)
+    t0 = time.time()
+    for (_, port, _), cid in zip(servers, cids):
+        async with session.post(f"http://127.0.0.1:{port}/prompt", json={"prompt": wf, "prompt_id": pid, "client_id": cid}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"port {port} refused: {await r.text()}")
+    hists = []
+    for p, port, log in servers:
+        while True:
+            async with session.get(f"http://127.0.0.1:{port}/history/{pid}") as r:
+                h = (await r.json()).get(pid)
+            if h and h["status"].get("status_str") in ("success", "error"):
+                hists.append(h)
+                break
+            if p.poll() is not None:
+                raise RuntimeError(f"server {port} died:\n" + open(log).read()[-4000:])
+            await asyncio.sleep(0.2)
+    t1 = time.time()
+    for w in watchers:
+        w.cancel()
+    errors = [m for h in hists for k, m in h["status"].get("messages", []) if k == "execution_error"]
+    if errors:
+        return {"error": errors[0].get("exception_message", "")[:2000], "t0": t0, "t1": t1}
+    first_seen: dict[int, float] = {}  # progress value -> when rank 0 first reported it
+    for t, kind, d in events[0]:
+        if kind == "progress" and d.get("node") == "5":
+            first_seen.setdefault(d["value"], t)
+    steps = [first_seen[v] for v in sorted(first_seen)]
+    per_step = [b - a for a, b in zip(steps, steps[1:])]
+    loads = []
+    for ev in events:
+        starts = [t for t, kind, d in ev if kind == "executing" and d.get("node") == "1"]
+        after = [t for t, kind, d in ev if kind == "executing" and starts and t > starts[0] and d.get("node") != "1"]
+        loads.append(round(after[0] - starts[0], 1) if starts and after else None)
+    digests = []
+    for (_p, _port, log), h in zip(servers, hists):
+        d = hashlib.sha256()
+        for node in sorted(h["outputs"]):
+            for item in h["outputs"][node].get("latents", []):
+                rank_dir = os.path.dirname(log) + "/" + os.path.basename(log)[:-4]
+                with open(os.path.join(rank_dir, "output", item["subfolder"], item["filename"]), "rb") as f:
+                    d.update(f.read())
+        digests.append(d.hexdigest())
+    return {"s_per_step": statistics.median(per_step) if per_step else None, "steps_timed": len(per_step), "load_s": loads,
+            "identical": len(set(digests)) == 1, "digest": digests[0][:12], "t0": t0, "t1": t1}  # fmt: skip
+
+
+def stop_servers(servers):
+    for p, _, _ in servers:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p, _, _ in servers:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+async def main_async(args) -> list[dict]:
+    mem = GpuMemory()
+    rows = []
+    run_dir = os.path.join(args.out, "run")
+    os.makedirs(run_dir, exist_ok=True)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            for tp in args.tp_sizes:
+                servers = start_servers(args, tp, run_dir)
+                try:
+                    await wait_ready(session, servers)
+                    plan = [(r, args.steps, False) for r in args.resolutions] + (
+                        [(r, args.memory_steps, True) for r in args.memory_resolutions] if tp > 1 else []
+                    )
+                    for res, steps, memory_only in plan:
+                        w, h = (int(x) for x in res.split("x"))
+                        out = await run_one(session, servers, workflow(w, h, args.frames, steps, f"tp{tp}_{res}"), run_dir)
+                        out.update(tp_size=tp, resolution=res, steps=steps, memory_only=memory_only)
+                        out["peak_mib"] = [mem.peak(g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
+                        rows.append(out)
+                        print(json.dumps({k: v for k, v in out.items() if k not in ("t0", "t1")}), flush=True)
+                finally:
+                    stop_servers(servers)
+    finally:
+        mem.stop()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    tp1 = {r["resolution"]: r for r in rows if r["tp_size"] == 1 and "error" not in r}
+    lines = [
+        "| resolution | tp | steps | s/step | TP1/TPn | peak GiB per rank | load s per rank | ranks identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['resolution']} | {r['tp_size']} | {r['steps']} | ERROR: {r['error'][:120]} | | | | |")
+            continue
+        base = tp1.get(r["resolution"])
+        ratio = f"{base['s_per_step'] / r['s_per_step']:.2f}x" if base and r["s_per_step"] and r["tp_size"] > 1 else "-"
+        sps = f"{r['s_per_step']:.3f}" if r["s_per_step"] else "-"
+        mem = ", ".join(f"{m / 1024:.1f}" for m in r["peak_mib"])
+        lines.append(
+            f"| {r['resolution']}{' (memory)' if r['memory_only'] else ''} | {r['tp_size']} | {r['steps']} | {sps} | {ratio} | {mem} | {r['load_s']} | {r['identical']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--comfyui", required=True)
+    ap.add_argument("--base", required=True, help="ComfyUI --base-directory with models/ and custom_nodes/ (pack linked)")
+    ap.add_argument("--front-end", required=True, help="a folder with an index.html (the frontend package is not needed)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp-sizes", default="1,2")
+    ap.add_argument("--resolutions", default="832x480,1344x768")
+    ap.add_argument("--memory-resolutions", default="1600x896,1920x1088")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--memory-steps", type=int, default=2)
+    ap.add_argument("--frames", type=int, default=124)
+    ap.add_argument("--attn", default="ck", help="TP2_ATTN_BACKEND for TP ranks (TP1 gets the same via --use-ck-attention)")
+    ap.add_argument("--comfy-args", default="--highvram --disable-async-offload --use-ck-attention")
+    args = ap.parse_args(argv)
+    args.tp_sizes = [int(x) for x in args.tp_sizes.split(",")]
+    args.resolutions = [r for r in args.resolutions.split(",") if r]
+    args.memory_resolutions = [r for r in args.memory_resolutions.split(",") if r]
+    rows = asyncio.run(main_async(args))
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
