@@ -29,7 +29,6 @@ import uuid
 
 import aiohttp
 
-CKPT, COND = "h3_full_int8.safetensors", "h3_full_cond.safetensors"
 
 
 def free_port() -> int:
@@ -107,10 +106,10 @@ async def wait_ready(session, servers, timeout_s=300):
             await asyncio.sleep(0.5)
 
 
-def workflow(w: int, h: int, frames: int, steps: int, tag: str) -> dict:
+def workflow(ckpt: str, cond: str, w: int, h: int, frames: int, steps: int, tag: str) -> dict:
     return {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": CKPT, "weight_dtype": "default"}},
-        "2": {"class_type": "LoadH3Conditioning", "inputs": {"file": COND}},
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt, "weight_dtype": "default"}},
+        "2": {"class_type": "LoadH3Conditioning", "inputs": {"file": cond}},
         "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 0]}},
         "4": {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": w, "height": h, "length": frames}},
         "5": {"class_type": "KSampler", "inputs": {"model": ["1", 0], "seed": 145, "steps": steps, "cfg": 1.0, "sampler_name": "res_multistep",
@@ -208,7 +207,7 @@ async def main_async(args) -> list[dict]:
                     )
                     for res, steps, memory_only in plan:
                         w, h = (int(x) for x in res.split("x"))
-                        out = await run_one(session, servers, workflow(w, h, args.frames, steps, f"tp{tp}_{res}"), run_dir)
+                        out = await run_one(session, servers, workflow(args.ckpt, args.cond, w, h, args.frames, steps, f"tp{tp}_{res}"), run_dir)
                         out.update(tp_size=tp, resolution=res, steps=steps, memory_only=memory_only)
                         out["peak_mib"] = [mem.peak(g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
                         rows.append(out)
@@ -246,6 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--base", required=True, help="ComfyUI --base-directory with models/ and custom_nodes/ (pack linked)")
     ap.add_argument("--front-end", required=True, help="a folder with an index.html (the frontend package is not needed)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ckpt", default="h3_full_int8.safetensors", help="file in BASE/models/diffusion_models")
+    ap.add_argument("--cond", default="h3_full_cond.safetensors", help="file in BASE/models/h3_conditioning")
     ap.add_argument("--tp-sizes", default="1,2")
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088")
