@@ -30,7 +30,6 @@ import uuid
 import aiohttp
 
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -207,7 +206,9 @@ async def main_async(args) -> list[dict]:
                     )
                     for res, steps, memory_only in plan:
                         w, h = (int(x) for x in res.split("x"))
-                        out = await run_one(session, servers, workflow(args.ckpt, args.cond, w, h, args.frames, steps, f"tp{tp}_{res}"), run_dir)
+                        out = await run_one(
+                            session, servers, workflow(args.ckpt, args.cond, w, h, args.frames, steps, f"tp{tp}_{res}"), run_dir
+                        )
                         out.update(tp_size=tp, resolution=res, steps=steps, memory_only=memory_only)
                         out["peak_mib"] = [mem.peak(g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
                         rows.append(out)
