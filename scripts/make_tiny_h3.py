@@ -201,7 +201,7 @@ def parse_args(argv=None):
     if a.time_embed_dim is None:
         a.time_embed_dim = 8 if a.adaln == "curve" else a.hidden // 2
     a.torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype or ("bf16" if a.full_size else "fp32")]
-    if a.text_dim == a.hidden:
+    if not a.conditioning and a.text_dim == a.hidden:
         ap.error(f"--text-dim ({a.text_dim}) must differ from --hidden: H3 treats a context of hidden width as already refined")
     if not a.conditioning and not a.out:
         ap.error("give OUT.safetensors, or --conditioning OUT.safetensors")
