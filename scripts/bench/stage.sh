@@ -16,8 +16,9 @@ for p in comfy-aimdo==0.4.13 alembic sqlalchemy greenlet mako pydantic==2.14.4 p
 dl "$OUT/tmp" comfy-kitchen==0.2.31
 ( cd "$OUT/tmp" && unzip -q comfy_kitchen-*.whl && rm -rf comfy_kitchen/backends/hip comfy_kitchen-*.whl \
   && tar -cJf "$OUT/comfy_kitchen.tar.xz" comfy_kitchen comfy_kitchen-*.dist-info )
-tar -C "$COMFYUI" --exclude=.git --exclude=tests --exclude=tests-unit --exclude=comfy_api_nodes --exclude=blueprints \
-    --exclude=custom_nodes --exclude=models --exclude=output --exclude=input --exclude=user --exclude=temp \
+# anchored excludes: a bare "models" would also drop comfy/ldm/models
+tar -C "$COMFYUI" --exclude=./.git --exclude=./tests --exclude=./tests-unit --exclude=./comfy_api_nodes --exclude=./blueprints \
+    --exclude=./custom_nodes --exclude=./models --exclude=./output --exclude=./input --exclude=./user --exclude=./temp \
     --exclude='__pycache__' -cJf "$OUT/comfyui.tar.xz" .
 rm -rf "$OUT/tmp"
 du -sh "$OUT"/* | sort -h
