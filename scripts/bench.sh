@@ -11,12 +11,12 @@ W=/tmp/tp2bench; OUTDIR="${OUT:-$PWD/bench-out}"; PY="${PYTHON:-python3}"
 [[ -d "$PACK_DIR/.device" ]] || { echo "bench.sh: no .device/ (run scripts/bench/stage.sh first and carry .device)" >&2; exit 1; }
 mkdir -p "$W/site" "$W/ComfyUI" "$W/fe" "$OUTDIR"
 t0=$(date +%s)
-if [[ ! -f "$W/ComfyUI/main.py" ]]; then
+if [[ ! -d "$W/site/comfy_kitchen" ]]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$PACK_DIR"/.device/wheels/*.whl
   tar -C "$W/site" -xJf "$PACK_DIR/.device/comfy_kitchen.tar.xz"
   cp -r "$PACK_DIR/scripts/bench/avstub/av" "$W/site/"   # benchmark-only stand-in for PyAV (latent-only workflow)
-  tar -C "$W/ComfyUI" -xJf "$PACK_DIR/.device/comfyui.tar.xz"
 fi
+rm -rf "$W/ComfyUI" && mkdir -p "$W/ComfyUI" && tar -C "$W/ComfyUI" -xJf "$PACK_DIR/.device/comfyui.tar.xz"
 echo '<html><body>minimax-h3-tp2 benchmark</body></html>' > "$W/fe/index.html"
 export PYTHONPATH="$W/site${PYTHONPATH:+:$PYTHONPATH}"
 BASE="$W/base"; mkdir -p "$BASE/custom_nodes" "$BASE/models/diffusion_models" "$BASE/models/h3_conditioning"
