@@ -3,6 +3,10 @@ and changes nothing when they are not."""
 
 from __future__ import annotations
 
+import threading
+import time
+import uuid
+
 import torch
 from comfy_api.latest import ComfyExtension
 
@@ -23,8 +27,9 @@ def activate() -> None:
         return
     import comfy.model_management
 
+    from .front_door import install_front_door
     from .loader import install_loader_hook
-    from .lockstep import track_prompts
+    from .lockstep import install_interrupt_deferral, track_prompts
     from .parallel import install_linear_input_act_patch
 
     device = comfy.model_management.get_torch_device()
@@ -37,10 +42,35 @@ def activate() -> None:
     install_loader_hook()
     install_linear_input_act_patch()
     track_prompts()
+    install_interrupt_deferral()
+    install_front_door()
+    STATE.boot_id = uuid.uuid4().hex
+    threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     log.info(
         "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
         STATE.tag, device, env.master_addr, env.master_port, STATE.int8_kernel, env.timeout_s, STATE.prompt_timeout_s,
     )  # fmt: skip
+
+
+def _register_boot() -> None:
+    """Join the rank store (rank 0 hosts it) and publish this process's boot id, retrying until rank 0 is up.
+
+    Peers compare boot ids at each prompt: a rank that restarted has an empty node cache, so every rank clears
+    its own before the next prompt and they execute the same nodes again."""
+    deadline = time.monotonic() + STATE.env.timeout_s
+    while time.monotonic() < deadline:
+        try:
+            STATE.session.register_boot(STATE.boot_id, timeout_s=10)
+            STATE.boot_registered.set()
+            return
+        except Exception as e:  # noqa: BLE001 - rank 0 not up yet: retry
+            last = e
+            time.sleep(1.0)
+    log.warning(
+        "%s could not reach the rank store to register this boot (%s); cache clearing after restarts relies on rendezvous errors",
+        STATE.tag,
+        last,
+    )
 
 
 class TP2Extension(ComfyExtension):

@@ -18,7 +18,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import threading
 
+import comfy.model_management as mm
 import comfy.patcher_extension as pe
 import execution
 import torch
@@ -28,6 +30,7 @@ from ..tp2 import __version__
 from ..tp2.collectives import broadcast_tree
 from ..tp2.errors import PeerLostError
 from ..tp2.plan import Plan
+from .front_door import forward_failure
 from .parallel import role_guard
 from .state import STATE, log
 
@@ -42,9 +45,11 @@ class _Prompt:
     fingerprint: str = "none"
     samplers: int = 0
     cache_epoch_seen: int = 0
+    boots_seen: list | None = None
 
 
 CURRENT = _Prompt()
+_SAMPLING = threading.local()  # .active while a TP sampler runs in this (the prompt worker's) thread
 
 
 def prompt_fingerprint(prompt: dict) -> str:
@@ -62,6 +67,23 @@ def _cache_epoch(bump: bool = False) -> int | None:
         return None
 
 
+def _caches_may_differ() -> bool:
+    """True when, since this rank's last prompt, a rank restarted (new boot id: empty node cache) or a rank
+    reported a failed rendezvous or collective (cache epoch bumped)."""
+    changed = False
+    epoch = _cache_epoch()
+    if epoch is not None and epoch > CURRENT.cache_epoch_seen:
+        changed, CURRENT.cache_epoch_seen = True, epoch
+    boots = STATE.session.boot_ids() if STATE.session is not None else None
+    if boots is not None:
+        # a restart is a known id replaced by another; a first registration (None -> id) is not
+        seen = CURRENT.boots_seen or [None] * len(boots)
+        if any(old is not None and new is not None and old != new for old, new in zip(seen, boots)):
+            changed = True
+        CURRENT.boots_seen = [new if new is not None else old for old, new in zip(seen, boots)]
+    return changed
+
+
 def track_prompts() -> None:
     original = execution.PromptExecutor.execute_async
     if getattr(original, "_tp2", False):
@@ -69,11 +91,9 @@ def track_prompts() -> None:
 
     @functools.wraps(original)
     async def execute_async(self, prompt, prompt_id, extra_data={}, execute_outputs=[]):  # noqa: B006 - ComfyUI's signature
-        epoch = _cache_epoch()
-        if epoch is not None and epoch > CURRENT.cache_epoch_seen:
-            log.info("%s ranks may have run different nodes last time: clearing this rank's node cache", STATE.tag)
+        if _caches_may_differ():
+            log.info("%s a rank restarted or failed since the last prompt: clearing this rank's node cache", STATE.tag)
             self.reset()
-            CURRENT.cache_epoch_seen = epoch
         CURRENT.prompt_id, CURRENT.fingerprint, CURRENT.samplers = prompt_id, prompt_fingerprint(prompt), 0
         try:
             return await original(self, prompt, prompt_id, extra_data, execute_outputs)
@@ -108,17 +128,66 @@ def _outer_sample(model_fields, executor, *args, **kwargs):
     fields = dict(model_fields, prompt=CURRENT.fingerprint, sampler=str(n), seed=str(seed), sigmas=_digest(sigmas))
     key = f"{CURRENT.prompt_id or 'no-prompt'}/sampler{n}"
     try:
-        session.agree(key, fields, STATE.prompt_timeout_s)
+        session.agree(key, fields, STATE.prompt_timeout_s, abort=_rank0_abort if STATE.env.tp_rank == 0 else None)
     except PeerLostError:
         _cache_epoch(bump=True)
         raise
     STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
+    _SAMPLING.active = True
     try:
         return executor(*args, **kwargs)
     except PeerLostError:
         session.mark_broken()
         _cache_epoch(bump=True)
         raise
+    finally:
+        _SAMPLING.active = False
+
+
+def _rank0_abort() -> str | None:
+    """Why rank 0 gives up waiting for its followers: a follower could not take the prompt, or an interrupt."""
+    return forward_failure(CURRENT.prompt_id) or ("interrupted on rank 0" if mm.processing_interrupted() else None)
+
+
+def _deferring_update_absolute(original):
+    """ProgressBar.update_absolute that, during TP sampling, turns an interrupt into a flag for the next model
+    evaluation: all ranks must stop at the same step, and rank 0 tells them which (see _diffusion_model)."""
+
+    @functools.wraps(original)
+    def update_absolute(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except mm.InterruptProcessingException:
+            if not getattr(_SAMPLING, "active", False):
+                raise
+            log.debug("%s interrupt deferred to the next model evaluation", STATE.tag)
+            mm.interrupt_current_processing(True)  # the check cleared it; keep it for the next model evaluation
+
+    update_absolute._tp2 = True
+    return update_absolute
+
+
+def _deferring_run_every_op(original):
+    """comfy.ops.run_every_op checks for an interrupt inside every layer; mid-forward that would leave the other
+    ranks waiting in a collective, so during TP sampling the check waits for the next model evaluation."""
+
+    @functools.wraps(original)
+    def run_every_op():
+        if not getattr(_SAMPLING, "active", False):
+            return original()
+
+    run_every_op._tp2 = True
+    return run_every_op
+
+
+def install_interrupt_deferral() -> None:
+    """Interrupts during TP sampling take effect at one agreed model evaluation on every rank."""
+    import comfy.ops
+
+    if not getattr(comfy.utils.ProgressBar.update_absolute, "_tp2", False):
+        comfy.utils.ProgressBar.update_absolute = _deferring_update_absolute(comfy.utils.ProgressBar.update_absolute)
+    if not getattr(comfy.ops.run_every_op, "_tp2", False):
+        comfy.ops.run_every_op = _deferring_run_every_op(comfy.ops.run_every_op)
 
 
 def _refine_text(original, text_states):
@@ -134,15 +203,17 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     payload = kwargs.get("minimax_payload") or {}
     shared = None
     if STATE.env.tp_rank == 0:
-        extra = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        shared = {
-            "x": list(x),
-            "t": timestep,
-            "context": context,
-            "payload": {k: v for k, v in payload.items() if k != "layout"},
-            "extra": extra,
-        }
+        if mm.processing_interrupted():  # every rank stops here, at the same model evaluation
+            shared = {"stop": True}
+        else:
+            extra = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+            layoutless = {k: v for k, v in payload.items() if k != "layout"}
+            shared = {"x": list(x), "t": timestep, "context": context, "payload": layoutless, "extra": extra}
     shared = broadcast_tree(shared, group)
+    if shared.get("stop"):
+        log.info("%s interrupted on rank 0: every rank stops at this model evaluation", STATE.tag)
+        mm.interrupt_current_processing(False)
+        raise mm.InterruptProcessingException()
     kwargs = dict(kwargs, **shared["extra"])
     if "minimax_payload" in kwargs:  # rank 0's tensors and values; this rank's own (identical, rebuildable) layout
         kwargs["minimax_payload"] = dict(shared["payload"], **({"layout": payload["layout"]} if "layout" in payload else {}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 
 from ..tp2.collectives import TPEnv
@@ -42,6 +43,8 @@ class RankState:
     prompt_timeout_s: float = DEFAULT_PROMPT_TIMEOUT_S
     models: list[LoadedModel] = field(default_factory=list)
     last_agreement: str = "none yet"
+    boot_id: str = ""
+    boot_registered: threading.Event = field(default_factory=threading.Event)
 
     @property
     def active(self) -> bool:

@@ -32,6 +32,5 @@ trap '"$PACK_DIR/scripts/start-tp2.sh" stop --run-dir "$RUN_DIR/ranks" >/dev/nul
 PYTHON="$PY" "$PACK_DIR/scripts/start-tp2.sh" --comfyui "$COMFYUI" --tp-size 2 "${where[@]}" --run-dir "$RUN_DIR/ranks" \
   --base-dir "$BASE" --base-port "${TP2_DEMO_PORT:-18288}" -- --disable-api-nodes
 echo "3/4 submitting workflows/api/h3_tp2_tiny_demo.json to both ranks"
-ports="$(cut -d' ' -f3 "$RUN_DIR/ranks/pids" | paste -sd,)"
-"$PY" "$PACK_DIR/scripts/tp2-submit" "$PACK_DIR/workflows/api/h3_tp2_tiny_demo.json" --ports "$ports" --out "$RUN_DIR/outputs" --timeout 600
+"$PY" "$PACK_DIR/scripts/tp2-submit" "$PACK_DIR/workflows/api/h3_tp2_tiny_demo.json" --run-dir "$RUN_DIR/ranks" --out "$RUN_DIR/outputs" --timeout 600
 echo "4/4 verified: both ranks wrote identical files (above). Stopping the ranks."

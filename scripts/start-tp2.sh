@@ -8,7 +8,8 @@
 #
 # Each rank r gets CUDA_VISIBLE_DEVICES=<its GPU>, HTTP port base-port + r, and its own output, temp, user
 # directories and sqlite database under the run dir (default ./tp2-run); logs are RUN_DIR/rank<r>.log and the
-# pids RUN_DIR/pids. Followers start first; the command returns once every rank answers its HTTP API.
+# pids RUN_DIR/pids, the per-run secret RUN_DIR/secret (rank 0 forwards every prompt queued on it to the followers,
+# authenticated with it). Followers start first; the command returns once every rank answers its HTTP API.
 # --base-dir passes ComfyUI's --base-directory (models and custom_nodes from there; the demo uses it).
 # ComfyUI runs under $PYTHON if set, else the pack's .venv (scripts/install.sh), else python3.
 set -euo pipefail
@@ -130,6 +131,12 @@ else
   [[ ${#GPU_LIST[@]} -eq $TP_SIZE ]] || die "--gpus lists ${#GPU_LIST[@]} GPUs for --tp-size $TP_SIZE"
 fi
 MASTER_PORT="$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+# the per-run secret that authenticates rank 0's forwards (and tp2-submit) to the followers
+SECRET_FILE="$RUN_DIR/secret"
+( umask 077; "$PY" -c 'import secrets; print(secrets.token_hex(32))' > "$SECRET_FILE" )
+HOST="$LISTEN"; [[ "$HOST" == 0.0.0.0 ]] && HOST=127.0.0.1
+RANK_URLS="$(for (( r = 0; r < TP_SIZE; r++ )); do printf 'http://%s:%d,' "$HOST" $((BASE_PORT + r)); done)"
+RANK_URLS="${RANK_URLS%,}"
 
 echo "minimax-h3-tp2: starting $TP_SIZE ranks of $COMFYUI under $PY"
 echo "  settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S MASTER_PORT=$MASTER_PORT"
@@ -143,7 +150,7 @@ for (( r = TP_SIZE - 1; r >= 0; r-- )); do
   args+=("${EXTRA[@]}")
   ( cd "$COMFYUI"
     if [[ $CPU -eq 1 ]]; then export CUDA_VISIBLE_DEVICES=""; else export CUDA_VISIBLE_DEVICES="${GPU_LIST[$r]}"; fi
-    export TP2_RANK=$r TP2_WORLD_SIZE=$TP_SIZE MASTER_ADDR=127.0.0.1 MASTER_PORT
+    export TP2_RANK=$r TP2_WORLD_SIZE=$TP_SIZE MASTER_ADDR=127.0.0.1 MASTER_PORT TP2_SECRET_FILE="$SECRET_FILE" TP2_RANK_URLS="$RANK_URLS"
     exec setsid "$PY" "${args[@]}" > "$RUN_DIR/rank$r.log" 2>&1 ) &
   echo "$r $! $((BASE_PORT + r))" >> "$PIDS"
 done
@@ -166,5 +173,6 @@ sort -n "$PIDS" -o "$PIDS"
 while read -r rank pid port; do
   echo "  rank $rank: http://$LISTEN:$port  $([[ $CPU -eq 1 ]] && echo cpu || echo "GPU ${GPU_LIST[$rank]}")  log $RUN_DIR/rank$rank.log"
 done < "$PIDS"
-echo "ready. submit:  scripts/tp2-submit WORKFLOW.json --ports $(cut -d' ' -f3 "$PIDS" | paste -sd,)"
+echo "ready. open rank 0 in a browser and queue as usual (it runs on every rank), or submit and verify:"
+echo "       scripts/tp2-submit WORKFLOW.json --run-dir $RUN_DIR"
 echo "stop:           $0 stop --run-dir $RUN_DIR"

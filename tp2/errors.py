@@ -28,5 +28,9 @@ class PeerLostError(TP2Error):
     """A peer rank died, never arrived, or stopped answering within the timeout."""
 
 
+class PromptAbortedError(TP2Error):
+    """A rank cancelled the prompt while the ranks were meeting (interrupt, or a follower that is down)."""
+
+
 class MissingRoleError(TP2Error):
     """An int8 or sharded linear ran inside a TP model without a colwise/rowwise role."""

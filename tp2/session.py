@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import TPEnv, TPGroup, init_tp_group
-from .errors import PeerLostError
+from .errors import PeerLostError, PromptAbortedError
 from .handshake import compare_fields
 
 log = logging.getLogger(__name__)
@@ -78,13 +78,15 @@ class TPSession:
             return fn(self._connect(timeout_s))
 
     # -- agreement -------------------------------------------------------------------------------------
-    def rendezvous(self, key: str, fields: dict[str, str], timeout_s: float) -> list[dict[str, str]]:
+    def rendezvous(self, key: str, fields: dict[str, str], timeout_s: float, abort=None) -> list[dict[str, str]]:
         """Publish `fields` under `key` and wait (at most `timeout_s`) for every rank's; compare them.
 
-        Raises PeerLostError naming the ranks that did not arrive, or RankMismatchError naming the fields
-        that differ (every rank sees every rank's fields, so every rank raises the same).
+        Raises PeerLostError naming the ranks that did not arrive, RankMismatchError naming the fields that
+        differ (every rank sees every rank's fields, so every rank raises the same), or PromptAbortedError when
+        any rank called `abort_rendezvous(key, why)` or this rank's `abort()` returns a reason while waiting.
         """
         keys = [f"tp2/rv/{key}/rank{r}" for r in range(self.env.tp_size)]
+        abort_key = f"tp2/rv/{key}/abort"
         mine = json.dumps(fields, sort_keys=True)
         self._store_op(timeout_s, lambda s: s.set(keys[self.env.tp_rank], mine))
         deadline = time.monotonic() + timeout_s
@@ -92,6 +94,12 @@ class TPSession:
             present = self._store_op(timeout_s, lambda s: [s.check([k]) for k in keys])
             if all(present):
                 break
+            why = abort() if abort is not None else None
+            if why:
+                self.abort_rendezvous(key, why)
+            if self._store_op(timeout_s, lambda s: s.check([abort_key])):
+                reason = self._store_op(timeout_s, lambda s: s.get(abort_key)).decode()
+                raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {reason}")
             if time.monotonic() > deadline:
                 self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
                 missing = [r for r, ok in enumerate(present) if not ok]
@@ -105,10 +113,14 @@ class TPSession:
         compare_fields(everyone, self.tag, f"prompt '{key}'", skip_prefix=_PRIVATE)
         return everyone
 
-    def agree(self, key: str, fields: dict[str, str], timeout_s: float) -> TPGroup:
+    def abort_rendezvous(self, key: str, why: str) -> None:
+        """Make every rank waiting at (or later reaching) `key` give up with `why`."""
+        self._store_op(self.env.timeout_s, lambda s: s.set(f"tp2/rv/{key}/abort", why))
+
+    def agree(self, key: str, fields: dict[str, str], timeout_s: float, abort=None) -> TPGroup:
         """Rendezvous on `key`, then return a healthy process group every rank shares (made if needed)."""
         own = dict(fields, **{f"{_PRIVATE}gen": str(self.generation), f"{_PRIVATE}healthy": str(int(self.healthy))})
-        everyone = self.rendezvous(key, own, timeout_s)
+        everyone = self.rendezvous(key, own, timeout_s, abort)
         gens = [int(f[f"{_PRIVATE}gen"]) for f in everyone]
         if self.group is not None and len(set(gens)) == 1 and all(f[f"{_PRIVATE}healthy"] == "1" for f in everyone):
             return self.group
@@ -123,6 +135,20 @@ class TPSession:
         self.group = init_tp_group(self.env, self.device, store=store)
         self.generation, self.healthy = generation, True
         log.info("%s process group generation %d formed", self.tag, generation)
+
+    def register_boot(self, boot_id: str, timeout_s: float) -> None:
+        """Publish this process's boot id (a restarted rank has a new one, and an empty node cache)."""
+        self._store_op(timeout_s, lambda s: s.set(f"tp2/boot/rank{self.env.tp_rank}", boot_id))
+
+    def boot_ids(self) -> list[str | None] | None:
+        """Every rank's current boot id (None for a rank not registered yet); None when the store is unreachable."""
+        if self._store is None:
+            return None
+        keys = [f"tp2/boot/rank{r}" for r in range(self.env.tp_size)]
+        try:
+            return self._store_op(5.0, lambda s: [s.get(k).decode() if s.check([k]) else None for k in keys])
+        except (RuntimeError, dist.DistError, PeerLostError):
+            return None
 
     def mark_broken(self) -> None:
         """A collective failed (peer died or timed out): the next `agree` builds a new group."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plot s/step TP1 vs TP2 by resolution from a bench.json written by bench_comfy.py.
 
-    python scripts/bench/plot.py docs/bench/<run>.json docs/bench/<run>.png
+python scripts/bench/plot.py docs/bench/<run>.json docs/bench/<run>.png
 """
 
 import json

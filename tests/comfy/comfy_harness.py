@@ -172,3 +172,12 @@ def tiny_workflow(unet: str, cond: str, seed: int = 42, steps: int = 2, prefix: 
 
 def cleanup(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def safetensors_content(blob: bytes) -> bytes:
+    """A .latent file with its header keys sorted: safetensors writes metadata from a Rust HashMap whose order
+    differs between processes, so two ranks saving equal tensors and metadata may differ in header order only."""
+    import struct
+
+    (n,) = struct.unpack("<Q", blob[:8])
+    return json.dumps(json.loads(blob[8 : 8 + n]), sort_keys=True).encode() + blob[8 + n :]
