@@ -8,7 +8,7 @@
 #                  when absent and the network allows)
 #   --venv DIR     where the virtualenv goes (default: $TP2_VENV, else <pack>/.venv)
 #   --no-link      do not link the pack into DIR/custom_nodes
-#   --dev          also install the test tools (pytest, ruff, psutil)
+#   --dev          also install the test tools (pytest, ruff, psutil; Debian's chromium for the browser test)
 #
 # Env: TP2_TORCH_SPEC overrides the torch packages (default: "torch==2.14.1 torchvision==0.29.1"; torchaudio
 # 2.11.1 is added without deps, as ComfyUI 0.33 needs it only for imports on the H3 path).
@@ -77,6 +77,15 @@ say "installing the pack's dependencies"
 if [[ $DEV -eq 1 ]]; then
   say "installing test tools"
   "${PIP[@]}" "pytest>=8" "ruff>=0.6" "psutil>=5.9"
+  if ! command -v chromium >/dev/null 2>&1; then  # the headless-browser test of the web UI path
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+      say "installing Debian's chromium for the browser test"
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+        || say "could not install chromium: the browser test will be skipped"
+    else
+      say "no chromium (install Debian's 'chromium' package): the browser test will be skipped"
+    fi
+  fi
 fi
 
 if [[ $LINK -eq 1 && -d "$COMFYUI/custom_nodes" ]]; then
