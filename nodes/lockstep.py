@@ -112,7 +112,13 @@ def _digest(t) -> str:
 
 def install_lockstep(patcher, plan: Plan, checkpoint_fp: str) -> None:
     """Wire one loaded TP model: wrappers on the patcher, the refiner broadcast on the model instance."""
-    model_fields = {"pack_version": __version__, "plan": plan.fingerprint(), "checkpoint": checkpoint_fp, "tp_size": str(plan.tp_size)}
+    model_fields = {
+        "pack_version": __version__,
+        "plan": plan.fingerprint(),
+        "checkpoint": checkpoint_fp,
+        "tp_size": str(plan.tp_size),
+        "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
+    }
     patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, model_fields))
     patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, _diffusion_model)
     dm = patcher.model.diffusion_model

@@ -43,7 +43,8 @@ def _group():
 
 
 def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-    """Y = sum_r act(X)_r A_r: this rank's GEMM in fp32, one all-reduce(sum) in fp32, then cast to x's dtype."""
+    """Y = sum_r act(X)_r A_r: this rank's GEMM out in the reduce dtype (fp32 by default), one all-reduce(sum),
+    then cast to x's dtype."""
     from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
     if getattr(linear, "tp_split_input", False):
@@ -54,11 +55,11 @@ def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None
         if isinstance(weight, QuantizedTensor) and weight._layout_cls == "TensorWiseINT8Layout":
             qdata, scale = TensorWiseINT8Layout.get_plain_tensors(weight)
             group = weight._params.convrot_groupsize if getattr(weight._params, "convrot", False) else None
-            y = STATE.int8_gemm(x, qdata, scale, bias, torch.float32, group, input_act)
+            y = STATE.int8_gemm(x, qdata, scale, bias, STATE.reduce_dtype, group, input_act)
         else:
             if isinstance(weight, QuantizedTensor):
                 weight = weight.dequantize()
-            y = F.linear(apply_input_act(x, input_act), weight, bias).float()
+            y = F.linear(apply_input_act(x, input_act), weight, bias).to(STATE.reduce_dtype)
     finally:
         comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
     return all_reduce(y, _group()).to(x.dtype)

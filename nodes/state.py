@@ -39,6 +39,7 @@ class RankState:
     device: object | None = None
     int8_kernel: str = "auto"
     int8_gemm: object | None = None  # kernels.select_int8_gemm() result
+    reduce_dtype: object = None  # torch dtype of the row-parallel all-reduce (TP2_REDUCE_DTYPE)
     attention: str = "comfyui"  # resolved backend name, "comfyui" = ComfyUI's own choice
     prompt_timeout_s: float = DEFAULT_PROMPT_TIMEOUT_S
     models: list[LoadedModel] = field(default_factory=list)

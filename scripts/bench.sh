@@ -23,11 +23,13 @@ BASE="$W/base"; mkdir -p "$BASE/custom_nodes" "$BASE/models/diffusion_models" "$
 ln -sfn "$PACK_DIR" "$BASE/custom_nodes/minimax-h3-tp2"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch, comfy_kitchen; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'int8 attention', comfy_kitchen.int8_attention_is_available())"
+if [[ "${TP2_BENCH_SMOKE:-1}" == 1 ]]; then
 echo "== smoke: tiny checkpoint, TP1 and TP2, to catch set-up problems before the 20 GB checkpoint =="
 "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$BASE/models/diffusion_models/h3_tiny_int8.safetensors" --int8 --hidden 512 --heads 4 --ffn 1024 --text-dim 256
 "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" --conditioning "$BASE/models/h3_conditioning/h3_tiny_cond.safetensors" --text-dim 256
 "$PY" "$PACK_DIR/scripts/bench/bench_comfy.py" --comfyui "$W/ComfyUI" --base "$BASE" --front-end "$W/fe" --out "$OUTDIR/smoke" \
   --ckpt h3_tiny_int8.safetensors --cond h3_tiny_cond.safetensors --resolutions 256x256 --memory-resolutions "" --frames 22 --steps 3 --tp-sizes 1,2
+fi
 CKPT="$BASE/models/diffusion_models/h3_full_int8.safetensors"
 [[ -f "$CKPT" ]] || "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$CKPT" --full-size --int8
 "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" --conditioning "$BASE/models/h3_conditioning/h3_full_cond.safetensors" --text-dim 5120 --tokens 256

@@ -25,7 +25,17 @@ log = logging.getLogger(__name__)
 ENV_RANK = "TP2_RANK"
 ENV_WORLD_SIZE = "TP2_WORLD_SIZE"
 ENV_TIMEOUT = "TP2_TIMEOUT_S"
+ENV_REDUCE_DTYPE = "TP2_REDUCE_DTYPE"
 DEFAULT_TIMEOUT_S = 300.0
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def reduce_dtype_from_env(environ: dict[str, str] | None = None) -> torch.dtype:
+    """The dtype row-parallel partial sums are reduced in: fp32 (default, no extra rounding) or bf16 (half the bytes)."""
+    raw = (os.environ if environ is None else environ).get(ENV_REDUCE_DTYPE, "fp32").strip().lower()
+    if raw not in REDUCE_DTYPES:
+        raise TP2Error(f"{ENV_REDUCE_DTYPE}={raw!r} is not one of {', '.join(REDUCE_DTYPES)}. Unset it for fp32.")
+    return REDUCE_DTYPES[raw]
 
 
 @dataclass(frozen=True)

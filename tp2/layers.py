@@ -102,7 +102,7 @@ class ColumnParallelLinear(_TPLinear):
 
 
 class RowParallelLinear(_TPLinear):
-    """Y = sum_r X_r A_r, A split by input columns K. forward: all-reduce(sum) in fp32, then cast to x's dtype.
+    """Y = sum_r X_r A_r, A split by input columns K. forward: all-reduce(sum) in fp32 (or `reduce_dtype`), then cast.
 
     Each rank quantises its own half-row of activations (int8), so the sum is exact math on a different
     quantisation grid than one GPU. The bias lives on rank 0 (zeros elsewhere) and is therefore added once.
@@ -111,15 +111,15 @@ class RowParallelLinear(_TPLinear):
 
     tp_role = "rowwise"
 
-    def __init__(self, weight, bias, tp, gemm=None, split_input: bool = False):
+    def __init__(self, weight, bias, tp, gemm=None, split_input: bool = False, reduce_dtype: torch.dtype = torch.float32):
         super().__init__(weight, bias, tp, gemm)
-        self.split_input = split_input
+        self.split_input, self.reduce_dtype = split_input, reduce_dtype
 
     def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
         if self.split_input:
             k = weight_k(self.weight)
             x = x.narrow(-1, self.tp.tp_rank * k, k)
-        y = local_linear(x, self.weight, self.bias, torch.float32, self.gemm, input_act)
+        y = local_linear(x, self.weight, self.bias, self.reduce_dtype, self.gemm, input_act)
         return all_reduce(y, self.tp).to(x.dtype)
 
 
@@ -127,7 +127,7 @@ def weight_k(weight: LinearWeight) -> int:
     return (weight.qdata if isinstance(weight, Int8Weight) else weight).shape[1]
 
 
-def build_linear(plan: Plan, layer: str, sd: dict[str, torch.Tensor], tp: TPGroup, gemm=None) -> _TPLinear:
+def build_linear(plan: Plan, layer: str, sd: dict[str, torch.Tensor], tp: TPGroup, gemm=None, reduce_dtype=torch.float32) -> _TPLinear:
     """The parallel linear for plan layer `layer` (no prefix) from this rank's state dict."""
     prefix = plan.prefix + layer + "."
     weight = weight_from_state_dict(sd, prefix)
@@ -136,7 +136,7 @@ def build_linear(plan: Plan, layer: str, sd: dict[str, torch.Tensor], tp: TPGrou
     if style in (COLWISE, COLWISE_PACKED):
         return ColumnParallelLinear(weight, bias, tp, gemm)
     if style in (ROWWISE, ROWWISE_SPLIT_INPUT):
-        return RowParallelLinear(weight, bias, tp, gemm, split_input=style == ROWWISE_SPLIT_INPUT)
+        return RowParallelLinear(weight, bias, tp, gemm, split_input=style == ROWWISE_SPLIT_INPUT, reduce_dtype=reduce_dtype)
     if style == REPLICATE:
         return ReplicatedLinear(weight, bias, tp, gemm)
     raise ValueError(f"Unknown style '{style}' for '{layer}'.")

@@ -65,11 +65,11 @@ class GpuMemory:
             self.proc.terminate()
 
 
-def start_servers(args, tp_size: int, run: str) -> list[tuple[subprocess.Popen, int, str]]:
+def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple[subprocess.Popen, int, str]]:
     master = free_port()
     servers = []
     for r in reversed(range(tp_size)):
-        d = os.path.join(run, f"tp{tp_size}_rank{r}")
+        d = os.path.join(run, f"tp{tp_size}{variant}_rank{r}")
         for sub in ("output", "temp", "user"):
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         port = free_port()
@@ -82,7 +82,9 @@ def start_servers(args, tp_size: int, run: str) -> list[tuple[subprocess.Popen, 
                "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
-        log = open(os.path.join(run, f"tp{tp_size}_rank{r}.log"), "w")
+        if variant == "bf16":
+            env["TP2_REDUCE_DTYPE"] = "bf16"
+        log = open(os.path.join(run, f"tp{tp_size}{variant}_rank{r}.log"), "w")
         p = subprocess.Popen(cmd, cwd=args.comfyui, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         servers.insert(0, (p, port, log.name))
     return servers
@@ -197,8 +199,10 @@ async def main_async(args) -> list[dict]:
     os.makedirs(run_dir, exist_ok=True)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-            for tp in args.tp_sizes:
-                servers = start_servers(args, tp, run_dir)
+            for config in args.tp_sizes:
+                tp, _, variant = config.partition(":")
+                tp = int(tp)
+                servers = start_servers(args, tp, run_dir, variant)
                 try:
                     await wait_ready(session, servers)
                     plan = [(r, args.steps, False) for r in args.resolutions] + (
@@ -209,7 +213,7 @@ async def main_async(args) -> list[dict]:
                         out = await run_one(
                             session, servers, workflow(args.ckpt, args.cond, w, h, args.frames, steps, f"tp{tp}_{res}"), run_dir
                         )
-                        out.update(tp_size=tp, resolution=res, steps=steps, memory_only=memory_only)
+                        out.update(tp_size=tp, variant=variant or ("fp32" if tp > 1 else "-"), resolution=res, steps=steps, memory_only=memory_only)
                         out["peak_mib"] = [mem.peak(g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
                         rows.append(out)
                         print(json.dumps({k: v for k, v in out.items() if k not in ("t0", "t1")}), flush=True)
@@ -223,19 +227,21 @@ async def main_async(args) -> list[dict]:
 def table(rows: list[dict]) -> str:
     tp1 = {r["resolution"]: r for r in rows if r["tp_size"] == 1 and "error" not in r}
     lines = [
-        "| resolution | tp | steps | s/step | TP1/TPn | peak GiB per rank | load s per rank | ranks identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| resolution | tp | reduce | steps | s/step | TP1/TPn | peak GiB per rank | load s per rank | ranks identical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['resolution']} | {r['tp_size']} | {r['steps']} | ERROR: {r['error'][:120]} | | | | |")
+            lines.append(
+                f"| {r['resolution']} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | ERROR: {r['error'][:120]} | | | | |"
+            )
             continue
         base = tp1.get(r["resolution"])
         ratio = f"{base['s_per_step'] / r['s_per_step']:.2f}x" if base and r["s_per_step"] and r["tp_size"] > 1 else "-"
         sps = f"{r['s_per_step']:.3f}" if r["s_per_step"] else "-"
         mem = ", ".join(f"{m / 1024:.1f}" for m in r["peak_mib"])
         lines.append(
-            f"| {r['resolution']}{' (memory)' if r['memory_only'] else ''} | {r['tp_size']} | {r['steps']} | {sps} | {ratio} | {mem} | {r['load_s']} | {r['identical']} |"
+            f"| {r['resolution']}{' (memory)' if r['memory_only'] else ''} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | {sps} | {ratio} | {mem} | {r['load_s']} | {r['identical']} |"
         )
     return "\n".join(lines)
 
@@ -248,7 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt", default="h3_full_int8.safetensors", help="file in BASE/models/diffusion_models")
     ap.add_argument("--cond", default="h3_full_cond.safetensors", help="file in BASE/models/h3_conditioning")
-    ap.add_argument("--tp-sizes", default="1,2")
+    ap.add_argument("--tp-sizes", default="1,2", help="configurations in order, e.g. 1,2,2:bf16 (bf16 all-reduce)")
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088")
     ap.add_argument("--steps", type=int, default=8)
@@ -257,7 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attn", default="ck", help="TP2_ATTN_BACKEND for TP ranks (TP1 gets the same via --use-ck-attention)")
     ap.add_argument("--comfy-args", default="--highvram --disable-async-offload --use-ck-attention")
     args = ap.parse_args(argv)
-    args.tp_sizes = [int(x) for x in args.tp_sizes.split(",")]
+    args.tp_sizes = [x.strip() for x in args.tp_sizes.split(",") if x.strip()]  # "2" or "2:bf16" (TP2_REDUCE_DTYPE=bf16)
     args.resolutions = [r for r in args.resolutions.split(",") if r]
     args.memory_resolutions = [r for r in args.memory_resolutions.split(",") if r]
     rows = asyncio.run(main_async(args))

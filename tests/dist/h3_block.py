@@ -72,8 +72,8 @@ def reference_linears(sd, prefix):
     return {k: reference_linear(sd, prefix + v + ".") for k, v in LAYERS.items()}
 
 
-def tp_linears(plan, sd, block, tp, gemm):
-    return {k: build_linear(plan, f"{block}.{v}", sd, tp, gemm) for k, v in LAYERS.items()}
+def tp_linears(plan, sd, block, tp, gemm, reduce_dtype=torch.float32):
+    return {k: build_linear(plan, f"{block}.{v}", sd, tp, gemm, reduce_dtype) for k, v in LAYERS.items()}
 
 
 def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:

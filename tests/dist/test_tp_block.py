@@ -26,7 +26,7 @@ def _inputs(hidden: int, t_dim: int, seed: int = 0):
     return torch.randn(24, hidden, generator=g), torch.randn(2, t_dim, generator=g)
 
 
-def _tp_worker(tp_rank, tp_size, ckpt, x, t_emb, feed_ref):
+def _tp_worker(tp_rank, tp_size, ckpt, x, t_emb, feed_ref, reduce_dtype=torch.float32):
     from kernels import select_int8_gemm
     from tp2.collectives import init_tp_group, read_tp_env
     from tp2.handshake import handshake, model_fingerprint
@@ -39,7 +39,7 @@ def _tp_worker(tp_rank, tp_size, ckpt, x, t_emb, feed_ref):
     gemm = select_int8_gemm()
     out = {}
     for block in BLOCKS:
-        lin = tp_linears(plan, sd, block, tp, gemm)
+        lin = tp_linears(plan, sd, block, tp, gemm, reduce_dtype)
         out[block] = block_forward(x, t_emb, lin, sd, plan.prefix + block + ".", plan.head_dim, plan.adaln_form == "full")
         # row-parallel layers alone, fed this rank's slice of the reference inputs, isolate their numerics
         att, fc1 = feed_ref[block]
@@ -63,7 +63,7 @@ def _rank_slice(full: torch.Tensor, parts: int, tp_rank: int, tp_size: int) -> t
     return torch.cat([c.chunk(tp_size, dim=-1)[tp_rank] for c in chunks], dim=-1)
 
 
-def _run(ckpt, tp_size):
+def _run(ckpt, tp_size, reduce_dtype=torch.float32):
     from tp2.checkpoint import CheckpointLayout
 
     layout = CheckpointLayout.from_file(ckpt)
@@ -72,7 +72,7 @@ def _run(ckpt, tp_size):
     x, t_emb = _inputs(hidden, t_dim)
     ref = _reference(ckpt, x, t_emb)
     feed = {b: (ref[b]["att"], ref[b]["fc1"]) for b in BLOCKS}
-    outs = values(run_ranks(_tp_worker, tp_size, ckpt, x, t_emb, feed, timeout_s=60))
+    outs = values(run_ranks(_tp_worker, tp_size, ckpt, x, t_emb, feed, reduce_dtype, timeout_s=60))
     return ref, outs
 
 
@@ -121,3 +121,16 @@ def test_missing_reduce_would_fail_the_sqnr_gate(tiny_int8):
     full = ck.int8_linear(x, w, s, None, torch.float32, convrot=True, convrot_groupsize=256)
     half = ck.int8_linear(x[:, :256].contiguous(), w[:, :256].contiguous(), s, None, torch.float32, convrot=True, convrot_groupsize=256)
     assert sqnr_db(full, half) < 10.0
+
+
+def test_bf16_reduce_option_stays_within_the_int8_gate(tiny_int8):
+    """TP2_REDUCE_DTYPE=bf16 halves the all-reduce bytes; the extra bf16 rounding of the partial sums must keep
+    row-parallel outputs and the block above the same 30 dB gate (measured values printed)."""
+    ref, outs = _run(tiny_int8, 2, torch.bfloat16)
+    for r, out in enumerate(outs):
+        for b in BLOCKS:
+            for key, want in (("out_alone", "attn_out"), ("fc2_alone", "mlp_out"), ("out", "out")):
+                db = sqnr_db(ref[b][want], out[b][key])
+                print(f"bf16 reduce, rank {r} {b} {key}: SQNR {db:.1f} dB")
+                assert db >= 30.0, (r, b, key, db)
+    assert all(torch.equal(outs[0][b]["out"], o[b]["out"]) for o in outs[1:] for b in BLOCKS)
