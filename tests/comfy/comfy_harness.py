@@ -133,6 +133,53 @@ def start_tp(root: str, tp_size: int, models: dict[str, str], extra_env: dict[st
     return servers
 
 
+def run_everywhere(servers: list[Server], prompt: dict, timeout_s: float = 120) -> list[dict]:
+    """Submit one prompt with one prompt id to every server; each server's finished history entry."""
+    pid = new_id()
+    for s in servers:
+        s.submit(prompt, pid)
+    return [s.wait_history(pid, timeout_s) for s in servers]
+
+
+def assert_success(servers: list[Server], histories: list[dict]) -> None:
+    for s, h in zip(servers, histories):
+        assert h["status"]["status_str"] == "success", f"port {s.port}: {error_message(h)}\n{s.tail()}"
+
+
+def tiny_base(root) -> str:
+    """A ComfyUI --base-directory with this pack linked and the tiny int8 model + conditioning of the demo."""
+    from conftest import make_checkpoint, make_tiny_h3
+
+    base = os.path.join(str(root), "base")
+    for sub in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning"):
+        os.makedirs(os.path.join(base, sub), exist_ok=True)
+    os.symlink(ROOT, os.path.join(base, "custom_nodes", "minimax-h3-tp2"))
+    make_checkpoint(os.path.join(base, "models/diffusion_models/h3_tiny_int8.safetensors"), "--int8")
+    make_tiny_h3.main(["--conditioning", os.path.join(base, "models/h3_conditioning/h3_tiny_cond.safetensors")])
+    return base
+
+
+def launch(root, base: str, env: dict[str, str] | None = None) -> dict:
+    """Two CPU ranks started by scripts/start-tp2.sh (the product's launcher); stop with stop_launched()."""
+    run_dir, port = os.path.join(str(root), "ranks"), free_port()
+    full_env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
+    cmd = [os.path.join(ROOT, "scripts", "start-tp2.sh"), "--comfyui", COMFYUI_DIR, "--tp-size", "2", "--cpu", "--run-dir", run_dir,
+           "--base-dir", base, "--base-port", str(port), "--", "--disable-api-nodes"]  # fmt: skip
+    res = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return {
+        "run_dir": run_dir,
+        "ports": [port, port + 1],
+        "urls": [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"],
+        "stdout": res.stdout,
+    }
+
+
+def stop_launched(launched: dict) -> subprocess.CompletedProcess:
+    cmd = [os.path.join(ROOT, "scripts", "start-tp2.sh"), "stop", "--run-dir", launched["run_dir"]]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
 def error_message(history: dict) -> str:
     for kind, data in history.get("status", {}).get("messages", []):
         if kind == "execution_error":

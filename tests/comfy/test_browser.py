@@ -9,14 +9,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, free_port, have_comfyui, safetensors_content
-from conftest import make_checkpoint, make_tiny_h3
+from comfy_harness import COMFYUI_DIR, ROOT, free_port, have_comfyui, launch, safetensors_content, stop_launched, tiny_base
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
@@ -52,22 +51,9 @@ class Page:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     run = tmp_path_factory.mktemp("browser")
-    base = run / "base"
-    for sub in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning"):
-        (base / sub).mkdir(parents=True)
-    os.symlink(ROOT, base / "custom_nodes" / "minimax-h3-tp2")
-    make_checkpoint(str(base / "models/diffusion_models/h3_tiny_int8.safetensors"), "--int8")
-    make_tiny_h3.main(["--conditioning", str(base / "models/h3_conditioning/h3_tiny_cond.safetensors")])
-    port = free_port()
-    env = dict(os.environ, PYTHON=sys.executable)
-    cmd = [os.path.join(ROOT, "scripts", "start-tp2.sh"), "--comfyui", COMFYUI_DIR, "--tp-size", "2", "--cpu", "--run-dir", str(run / "ranks"),
-           "--base-dir", str(base), "--base-port", str(port), "--", "--disable-api-nodes"]  # fmt: skip
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stdout + res.stderr
-    yield {"urls": [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"], "run": run / "ranks", "tmp": run}
-    subprocess.run(
-        [os.path.join(ROOT, "scripts", "start-tp2.sh"), "stop", "--run-dir", str(run / "ranks")], capture_output=True, timeout=60
-    )
+    launched = launch(run, tiny_base(run))
+    yield {"urls": launched["urls"], "run": Path(launched["run_dir"]), "tmp": run}
+    stop_launched(launched)
 
 
 async def _queue_from_ui(url: str, workflow: dict, profile: str) -> None:

@@ -9,14 +9,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, free_port, have_comfyui, safetensors_content
-from conftest import make_checkpoint, make_tiny_h3
+from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui, launch, safetensors_content, stop_launched, tiny_base
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -47,23 +46,10 @@ def wait_done(url: str, prompt_id: str, timeout: float = 120) -> dict:
 @pytest.fixture(scope="module")
 def front(tmp_path_factory):
     run = tmp_path_factory.mktemp("front")
-    base = run / "base"
-    for sub in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning"):
-        (base / sub).mkdir(parents=True)
-    os.symlink(ROOT, base / "custom_nodes" / "minimax-h3-tp2")
-    make_checkpoint(str(base / "models/diffusion_models/h3_tiny_int8.safetensors"), "--int8")
-    make_tiny_h3.main(["--conditioning", str(base / "models/h3_conditioning/h3_tiny_cond.safetensors")])
-    port = free_port()
-    env = dict(os.environ, PYTHON=sys.executable, TP2_PROMPT_TIMEOUT_S="15", TP2_TIMEOUT_S="20")
-    cmd = [os.path.join(ROOT, "scripts", "start-tp2.sh"), "--comfyui", COMFYUI_DIR, "--tp-size", "2", "--cpu", "--run-dir", str(run / "ranks"),
-           "--base-dir", str(base), "--base-port", str(port), "--", "--disable-api-nodes"]  # fmt: skip
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stdout + res.stderr
-    urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
-    yield {"urls": urls, "run": run / "ranks", "secret": (run / "ranks" / "secret").read_text().strip()}
-    subprocess.run(
-        [os.path.join(ROOT, "scripts", "start-tp2.sh"), "stop", "--run-dir", str(run / "ranks")], capture_output=True, timeout=60
-    )
+    launched = launch(run, tiny_base(run), {"TP2_PROMPT_TIMEOUT_S": "15", "TP2_TIMEOUT_S": "20"})
+    run_dir = Path(launched["run_dir"])
+    yield {"urls": launched["urls"], "run": run_dir, "secret": (run_dir / "secret").read_text().strip()}
+    stop_launched(launched)
 
 
 def workflow(prefix: str, steps: int = 3, seed: int = 145) -> dict:

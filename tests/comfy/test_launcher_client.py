@@ -15,8 +15,7 @@ import time
 import urllib.request
 
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, free_port, have_comfyui
-from conftest import make_checkpoint, make_tiny_h3
+from comfy_harness import COMFYUI_DIR, ROOT, free_port, have_comfyui, launch, stop_launched, tiny_base
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -55,24 +54,12 @@ def _placeholders(base: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     run = tmp_path_factory.mktemp("launcher")
-    base = run / "base"
-    for sub in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning"):
-        (base / sub).mkdir(parents=True)
-    os.symlink(ROOT, base / "custom_nodes" / "minimax-h3-tp2")
-    make_checkpoint(str(base / "models/diffusion_models/h3_tiny_int8.safetensors"), "--int8")
-    make_tiny_h3.main(["--conditioning", str(base / "models/h3_conditioning/h3_tiny_cond.safetensors")])
-    _placeholders(str(base))
-    port = free_port()
-    env = dict(os.environ, PYTHON=sys.executable, TP2_PROMPT_TIMEOUT_S="15", TP2_TIMEOUT_S="20")
-    start = [os.path.join(SCRIPTS, "start-tp2.sh"), "--comfyui", COMFYUI_DIR, "--tp-size", "2", "--cpu", "--run-dir", str(run / "ranks"),
-             "--base-dir", str(base), "--base-port", str(port), "--", "--disable-api-nodes"]  # fmt: skip
-    res = subprocess.run(start, env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "rank 0: http://127.0.0.1:" in res.stdout and "settings: TP2_INT8_KERNEL=auto" in res.stdout
-    yield {"run": run, "ports": [port, port + 1], "env": env}
-    stop = subprocess.run(
-        [os.path.join(SCRIPTS, "start-tp2.sh"), "stop", "--run-dir", str(run / "ranks")], capture_output=True, text=True, timeout=60
-    )
+    base = tiny_base(run)
+    _placeholders(base)
+    launched = launch(run, base, {"TP2_PROMPT_TIMEOUT_S": "15", "TP2_TIMEOUT_S": "20"})
+    assert "rank 0: http://127.0.0.1:" in launched["stdout"] and "settings: TP2_INT8_KERNEL=auto" in launched["stdout"]
+    yield dict(launched, run=run)
+    stop = stop_launched(launched)
     assert stop.returncode == 0, stop.stderr
 
 

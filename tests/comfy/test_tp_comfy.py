@@ -20,11 +20,13 @@ import torch
 from comfy_harness import (
     COMFYUI_DIR,
     Server,
+    assert_success,
     cleanup,
     error_message,
     have_comfyui,
     new_id,
     output_files,
+    run_everywhere,
     start_tp,
     tiny_workflow,
 )
@@ -102,16 +104,11 @@ def stock(request, tmp_path_factory, models):
 
 
 def run(servers, workflow, timeout_s=120):
-    """Submit one prompt (same prompt id) to every server; return each server's history entry."""
-    pid = new_id()
-    for s in servers:
-        s.submit(workflow, pid)
-    return [s.wait_history(pid, timeout_s) for s in servers]
+    return run_everywhere(servers, workflow, timeout_s)
 
 
 def ok(servers, histories):
-    for s, h in zip(servers, histories):
-        assert h["status"]["status_str"] == "success", f"port {s.port}: {error_message(h)}\n{s.tail()}"
+    assert_success(servers, histories)
     return [output_files(s, h) for s, h in zip(servers, histories)]
 
 

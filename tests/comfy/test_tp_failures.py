@@ -8,7 +8,18 @@ import os
 import time
 
 import pytest
-from comfy_harness import COMFYUI_DIR, Server, cleanup, error_message, have_comfyui, new_id, start_tp, tiny_workflow
+from comfy_harness import (
+    COMFYUI_DIR,
+    Server,
+    assert_success,
+    cleanup,
+    error_message,
+    have_comfyui,
+    new_id,
+    run_everywhere,
+    start_tp,
+    tiny_workflow,
+)
 from conftest import make_checkpoint, make_tiny_h3
 from safetensors.torch import load_file, save_file
 
@@ -46,16 +57,7 @@ def world(tmp_path_factory):
     cleanup(root)
 
 
-def _run(servers, wf, timeout_s=90):
-    pid = new_id()
-    for s in servers:
-        s.submit(wf, pid)
-    return [s.wait_history(pid, timeout_s) for s in servers]
-
-
-def _assert_ok(servers, hs):
-    for s, h in zip(servers, hs):
-        assert h["status"]["status_str"] == "success", f"port {s.port}: {error_message(h)}\n{s.tail()}"
+_run, _assert_ok = run_everywhere, assert_success
 
 
 @pytest.mark.parametrize(
