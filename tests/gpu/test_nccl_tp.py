@@ -1,0 +1,80 @@
+"""On the GPU machine only (`-m gpu`; CI has no GPU): the TP core over NCCL, one process per GPU.
+
+TP2 vs one process on the same GPU weights: column-parallel exact, row-parallel and block >= 30 dB SQNR (the
+gate of tests/dist, same reasoning), with the fp32 and the bf16 all-reduce; ranks bit-identical. And what NCCL
+does when a peer dies mid-run: the survivor must not hang past its timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist"))
+from h3_block import block_forward, reference_linears, sqnr_db, tp_linears  # noqa: E402
+from harness import run_ranks, values  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+
+def _inputs(hidden, t_dim):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, hidden, generator=g), torch.randn(2, t_dim, generator=g)
+
+
+def _worker(tp_rank, tp_size, ckpt, x, t_emb, reduce_dtype):
+    from kernels import select_int8_gemm
+    from tp2.collectives import init_tp_group, read_tp_env
+    from tp2.shard import shard_state_dict
+
+    torch.cuda.set_device(tp_rank)
+    sd, _, plan = shard_state_dict(ckpt, tp_size, tp_rank)
+    sd = {k: v.cuda() for k, v in sd.items()}
+    tp = init_tp_group(read_tp_env(), torch.device("cuda", tp_rank))
+    lin = tp_linears(plan, sd, "blocks.0", tp, select_int8_gemm(), reduce_dtype)
+    out = block_forward(x.cuda(), t_emb.cuda(), lin, sd, "blocks.0.", plan.head_dim, False)
+    return {k: v.float().cpu() for k, v in out.items()}
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nccl_tp2_block_matches_one_gpu(tiny_int8, reduce_dtype):
+    from safetensors.torch import load_file
+
+    sd = {k: v.cuda() for k, v in load_file(tiny_int8).items()}
+    x, t_emb = _inputs(sd["video_patch_proj.weight"].shape[0], sd["blocks.0.adaln_proj.linear.weight"].shape[1])
+    ref = block_forward(x.cuda(), t_emb.cuda(), reference_linears(sd, "blocks.0."), sd, "blocks.0.", 128, False)
+    outs = values(run_ranks(_worker, 2, tiny_int8, x, t_emb, reduce_dtype, timeout_s=60))
+    for r, out in enumerate(outs):
+        for key in ("attn_out", "mlp_out", "out"):
+            db = sqnr_db(ref[key].float().cpu(), out[key])
+            print(f"NCCL TP2 {reduce_dtype} rank {r} {key}: SQNR {db:.1f} dB")
+            assert db >= 30.0, (r, key, db)
+    assert torch.equal(outs[0]["out"], outs[1]["out"])
+
+
+def _dies(tp_rank, tp_size):
+    from tp2.collectives import all_reduce, init_tp_group, read_tp_env
+
+    torch.cuda.set_device(tp_rank)
+    tp = init_tp_group(read_tp_env(), torch.device("cuda", tp_rank))
+    all_reduce(torch.ones(8, device="cuda"), tp)
+    torch.cuda.synchronize()
+    if tp_rank == 1:
+        os._exit(3)
+    time.sleep(1)
+    t0 = time.monotonic()
+    y = all_reduce(torch.ones(8, device="cuda"), tp)
+    torch.cuda.synchronize()
+    return f"all_reduce returned {y.tolist()} after {time.monotonic() - t0:.1f} s with a dead peer"
+
+
+def test_nccl_dead_peer_is_an_error_within_the_timeout():
+    results = run_ranks(_dies, 2, timeout_s=15, wall_s=120)
+    status, value, secs = results[0]
+    print(f"survivor: {status} after {secs:.1f} s: {value if status == 'ok' else value and value[:2]}")
+    assert status == "error" and value[0] == "PeerLostError", results[0]
+    assert secs < 15 + 30, secs
