@@ -53,7 +53,8 @@ def next_result(queue, wait_s: float = 120.0):
 def run_ranks(target, tp_size: int, *args, ranks=None, timeout_s: float = 60.0, wall_s: float = 240.0) -> dict:
     """Start `ranks` (default all) of a `tp_size` world running `target(tp_rank, tp_size, *args)`.
 
-    Returns {tp_rank: (status, value, seconds)}; a rank that reported nothing within `wall_s` is ("hang", None, wall_s).
+    Returns {tp_rank: (status, value, seconds)}; a rank still running after `wall_s` is ("hang", None, wall_s), one
+    that exited without reporting is ("died", exit code, seconds until the world ended).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -71,12 +72,14 @@ def run_ranks(target, tp_size: int, *args, ranks=None, timeout_s: float = 60.0, 
         except queue_mod.Empty:  # also notice ranks that died without reporting
             if all(not p.is_alive() for p in procs) and queue.empty():
                 break
-    for p in procs:
+    waited = time.monotonic() - (deadline - wall_s)
+    for r, p in zip(ranks, procs):
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
-    for r in ranks:
-        results.setdefault(r, ("hang", None, wall_s))
+            results.setdefault(r, ("hang", None, wall_s))
+        else:  # exited without reporting: killed (e.g. by NCCL's watchdog) or crashed
+            results.setdefault(r, ("died", p.exitcode, waited))
     return results
 
 

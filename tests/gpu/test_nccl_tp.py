@@ -72,9 +72,13 @@ def _dies(tp_rank, tp_size):
     return f"all_reduce returned {y.tolist()} after {time.monotonic() - t0:.1f} s with a dead peer"
 
 
-def test_nccl_dead_peer_is_an_error_within_the_timeout():
+def test_nccl_dead_peer_ends_the_survivor_within_the_timeout():
+    """Under NCCL a peer that dies mid-collective is caught by PyTorch's watchdog after TP2_TIMEOUT_S; the watchdog
+    then waits about a minute more and aborts the surviving process (measured on 2x H200, torch 2.11, 2026-11-30:
+    timeout at 15 s, SIGABRT at 86 s). That is no hang, but the survivor's ComfyUI must be restarted (README,
+    Limits). This pins the bound: timeout + 90 s."""
     results = run_ranks(_dies, 2, timeout_s=15, wall_s=120)
     status, value, secs = results[0]
-    print(f"survivor: {status} after {secs:.1f} s: {value if status == 'ok' else value and value[:2]}")
-    assert status == "error" and value[0] == "PeerLostError", results[0]
-    assert secs < 15 + 30, secs
+    print(f"survivor: {status} ({value if status != 'ok' else ''}) after {secs:.1f} s")
+    assert status in ("error", "died"), results[0]
+    assert secs < 15 + 90, secs
