@@ -35,7 +35,6 @@ from .parallel import role_guard
 from .state import STATE, log
 
 KEY = "minimax_h3_tp2"
-CACHE_EPOCH_KEY = "tp2/cache_epoch"
 
 
 class _Prompt:
@@ -57,14 +56,7 @@ def prompt_fingerprint(prompt: dict) -> str:
 
 
 def _cache_epoch(bump: bool = False) -> int | None:
-    """The store's cache epoch (bumped when ranks may have diverged); None when the store is not reachable now."""
-    session = STATE.session
-    if session is None or session._store is None:
-        return None
-    try:
-        return int(session._store.add(CACHE_EPOCH_KEY, 1 if bump else 0))
-    except Exception:  # noqa: BLE001 - rank 0 may be restarting; the sampler rendezvous will say so
-        return None
+    return STATE.session.cache_epoch(bump) if STATE.session is not None else None
 
 
 def _caches_may_differ() -> bool:

@@ -150,6 +150,16 @@ class TPSession:
         except (RuntimeError, dist.DistError, PeerLostError):
             return None
 
+    def cache_epoch(self, bump: bool = False) -> int | None:
+        """A counter every rank can raise when ranks may have run different nodes (a failed rendezvous or
+        collective); None when the store is not reachable now."""
+        if self._store is None:
+            return None
+        try:
+            return int(self._store_op(5.0, lambda s: s.add("tp2/cache_epoch", 1 if bump else 0)))
+        except (RuntimeError, dist.DistError, PeerLostError):
+            return None
+
     def mark_broken(self) -> None:
         """A collective failed (peer died or timed out): the next `agree` builds a new group."""
         self.healthy = False

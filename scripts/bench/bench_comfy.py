@@ -213,7 +213,9 @@ async def main_async(args) -> list[dict]:
                         out = await run_one(
                             session, servers, workflow(args.ckpt, args.cond, w, h, args.frames, steps, f"tp{tp}_{res}"), run_dir
                         )
-                        out.update(tp_size=tp, variant=variant or ("fp32" if tp > 1 else "-"), resolution=res, steps=steps, memory_only=memory_only)
+                        out.update(
+                            tp_size=tp, variant=variant or ("fp32" if tp > 1 else "-"), resolution=res, steps=steps, memory_only=memory_only
+                        )
                         out["peak_mib"] = [mem.peak(g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
                         rows.append(out)
                         print(json.dumps({k: v for k, v in out.items() if k not in ("t0", "t1")}), flush=True)
