@@ -28,8 +28,9 @@ def activate() -> None:
     import comfy.model_management
 
     from .front_door import install_front_door
+    from .interrupts import install_interrupt_deferral
     from .loader import install_loader_hook
-    from .lockstep import install_interrupt_deferral, track_prompts
+    from .lockstep import track_prompts
     from .parallel import install_linear_input_act_patch
 
     device = comfy.model_management.get_torch_device()

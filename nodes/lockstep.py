@@ -8,9 +8,10 @@
     DIFFUSION_MODEL        rank 0's x, timestep, context and payload tensors go to every rank; the forward runs
                            under the role guard with the chosen attention backend
 
-Node caching: the pack does not depend on caches being alike. A rank whose cache served a sampler that its peer
-runs is detected at the sampler rendezvous (a bounded wait, then a clear error), and every rank then clears its
-node cache at its next prompt, so the next prompt runs in lockstep again.
+Node caching: the pack does not depend on caches being alike. Every rank clears its node cache before a prompt
+when any rank restarted since its last prompt (boot ids in the store: a restarted rank has an empty cache) or
+reported a failed rendezvous or collective; what is left (e.g. RAM-pressure eviction on one rank) is detected
+at the sampler rendezvous (a bounded wait, a clear error) and cleared the same way before the next prompt.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import threading
 
 import comfy.model_management as mm
 import comfy.patcher_extension as pe
@@ -31,6 +31,7 @@ from ..tp2.collectives import broadcast_tree
 from ..tp2.errors import PeerLostError
 from ..tp2.plan import Plan
 from .front_door import forward_failure
+from .interrupts import SAMPLING
 from .parallel import role_guard
 from .state import STATE, log
 
@@ -48,7 +49,6 @@ class _Prompt:
 
 
 CURRENT = _Prompt()
-_SAMPLING = threading.local()  # .active while a TP sampler runs in this (the prompt worker's) thread
 
 
 def prompt_fingerprint(prompt: dict) -> str:
@@ -131,7 +131,7 @@ def _outer_sample(model_fields, executor, *args, **kwargs):
         _cache_epoch(bump=True)
         raise
     STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
-    _SAMPLING.active = True
+    SAMPLING.active = True
     try:
         return executor(*args, **kwargs)
     except PeerLostError:
@@ -139,53 +139,12 @@ def _outer_sample(model_fields, executor, *args, **kwargs):
         _cache_epoch(bump=True)
         raise
     finally:
-        _SAMPLING.active = False
+        SAMPLING.active = False
 
 
 def _rank0_abort() -> str | None:
     """Why rank 0 gives up waiting for its followers: a follower could not take the prompt, or an interrupt."""
     return forward_failure(CURRENT.prompt_id) or ("interrupted on rank 0" if mm.processing_interrupted() else None)
-
-
-def _deferring_update_absolute(original):
-    """ProgressBar.update_absolute that, during TP sampling, turns an interrupt into a flag for the next model
-    evaluation: all ranks must stop at the same step, and rank 0 tells them which (see _diffusion_model)."""
-
-    @functools.wraps(original)
-    def update_absolute(self, *args, **kwargs):
-        try:
-            return original(self, *args, **kwargs)
-        except mm.InterruptProcessingException:
-            if not getattr(_SAMPLING, "active", False):
-                raise
-            log.debug("%s interrupt deferred to the next model evaluation", STATE.tag)
-            mm.interrupt_current_processing(True)  # the check cleared it; keep it for the next model evaluation
-
-    update_absolute._tp2 = True
-    return update_absolute
-
-
-def _deferring_run_every_op(original):
-    """comfy.ops.run_every_op checks for an interrupt inside every layer; mid-forward that would leave the other
-    ranks waiting in a collective, so during TP sampling the check waits for the next model evaluation."""
-
-    @functools.wraps(original)
-    def run_every_op():
-        if not getattr(_SAMPLING, "active", False):
-            return original()
-
-    run_every_op._tp2 = True
-    return run_every_op
-
-
-def install_interrupt_deferral() -> None:
-    """Interrupts during TP sampling take effect at one agreed model evaluation on every rank."""
-    import comfy.ops
-
-    if not getattr(comfy.utils.ProgressBar.update_absolute, "_tp2", False):
-        comfy.utils.ProgressBar.update_absolute = _deferring_update_absolute(comfy.utils.ProgressBar.update_absolute)
-    if not getattr(comfy.ops.run_every_op, "_tp2", False):
-        comfy.ops.run_every_op = _deferring_run_every_op(comfy.ops.run_every_op)
 
 
 def _refine_text(original, text_states):

@@ -1,0 +1,59 @@
+"""Interrupts under tensor parallelism: every rank must stop at the same model evaluation.
+
+ComfyUI raises an interrupt from its progress hook after each step and from `comfy.ops.run_every_op` inside
+every layer; on one rank alone either would leave the others waiting in a collective. While a TP sampler runs
+(`SAMPLING.active`), both checks only keep the flag; rank 0 reads it at the next model evaluation and tells every
+rank to stop there (see lockstep._diffusion_model).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import comfy.model_management as mm
+import comfy.ops
+import comfy.utils
+
+from .state import STATE, log
+
+SAMPLING = threading.local()  # .active while a TP sampler runs in this (the prompt worker's) thread
+
+
+def _deferring_update_absolute(original):
+    """ProgressBar.update_absolute that, during TP sampling, turns an interrupt into a flag for the next model
+    evaluation: all ranks must stop at the same step, and rank 0 tells them which (see _diffusion_model)."""
+
+    @functools.wraps(original)
+    def update_absolute(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except mm.InterruptProcessingException:
+            if not getattr(SAMPLING, "active", False):
+                raise
+            log.debug("%s interrupt deferred to the next model evaluation", STATE.tag)
+            mm.interrupt_current_processing(True)  # the check cleared it; keep it for the next model evaluation
+
+    update_absolute._tp2 = True
+    return update_absolute
+
+
+def _deferring_run_every_op(original):
+    """comfy.ops.run_every_op checks for an interrupt inside every layer; mid-forward that would leave the other
+    ranks waiting in a collective, so during TP sampling the check waits for the next model evaluation."""
+
+    @functools.wraps(original)
+    def run_every_op():
+        if not getattr(SAMPLING, "active", False):
+            return original()
+
+    run_every_op._tp2 = True
+    return run_every_op
+
+
+def install_interrupt_deferral() -> None:
+    """Interrupts during TP sampling take effect at one agreed model evaluation on every rank."""
+    if not getattr(comfy.utils.ProgressBar.update_absolute, "_tp2", False):
+        comfy.utils.ProgressBar.update_absolute = _deferring_update_absolute(comfy.utils.ProgressBar.update_absolute)
+    if not getattr(comfy.ops.run_every_op, "_tp2", False):
+        comfy.ops.run_every_op = _deferring_run_every_op(comfy.ops.run_every_op)
