@@ -210,23 +210,30 @@ def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
     return (adaln_style, 1) if pattern == "blocks.*.adaln_proj.linear" else style
 
 
-def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[Plan | None, list[str]]:
-    prefix = find_prefix(layout)
-    src = layout.source
-    already = sorted(k for k in layout.metadata if k.startswith(TP_METADATA_PREFIX))
-    if already:
+def _refuse_if_sliced(layout: CheckpointLayout) -> None:
+    if any(k.startswith(TP_METADATA_PREFIX) for k in layout.metadata):
         raise PlanError(
-            f"'{src}' is already a tensor-parallel shard (rank {layout.metadata.get('tp2.tp_rank')} of "
+            f"'{layout.source}' is already a tensor-parallel shard (rank {layout.metadata.get('tp2.tp_rank')} of "
             f"{layout.metadata.get('tp2.tp_size')}); it cannot be sliced again. Give the slicer the original "
             "checkpoint, or load this rank file directly on its own rank."
         )
-    form, adaln = _adaln_style(layout, prefix)
+
+
+def _dims(layout: CheckpointLayout, prefix: str, form: str) -> tuple[int, int, int, int, int]:
+    """(hidden, head_dim, heads, ffn, adaln input width), read the way ComfyUI's detection reads them."""
     shape = lambda k: layout.shape(prefix + k)  # noqa: E731
-    hidden = shape("video_patch_proj.weight")[0]
     head_dim = shape("blocks.0.attn.q_norm.weight")[0]
-    heads = shape("blocks.0.attn.qkv_proj.weight")[0] // (3 * head_dim)
-    ffn = shape("blocks.0.mlp.fc1.weight")[0] // 2
     t_dim = shape("adaln_t_table")[1] if form == "curve" else shape("time_embedder.proj_out.weight")[0]
+    heads = shape("blocks.0.attn.qkv_proj.weight")[0] // (3 * head_dim)
+    return shape("video_patch_proj.weight")[0], head_dim, heads, shape("blocks.0.mlp.fc1.weight")[0] // 2, t_dim
+
+
+def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[Plan | None, list[str]]:
+    prefix = find_prefix(layout)
+    src = layout.source
+    _refuse_if_sliced(layout)
+    form, adaln = _adaln_style(layout, prefix)
+    hidden, head_dim, heads, ffn, t_dim = _dims(layout, prefix, form)
     expected = {
         "attn.qkv_proj.weight": (3 * heads * head_dim, hidden),
         "attn.out_proj.weight": (hidden, heads * head_dim),
@@ -261,9 +268,8 @@ def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[Plan | None, list[
         style, parts = style or (REPLICATE, 1)
         if suffix == "weight" and len(full) == 2:
             linears[module] = style
-        for problem in _check_block_shape(key, module, full, expected, t_dim, src):
-            problems.append(problem)
-        shard, problem = _tensor_shard(name, suffix, dtype, full, style, parts, tp_size, layout.quant.get(prefix + module))
+        problems += _check_block_shape(key, module, full, expected, t_dim, src)
+        shard, problem = _tensor_shard(name, suffix, dtype, full, style, parts, tp_size)
         if problem:
             problems.append(problem.replace("{name}", module))
         if shard:
@@ -292,7 +298,7 @@ def _check_block_shape(key, module, full, expected, t_dim, src) -> list[str]:
     return []
 
 
-def _tensor_shard(name, suffix, dtype, full, style, parts, tp_size, quant) -> tuple[TensorShard | None, str | None]:
+def _tensor_shard(name, suffix, dtype, full, style, parts, tp_size) -> tuple[TensorShard | None, str | None]:
     def split(dim: int) -> tuple[TensorShard | None, str | None]:
         if len(full) <= dim or full[dim] % (parts * tp_size):
             n = full[dim] if len(full) > dim else None
