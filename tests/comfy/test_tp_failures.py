@@ -57,9 +57,6 @@ def world(tmp_path_factory):
     cleanup(root)
 
 
-_run, _assert_ok = run_everywhere, assert_success
-
-
 @pytest.mark.parametrize(
     "unet,needle",
     [
@@ -70,19 +67,19 @@ _run, _assert_ok = run_everywhere, assert_success
 def test_wrong_rank_files_refused_then_next_prompt_works(world, unet, needle):
     servers, _ = world
     t0 = time.monotonic()
-    hs = _run(servers, tiny_workflow(unet, COND, prefix="wrongfile"), 60)
+    hs = run_everywhere(servers, tiny_workflow(unet, COND, prefix="wrongfile"), 60)
     assert time.monotonic() - t0 < 60
     for r, h in enumerate(hs):
         msg = error_message(h)
         assert h["status"]["status_str"] == "error" and needle.format(r=r) in msg, msg
-    _assert_ok(servers, _run(servers, tiny_workflow(FLOAT, COND, prefix="after_wrongfile")))
+    assert_success(servers, run_everywhere(servers, tiny_workflow(FLOAT, COND, prefix="after_wrongfile")))
 
 
 def test_status_node_reports_the_rank(world):
     servers, _ = world
     wf = {"1": {"class_type": "TP2Status", "inputs": {}}}
-    hs = _run(servers, wf)
-    _assert_ok(servers, hs)
+    hs = run_everywhere(servers, wf)
+    assert_success(servers, hs)
     for r, h in enumerate(hs):
         (text,) = h["outputs"]["1"]["text"]
         assert f"rank {r} of tp_size 2" in text and "process group: generation" in text, text
@@ -91,7 +88,7 @@ def test_status_node_reports_the_rank(world):
 def test_rank_killed_mid_sampling_then_restart_and_cache_recovery(world):
     servers, models = world
     short = tiny_workflow(FLOAT, COND, prefix="short")
-    _assert_ok(servers, _run(servers, short))  # cached on both ranks now
+    assert_success(servers, run_everywhere(servers, short))  # cached on both ranks now
 
     pid = new_id()
     long_wf = tiny_workflow(FLOAT, COND, steps=400, prefix="long")
@@ -110,8 +107,8 @@ def test_rank_killed_mid_sampling_then_restart_and_cache_recovery(world):
     servers[1].wait_ready()
     # rank 0 still holds the short prompt's sampler output in its node cache, the restarted rank 1 does not:
     # the pack must not deadlock on that; it clears caches after the failure, so both ranks run it again
-    hs = _run(servers, short)
-    _assert_ok(servers, hs)
+    hs = run_everywhere(servers, short)
+    assert_success(servers, hs)
     outs = []
     for s, h in zip(servers, hs):
         files = {}
