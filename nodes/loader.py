@@ -55,7 +55,7 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
         )
     dm = patcher.model.diffusion_model
     _assign_split_input(dm, split_input)
-    counts = tag_and_verify(dm, plan)
+    tag_and_verify(dm, plan)
     install_lockstep(patcher, plan, source_fp)
     patcher.cached_patcher_init = (tp_load_diffusion_model, (unet_path, model_options))
     secs = time.monotonic() - t0
@@ -63,13 +63,12 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
         LoadedModel(os.path.basename(unet_path), plan.summary(), plan.fingerprint(), source_fp, rank_file is not None, secs)
     )
     log.info(
-        "%s loaded %s%s in %.1f s: %s; linears %s",
+        "%s loaded %s%s in %.1f s: %s",
         STATE.tag,
         os.path.basename(unet_path),
         f" from {os.path.basename(rank_file)}" if rank_file else " (shard-on-read)",
         secs,
         plan.summary(),
-        ", ".join(f"{n} {r}" for r, n in counts.items()),
     )
     return patcher
 

@@ -16,11 +16,11 @@ import types
 
 import comfy.ops
 import torch
-import torch.nn.functional as F
+from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
 from ..tp2.collectives import all_reduce
 from ..tp2.errors import MissingRoleError, PlanError
-from ..tp2.layers import ROLE_ATTR, apply_input_act, require_role
+from ..tp2.layers import ROLE_ATTR, Int8Weight, LinearWeight, local_linear, require_role
 from ..tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
 from .state import STATE
 
@@ -45,24 +45,23 @@ def _group():
 def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
     """Y = sum_r act(X)_r A_r: this rank's GEMM out in the reduce dtype (fp32 by default), one all-reduce(sum),
     then cast to x's dtype."""
-    from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
-
     if getattr(linear, "tp_split_input", False):
         k = linear.tp_local_in
         x = x.narrow(-1, STATE.env.tp_rank * k, k)
     weight, bias, offload_stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True, compute_dtype=x.dtype, want_requant=True)
     try:
-        if isinstance(weight, QuantizedTensor) and weight._layout_cls == "TensorWiseINT8Layout":
-            qdata, scale = TensorWiseINT8Layout.get_plain_tensors(weight)
-            group = weight._params.convrot_groupsize if getattr(weight._params, "convrot", False) else None
-            y = STATE.int8_gemm(x, qdata, scale, bias, STATE.reduce_dtype, group, input_act)
-        else:
-            if isinstance(weight, QuantizedTensor):
-                weight = weight.dequantize()
-            y = F.linear(apply_input_act(x, input_act), weight, bias).to(STATE.reduce_dtype)
+        y = local_linear(x, _local_weight(weight), bias, STATE.reduce_dtype, STATE.int8_gemm, input_act)
     finally:
         comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
     return all_reduce(y, _group()).to(x.dtype)
+
+
+def _local_weight(weight) -> LinearWeight:
+    """ComfyUI's cast weight as the TP core's weight: int8 plain tensors, or a float tensor."""
+    if isinstance(weight, QuantizedTensor) and weight._layout_cls == "TensorWiseINT8Layout":
+        qdata, scale = TensorWiseINT8Layout.get_plain_tensors(weight)
+        return Int8Weight(qdata, scale, weight._params.convrot_groupsize if getattr(weight._params, "convrot", False) else None)
+    return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
 
 
 def _rowwise_forward(self, x, *args, **kwargs):
@@ -79,15 +78,12 @@ def tp_linear_input_act(linear, x, input_act, *args, **kwargs):
     return _original_linear_input_act(linear, x, input_act, *args, **kwargs)
 
 
-def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> dict[str, int]:
+def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
     """Give every linear of the built model its plan role, replace row-parallel forwards, and check the build.
 
     Fails closed (PlanError / MissingRoleError) when ComfyUI built other widths than the plan's local ones, a
     linear has no role, or the int8 layout did not survive the load.
     """
-    from comfy_kitchen.tensor import QuantizedTensor
-
-    counts = {"colwise": 0, "rowwise": 0, "replicate": 0}
     quantised = {name for name, ts in plan.tensors.items() if name.endswith(".comfy_quant")}
     for name, module in diffusion_model.named_modules():
         if not _is_comfy_linear(module):
@@ -97,7 +93,6 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> dict[str, in
             require_role(module, name)  # raises: a linear the plan never saw
         role = ROLE_OF_STYLE[style]
         setattr(module, ROLE_ATTR, role)
-        counts[role] += 1
         if role == "rowwise" and plan.tp_size > 1:
             module.forward = types.MethodType(_rowwise_forward, module)
             if style == ROWWISE_SPLIT_INPUT:
@@ -108,7 +103,6 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> dict[str, in
                 "dropped (another node pack passing custom_operations?). Disable that pack for H3 or report it."
             )
     _verify_widths(diffusion_model, plan)
-    return counts
 
 
 def _verify_widths(dm: torch.nn.Module, plan: Plan) -> None:
