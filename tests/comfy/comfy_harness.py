@@ -45,6 +45,7 @@ class Server:
             os.symlink(ROOT, os.path.join(base, "custom_nodes", "minimax-h3-tp2"))
         for rel, src in models.items():
             dst = os.path.join(base, "models", rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
             if not os.path.exists(dst):
                 os.symlink(src, dst)
         self.log_path = os.path.join(base, "comfyui.log")
