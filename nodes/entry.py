@@ -31,7 +31,9 @@ def activate() -> None:
     from .interrupts import install_interrupt_deferral
     from .loader import install_loader_hook
     from .lockstep import track_prompts
+    from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
+    from .vae_decode import install_parallel_vae_decode
 
     device = comfy.model_management.get_torch_device()
     device = device if device.type == "cuda" else torch.device("cpu")
@@ -42,10 +44,12 @@ def activate() -> None:
     STATE.reduce_dtype = reduce_dtype_from_env()
     STATE.session = TPSession(env, device)
     install_loader_hook()
+    install_lora_hooks()
     install_linear_input_act_patch()
     track_prompts()
     install_interrupt_deferral()
     install_front_door()
+    install_parallel_vae_decode()
     STATE.boot_id = uuid.uuid4().hex
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     log.info(

@@ -55,6 +55,7 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
         )
     dm = patcher.model.diffusion_model
     _assign_split_input(dm, split_input)
+    patcher.model.tp2_plan = plan  # read by the LoRA hook (nodes/lora.py)
     tag_and_verify(dm, plan)
     install_lockstep(patcher, plan, source_fp)
     patcher.cached_patcher_init = (tp_load_diffusion_model, (unet_path, model_options))

@@ -3,7 +3,8 @@
     track_prompts()        records the running prompt (id, graph fingerprint) and clears the node cache when
                            a rank reported that ranks' caches may have diverged
     OUTER_SAMPLE wrapper   before any collective: ranks agree (over the store, bounded wait) on prompt, sampler
-                           index, seed, sigmas and model; a process group is (re)made if needed
+                           index, seed, sigmas, model and its weight patches (LoRA digests and strengths); a
+                           process group is (re)made if needed
     refiner wrapper        rank 0's text states go to every rank before the (sharded) token refiner runs
     DIFFUSION_MODEL        rank 0's x, timestep, context and payload tensors go to every rank; the forward runs
                            under the role guard with the chosen attention backend
@@ -32,6 +33,7 @@ from ..tp2.errors import PeerLostError
 from ..tp2.plan import Plan
 from .front_door import forward_failure
 from .interrupts import SAMPLING
+from .lora import lora_patch_report
 from .parallel import role_guard
 from .state import STATE, log
 
@@ -111,19 +113,20 @@ def install_lockstep(patcher, plan: Plan, checkpoint_fp: str) -> None:
         "tp_size": str(plan.tp_size),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
     }
-    patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, model_fields))
+    patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, plan, model_fields))
     patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, _diffusion_model)
     dm = patcher.model.diffusion_model
     dm.preprocess_text_embeds = functools.partial(_refine_text, type(dm).preprocess_text_embeds.__get__(dm))
 
 
-def _outer_sample(model_fields, executor, *args, **kwargs):
+def _outer_sample(plan, model_fields, executor, *args, **kwargs):
     session = STATE.session
     CURRENT.samplers += 1
     n = CURRENT.samplers
     seed = args[7] if len(args) > 7 else kwargs.get("seed")
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
-    fields = dict(model_fields, prompt=CURRENT.fingerprint, sampler=str(n), seed=str(seed), sigmas=_digest(sigmas))
+    patches = lora_patch_report(executor.class_obj.model_patcher, plan)  # LoRA identities and strengths
+    fields = dict(model_fields, prompt=CURRENT.fingerprint, sampler=str(n), seed=str(seed), sigmas=_digest(sigmas), patches=patches)
     key = f"{CURRENT.prompt_id or 'no-prompt'}/sampler{n}"
     try:
         session.agree(key, fields, STATE.prompt_timeout_s, abort=_rank0_abort if STATE.env.tp_rank == 0 else None)

@@ -34,3 +34,7 @@ class PromptAbortedError(TP2Error):
 
 class MissingRoleError(TP2Error):
     """An int8 or sharded linear ran inside a TP model without a colwise/rowwise role."""
+
+
+class AdapterPlacementError(TP2Error):
+    """A LoRA (or other weight patch) cannot be applied to this rank's shard as given."""

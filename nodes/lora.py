@@ -1,0 +1,172 @@
+"""LoRAs on a TP model: ComfyUI's own loaders, with each patch cut to this rank's shard.
+
+`comfy.sd.load_lora_for_models` (LoraLoader, LoraLoaderModelOnly and every node that calls it) is wrapped: it runs
+unchanged, then the patches it added to a TP H3 model are replaced by this rank's slices (tp2.lora), and tagged
+with the LoRA's content digest. ComfyUI then patches the weights as it always does (for int8 weights: dequantise,
+add, requantise), so int8 layers stay on the int8 path.
+
+    lora_patch_report(patcher, plan)   before sampling: refuses patches on sharded weights that were not sliced
+                                       here (hooks, merges, bypass), and returns the digest the ranks compare
+
+Bypass-mode LoRA (LoraLoaderBypass) is refused on TP models: its forward hooks would add a full-width update to a
+sharded layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import comfy.sd
+import comfy.weight_adapter as weight_adapter
+
+from ..tp2.errors import AdapterPlacementError
+from ..tp2.lora import is_sharded, slice_like_weight, slice_lora_factors, state_dict_digest
+from ..tp2.plan import Plan, TensorShard
+from .state import STATE, log
+
+MODEL_PREFIX = "diffusion_model."
+PLAN_ATTR = "tp2_plan"  # set on the BaseModel of a TP H3 model by the loader
+_SOURCE = "tp2_source"  # tag on a patch value this module produced: the LoRA digest
+
+
+class _TaggedPatch(tuple):
+    """A ComfyUI tuple patch ("diff"/"set", data) that remembers which LoRA it came from."""
+
+    tp2_source: str = ""
+
+
+def tp_plan(patcher) -> Plan | None:
+    """The plan of a TP H3 model (None for any other model, or tp_size 1)."""
+    plan = getattr(getattr(patcher, "model", None), PLAN_ATTR, None)
+    return plan if plan is not None and plan.tp_size > 1 else None
+
+
+def _shard_of(plan: Plan, key: str) -> TensorShard | None:
+    if not key.startswith(MODEL_PREFIX):
+        return None
+    return plan.tensors.get(plan.prefix + key[len(MODEL_PREFIX) :])
+
+
+def _slice_value(v, ts: TensorShard, key: str, source: str):
+    """This rank's version of one patch value on a sharded tensor; AdapterPlacementError when it has none."""
+    rank, size = STATE.env.tp_rank, STATE.env.tp_size
+    if isinstance(v, weight_adapter.LoRAAdapter):
+        up, down, alpha, mid, dora_scale, reshape = v.weights
+        if mid is not None or dora_scale is not None or reshape is not None:
+            what = "DoRA (its magnitude is normalised over the full weight)" if dora_scale is not None else "a conv/reshaped LoRA"
+            raise AdapterPlacementError(f"{key}: {what} cannot be sliced for tensor parallelism")
+        up, down = slice_lora_factors(up, down, ts, rank, size, key)
+        out = weight_adapter.LoRAAdapter(v.loaded_keys, (up, down, alpha, mid, dora_scale, reshape))
+        setattr(out, _SOURCE, source)
+        return out
+    if isinstance(v, weight_adapter.WeightAdapterBase):
+        raise AdapterPlacementError(f"{key}: a {type(v).__name__} patch (product of factors) cannot be sliced for tensor parallelism")
+    if isinstance(v, tuple) and len(v) in (1, 2):
+        kind, data = ("diff", v) if len(v) == 1 else v
+        if kind in ("diff", "set") and isinstance(data, tuple) and (kind == "set" or len(data) == 1):
+            out = _TaggedPatch((kind, (slice_like_weight(data[0], ts, rank, size, key),)))
+            out.tp2_source = source
+            return out
+    raise AdapterPlacementError(f"{key}: a patch of type {type(v).__name__} {str(v)[:40]!r} cannot be sliced for tensor parallelism")
+
+
+def shard_new_patches(before: dict, patcher, plan: Plan, source: str) -> None:
+    """Replace the patches added since `before` (key -> count) by this rank's slices; refuse all-or-nothing."""
+    refused, replaced = [], {}
+    for key, entries in patcher.patches.items():
+        ts = _shard_of(plan, key)
+        for i in range(before.get(key, 0), len(entries)):
+            strength, v, strength_model, offset, function = entries[i]
+            if ts is None or not is_sharded(ts):
+                _tag(v, source)
+                continue
+            try:
+                if offset is not None:
+                    raise AdapterPlacementError(f"{key}: an offset patch cannot be sliced for tensor parallelism")
+                replaced[(key, i)] = (strength, _slice_value(v, ts, key, source), strength_model, offset, function)
+            except AdapterPlacementError as e:
+                refused.append(str(e))
+    if refused:
+        raise AdapterPlacementError(
+            f"{STATE.tag} this LoRA has {len(refused)} key(s) the TP plan cannot place:\n  "
+            + "\n  ".join(refused[:12])
+            + ("\n  ..." if len(refused) > 12 else "")
+            + "\nUse a plain LoRA (up/down factors) for these layers, or run without TP."
+        )
+    for (key, i), entry in replaced.items():
+        patcher.patches[key][i] = entry
+
+
+def _tag(v, source: str) -> None:
+    if isinstance(v, weight_adapter.WeightAdapterBase):
+        setattr(v, _SOURCE, source)
+
+
+def _source_of(v) -> str | None:
+    return getattr(v, _SOURCE, None)
+
+
+def lora_patch_report(patcher, plan: Plan) -> str:
+    """Digest of the weight patches the ranks must agree on (LoRA identity, strengths, keys). Raises
+    AdapterPlacementError when a sharded weight carries a patch that was not sliced by this module."""
+    unsliced = []
+    h = hashlib.sha256()
+    for key in sorted(patcher.patches):
+        ts = _shard_of(plan, key)
+        for strength, v, strength_model, offset, _fn in patcher.patches[key]:
+            source = _source_of(v)
+            if source is None and ts is not None and is_sharded(ts):
+                unsliced.append(f"{key} ({type(v).__name__})")
+            h.update(f"{key}|{strength}|{strength_model}|{offset}|{source or type(v).__name__}\n".encode())
+    for hook_patches in patcher.hook_patches.values():
+        unsliced += [f"{key} (hook patch)" for key in hook_patches if (ts := _shard_of(plan, key)) is not None and is_sharded(ts)]
+    if unsliced:
+        raise AdapterPlacementError(
+            f"{STATE.tag} {len(unsliced)} sharded weight(s) carry patches that were not sliced for this rank: "
+            f"{', '.join(unsliced[:6])}{' ...' if len(unsliced) > 6 else ''}. Under TP, apply LoRAs with LoraLoader or "
+            "LoraLoaderModelOnly (hook LoRAs, bypass LoRAs and model merges of sharded layers are not supported)."
+        )
+    return h.hexdigest()[:16]
+
+
+def _wrap_load_lora(original):
+    @functools.wraps(original)
+    def load_lora_for_models(model, clip, lora, strength_model, strength_clip, *args, **kwargs):
+        plan = tp_plan(model)
+        if plan is None:
+            return original(model, clip, lora, strength_model, strength_clip, *args, **kwargs)
+        source = state_dict_digest(lora)
+        before = {k: len(v) for k, v in model.patches.items()}
+        new_model, new_clip = original(model, clip, lora, strength_model, strength_clip, *args, **kwargs)
+        shard_new_patches(before, new_model, plan, source)
+        added = sum(len(v) for v in new_model.patches.values()) - sum(before.values())
+        log.info(
+            "%s LoRA %s applied at strength %s: %d patches, sliced for rank %d", STATE.tag, source, strength_model, added, STATE.env.tp_rank
+        )
+        return new_model, new_clip
+
+    load_lora_for_models._tp2 = True
+    return load_lora_for_models
+
+
+def _wrap_bypass(original):
+    @functools.wraps(original)
+    def load_bypass_lora_for_models(model, clip, lora, strength_model, strength_clip, *args, **kwargs):
+        if tp_plan(model) is not None and strength_model != 0:
+            raise AdapterPlacementError(
+                f"{STATE.tag} bypass-mode LoRA is not supported on a tensor-parallel model (its forward hooks would add a "
+                "full-width update to sharded layers). Use LoraLoaderModelOnly: it patches each rank's slice."
+            )
+        return original(model, clip, lora, strength_model, strength_clip, *args, **kwargs)
+
+    load_bypass_lora_for_models._tp2 = True
+    return load_bypass_lora_for_models
+
+
+def install_lora_hooks() -> None:
+    """Both loaders are looked up as `comfy.sd.<name>` at call time by ComfyUI's nodes."""
+    if not getattr(comfy.sd.load_lora_for_models, "_tp2", False):
+        comfy.sd.load_lora_for_models = _wrap_load_lora(comfy.sd.load_lora_for_models)
+    if hasattr(comfy.sd, "load_bypass_lora_for_models") and not getattr(comfy.sd.load_bypass_lora_for_models, "_tp2", False):
+        comfy.sd.load_bypass_lora_for_models = _wrap_bypass(comfy.sd.load_bypass_lora_for_models)

@@ -1,0 +1,72 @@
+"""LoRA under tensor parallelism: each rank's slice of a low-rank update, and a LoRA's identity.
+
+A LoRA adds  dW = up @ down  (up [out, r], down [r, in]) to a weight W. When W is sharded the update must be
+sharded exactly like it, and that is cheap to do on the factors instead of on dW:
+
+    column-parallel (W split by output rows, per packed part)  ->  up split the same way, down whole
+    row-parallel    (W split by input columns)                 ->  down split the same way, up whole
+    replicated                                                  ->  both whole
+
+Full-size updates (a "diff" or "set" tensor shaped like W) are sliced with the weight's own rule; a row-parallel
+bias update goes to rank 0 only, like the bias. Anything whose slice is not determined by the weight's (DoRA's
+norm of the full weight, LoHa/LoKr products, conv "mid" factors, padded or offset patches) is refused by the
+caller with the names of the keys. Imports nothing from `comfy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+
+from .errors import AdapterPlacementError
+from .plan import RANK0, SPLIT, TensorShard
+from .shard import slice_tensor
+
+
+def is_sharded(ts: TensorShard) -> bool:
+    """True when ranks hold different data for this tensor (a split weight, or a rank-0-only bias)."""
+    return ts.kind in (SPLIT, RANK0)
+
+
+def slice_lora_factors(
+    up: torch.Tensor, down: torch.Tensor, ts: TensorShard, tp_rank: int, tp_size: int, key: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (up, down) for a weight sharded as `ts`; raises AdapterPlacementError on a shape mismatch."""
+    full = tuple(ts.full_shape)
+    if up.ndim != 2 or down.ndim != 2 or len(full) != 2:
+        raise AdapterPlacementError(
+            f"{key}: LoRA factors up {list(up.shape)} / down {list(down.shape)} on weight {list(full)}: only 2-D linear "
+            "LoRAs can be sliced for tensor parallelism."
+        )
+    if up.shape[1] != down.shape[0] or (up.shape[0], down.shape[1]) != full:
+        raise AdapterPlacementError(
+            f"{key}: LoRA up {list(up.shape)} @ down {list(down.shape)} does not make the weight's full shape {list(full)}. "
+            "The LoRA was made for another model (or another H3 form); without TP ComfyUI would skip this key, "
+            "under TP it is refused so that no rank applies a wrong slice."
+        )
+    if ts.kind != SPLIT:
+        return up, down
+    if ts.dim == 0:
+        return slice_tensor(up, dataclasses.replace(ts, full_shape=tuple(up.shape)), tp_rank, tp_size), down
+    return up, slice_tensor(down, dataclasses.replace(ts, full_shape=tuple(down.shape)), tp_rank, tp_size)
+
+
+def slice_like_weight(t: torch.Tensor, ts: TensorShard, tp_rank: int, tp_size: int, key: str) -> torch.Tensor:
+    """This rank's part of a tensor shaped like the full weight or bias (a "diff" or "set" patch)."""
+    if tuple(t.shape) != tuple(ts.full_shape):
+        raise AdapterPlacementError(
+            f"{key}: a full-size patch of shape {list(t.shape)} does not match the weight's full shape {list(ts.full_shape)}."
+        )
+    return slice_tensor(t, ts, tp_rank, tp_size)
+
+
+def state_dict_digest(sd: dict[str, torch.Tensor]) -> str:
+    """A content hash of a LoRA state dict (names, dtypes, shapes and bytes): the LoRA's identity across ranks."""
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name]
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
