@@ -33,6 +33,7 @@ def activate() -> None:
     from .lockstep import track_prompts
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
+    from .vae_decode import install_parallel_vae_decode
 
     device = comfy.model_management.get_torch_device()
     device = device if device.type == "cuda" else torch.device("cpu")
@@ -48,6 +49,7 @@ def activate() -> None:
     track_prompts()
     install_interrupt_deferral()
     install_front_door()
+    install_parallel_vae_decode()
     STATE.boot_id = uuid.uuid4().hex
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     log.info(

@@ -1,0 +1,167 @@
+"""Parallel H3 video VAE decode: the temporal chunks of one decode are spread over the TP ranks.
+
+    install_parallel_vae_decode()   wraps comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal (once)
+
+ComfyUI's `decode_temporal` pads the latent with its last token, decodes chunks of tokens_chunk_size +
+token_overlap tokens one after another (the spatially tiled ViT decode: the expensive part, independent per
+chunk), and blends each chunk into the previous one. Here rank r decodes chunks r, r + tp_size, ... and each
+decoded chunk is broadcast from its owner (tp2.chunk_decode); ComfyUI's own serial blend then runs unchanged on
+every rank, on exactly the tensors a single-rank decode makes, so every rank ends with the single-rank video,
+bit for bit. Each chunk ComfyUI asks for is checked against the chunk decoded for it (a changed chunking in
+ComfyUI is an error, never a wrong video).
+
+Falls back to ComfyUI's decode on this rank alone, with one log line: TP2_PARALLEL_VAE=0 (read at start-up),
+fewer than 2 chunks, or a peer that does not reach the decode within TP2_PROMPT_TIMEOUT_S (e.g. its node cache
+served the decode; the cache epoch is raised so the next prompt clears the caches). Refused on every rank:
+different latents (RankMismatchError). A failed collective or chunk decode mid-way marks the process group
+broken, raises the cache epoch and fails the prompt; an out-of-memory there is re-raised as a TP2Error, because
+ComfyUI's OOM retry on one rank alone would leave the others waiting. Interrupts take effect after the decode
+(the deferral used during sampling). Audio decode is not split (a few % of the video decode's time).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+
+import comfy.model_management as mm
+import torch
+
+from ..tp2 import __version__
+from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, temporal_chunks
+from ..tp2.errors import PeerLostError, TP2Error
+from .front_door import forward_failure
+from .interrupts import SAMPLING
+from .lockstep import CURRENT
+from .state import STATE, log
+
+ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
+
+
+class _Decodes:
+    """Decode calls within the running prompt (every rank counts the same calls, so keys match)."""
+
+    prompt_id: str | None = None
+    count: int = 0
+
+
+DECODES = _Decodes()
+
+
+def parallel_vae_enabled(environ=None) -> bool:
+    raw = (os.environ if environ is None else environ).get(ENV_PARALLEL_VAE, "1").strip().lower()
+    if raw not in ("0", "1", "off", "on", "false", "true"):
+        raise TP2Error(f"{ENV_PARALLEL_VAE}={raw!r} must be 1 (split the H3 video decode over the ranks) or 0 (each rank decodes alone).")
+    return raw in ("1", "on", "true")
+
+
+def install_parallel_vae_decode() -> None:
+    """Split H3 video decodes over the ranks from now on (unless TP2_PARALLEL_VAE=0)."""
+    if not parallel_vae_enabled():
+        log.info("%s %s=0: every rank decodes the whole video itself", STATE.tag, ENV_PARALLEL_VAE)
+        return
+    import comfy.ldm.minimax.vae as h3_vae
+
+    cls = h3_vae.MiniMaxH3VideoVAE
+    original = cls.decode_temporal
+    if getattr(original, "_tp2", False):
+        return
+
+    @functools.wraps(original)
+    def decode_temporal(self, z, output_buffer=None):
+        return _decode_temporal(original, self, z, output_buffer)
+
+    decode_temporal._tp2 = True
+    cls.decode_temporal = decode_temporal
+
+
+def _decode_temporal(original, vae, z, output_buffer):
+    pad_tokens, num_chunks = vae._decode_temporal_chunks(z.shape[2])
+    if num_chunks < 2:
+        log.info("%s VAE decode: latent of %d frames is one chunk, nothing to split: decoding on this rank alone", STATE.tag, z.shape[2])
+        return original(vae, z, output_buffer)
+    key = f"{CURRENT.prompt_id or 'no-prompt'}/vae-decode{_next_decode()}"
+    fields = {
+        "pack_version": __version__,
+        "prompt": CURRENT.fingerprint,
+        "latent_shape": str(tuple(z.shape)),
+        "latent": _digest(z),
+        "dtype": f"{z.dtype} on {z.device.type}",
+        "chunks": f"{num_chunks} x ({vae.tokens_chunk_size}+{vae.token_overlap}), pad {pad_tokens}",
+    }
+    session = STATE.session
+    try:
+        group = session.agree(key, fields, STATE.prompt_timeout_s, abort=_rank0_abort if STATE.env.tp_rank == 0 else None)
+    except PeerLostError as e:
+        session.cache_epoch(bump=True)
+        log.warning("%s %s; decoding the whole video on this rank alone (same result, not split)", STATE.tag, e)
+        return original(vae, z, output_buffer)
+    STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
+    return _decode_split(
+        original, vae, z, output_buffer, temporal_chunks(z, pad_tokens, num_chunks, vae.tokens_chunk_size, vae.token_overlap), group
+    )
+
+
+def _decode_split(original, vae, z, output_buffer, clips, group):
+    """ComfyUI's decode_temporal with its chunk decodes served by a RoundRobinDecoder."""
+    decoder = RoundRobinDecoder(clips, _local_decode(vae._adaptive_decode), group)
+    had_own = "_adaptive_decode" in vae.__dict__
+    vae._adaptive_decode = decoder.serve
+    was_sampling = getattr(SAMPLING, "active", False)
+    SAMPLING.active = True  # an interrupt now waits for the end of the decode, on every rank
+    t0 = time.monotonic()
+    try:
+        out = original(vae, z, output_buffer)
+        if not decoder.done:
+            raise TP2Error(
+                f"{STATE.tag} the VAE decoded {decoder.served} of {len(clips)} chunks the parallel schedule made: ComfyUI's "
+                f"temporal chunking changed. Set {ENV_PARALLEL_VAE}=0 and report this with your ComfyUI version."
+            )
+    except Exception:
+        STATE.session.mark_broken()
+        STATE.session.cache_epoch(bump=True)
+        raise
+    finally:
+        SAMPLING.active = was_sampling
+        if not had_own:
+            del vae._adaptive_decode
+    shares = "; ".join(f"rank {r}: {','.join(map(str, s)) or '-'}" for r, s in enumerate(rank_shares(len(clips), group.tp_size)))
+    log.info(
+        "%s VAE decode split over %d ranks: %d chunks (%s), %.2f s", STATE.tag, group.tp_size, len(clips), shares, time.monotonic() - t0
+    )
+    return out
+
+
+def _local_decode(decode):
+    """This rank's chunk decode; an OOM becomes a TP2Error so ComfyUI does not retry on this rank alone."""
+
+    def run(clip):
+        try:
+            return decode(clip)
+        except Exception as e:
+            if not mm.is_oom(e):
+                raise
+            raise TP2Error(
+                f"{STATE.tag} out of memory decoding a VAE chunk {tuple(clip.shape)} during the split decode ({e}). Free memory "
+                f"(smaller resolution, or unload models) or set {ENV_PARALLEL_VAE}=0, then queue again."
+            ) from e
+
+    return run
+
+
+def _next_decode() -> int:
+    if DECODES.prompt_id != CURRENT.prompt_id:
+        DECODES.prompt_id, DECODES.count = CURRENT.prompt_id, 0
+    DECODES.count += 1
+    return DECODES.count
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def _rank0_abort() -> str | None:
+    """Why rank 0 stops waiting for its followers: a follower could not take the prompt, or an interrupt."""
+    return forward_failure(CURRENT.prompt_id) or ("interrupted on rank 0" if mm.processing_interrupted() else None)
