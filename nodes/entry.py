@@ -14,6 +14,7 @@ from ..kernels import select_int8_gemm
 from ..tp2.collectives import read_tp_env, reduce_dtype_from_env
 from ..tp2.session import TPSession
 from .pack_nodes import NODES, register_conditioning_folder
+from .sequence_parallel import sequence_parallel_from_env
 from .state import STATE, log, prompt_timeout_from_env
 
 
@@ -42,6 +43,7 @@ def activate() -> None:
     STATE.int8_gemm = select_int8_gemm()
     STATE.int8_kernel = STATE.int8_gemm.kernel_name
     STATE.reduce_dtype = reduce_dtype_from_env()
+    STATE.sequence_parallel = sequence_parallel_from_env()
     STATE.session = TPSession(env, device)
     install_loader_hook()
     install_lora_hooks()
@@ -53,8 +55,9 @@ def activate() -> None:
     STATE.boot_id = uuid.uuid4().hex
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     log.info(
-        "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, reduce %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
-        STATE.tag, device, env.master_addr, env.master_port, STATE.int8_kernel, STATE.reduce_dtype, env.timeout_s, STATE.prompt_timeout_s,
+        "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, reduce %s, sequence parallel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
+        STATE.tag, device, env.master_addr, env.master_port, STATE.int8_kernel, STATE.reduce_dtype, "on" if STATE.sequence_parallel else "off",
+        env.timeout_s, STATE.prompt_timeout_s,
     )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from ..tp2.errors import PlanError
 from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan, find_prefix
 from ..tp2.safetensors_io import file_fingerprint, read_header
 from ..tp2.shard import is_rank_file, load_rank_file, rank_file_name, shard_state_dict, verify_rank_file
+from . import sequence_parallel
 from .lockstep import install_lockstep
 from .parallel import tag_and_verify
 from .state import STATE, LoadedModel, log
@@ -57,6 +58,8 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
     _assign_split_input(dm, split_input)
     patcher.model.tp2_plan = plan  # read by the LoRA hook (nodes/lora.py)
     tag_and_verify(dm, plan)
+    if STATE.sequence_parallel and plan.tp_size > 1:
+        sequence_parallel.install(dm)
     install_lockstep(patcher, plan, source_fp)
     patcher.cached_patcher_init = (tp_load_diffusion_model, (unet_path, model_options))
     secs = time.monotonic() - t0

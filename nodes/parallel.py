@@ -18,7 +18,7 @@ import comfy.ops
 import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
-from ..tp2.collectives import all_reduce
+from ..tp2.collectives import all_reduce, reduce_scatter_rows
 from ..tp2.errors import MissingRoleError, PlanError
 from ..tp2.layers import ROLE_ATTR, Int8Weight, LinearWeight, local_linear, require_role
 from ..tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
@@ -27,6 +27,7 @@ from .state import STATE
 ROLE_OF_STYLE = {COLWISE: "colwise", COLWISE_PACKED: "colwise", ROWWISE: "rowwise", ROWWISE_SPLIT_INPUT: "rowwise", REPLICATE: "replicate"}
 _original_linear_input_act = comfy.ops.linear_input_act
 _in_tp_forward = threading.local()
+_scatter = threading.local()  # rows: padded sequence length while a sequence-parallel block runs attn/mlp
 
 
 def _is_comfy_linear(module: torch.nn.Module) -> bool:
@@ -53,7 +54,22 @@ def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None
         y = local_linear(x, _local_weight(weight), bias, STATE.reduce_dtype, STATE.int8_gemm, input_act)
     finally:
         comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
+    padded = getattr(_scatter, "rows", None)
+    if padded is not None:  # sequence parallel: sum and keep this rank's rows
+        if padded > y.shape[0]:
+            y = torch.nn.functional.pad(y, (0, 0, 0, padded - y.shape[0]))
+        return reduce_scatter_rows(y, _group()).to(x.dtype)
     return all_reduce(y, _group()).to(x.dtype)
+
+
+@contextlib.contextmanager
+def scatter_rowwise_outputs(padded_rows: int):
+    """While active, row-parallel outputs are reduce-scattered over the (padded) sequence instead of all-reduced."""
+    _scatter.rows = padded_rows
+    try:
+        yield
+    finally:
+        _scatter.rows = None
 
 
 def _local_weight(weight) -> LinearWeight:

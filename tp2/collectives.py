@@ -138,6 +138,40 @@ def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return t
 
 
+def reduce_scatter_rows(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sequence parallelism's reduce: sum `t` [S, ...] over ranks and keep this rank's S/tp_size rows.
+
+    Moves half the bytes of an all-reduce per rank. S must be a multiple of tp_size (callers pad). gloo has no
+    reduce-scatter: there it is an all-reduce and a narrow, with the same sums."""
+    if tp.tp_size == 1:
+        return t
+    n = t.shape[0] // tp.tp_size
+    try:
+        if tp.backend == "nccl":
+            out = torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.reduce_scatter_tensor(out, t.contiguous(), group=tp.group)
+            return out
+        dist.all_reduce(t, group=tp.group)
+    except (RuntimeError, dist.DistError) as e:
+        raise _lost(tp, f"reduce_scatter of {tuple(t.shape)} {t.dtype}", e) from e
+    return t.narrow(0, tp.tp_rank * n, n).clone()
+
+
+def all_gather_rows(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Every rank's rows `t` [n, ...] stacked in rank order: [tp_size * n, ...]."""
+    if tp.tp_size == 1:
+        return t
+    out = torch.empty((t.shape[0] * tp.tp_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    try:
+        if tp.backend == "nccl":
+            dist.all_gather_into_tensor(out, t.contiguous(), group=tp.group)
+        else:
+            dist.all_gather(list(out.chunk(tp.tp_size)), t.contiguous(), group=tp.group)
+    except (RuntimeError, dist.DistError) as e:
+        raise _lost(tp, f"all_gather of {tuple(t.shape)} {t.dtype}", e) from e
+    return out
+
+
 def broadcast_object(obj: object, tp: TPGroup, src: int = 0) -> object:
     """Rank `src`'s picklable object on every rank (over the CPU group)."""
     if tp.tp_size == 1:

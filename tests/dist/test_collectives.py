@@ -57,6 +57,27 @@ def test_broadcast_tree_and_all_reduce():
         assert torch.equal(summed, torch.full((5,), 10.0))
 
 
+def _sequence_parallel_worker(tp_rank, tp_size):
+    from tp2.collectives import all_gather_rows, all_reduce, reduce_scatter_rows
+
+    tp = _join()
+    g = torch.Generator().manual_seed(tp_rank)
+    partial = torch.randn(4 * tp_size, 3, generator=g)  # this rank's partial sums of a [4 * tp_size, 3] output
+    mine = reduce_scatter_rows(partial.clone(), tp)
+    whole = all_gather_rows(mine, tp)
+    return mine, whole, all_reduce(partial.clone(), tp)
+
+
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_reduce_scatter_then_all_gather_is_all_reduce(tp_size):
+    """Sequence parallelism's pattern: each rank's rows of the sum, then every rank has all rows, equal to one all-reduce."""
+    outs = values(run_ranks(_sequence_parallel_worker, tp_size))
+    summed = outs[0][2]
+    for r, (mine, whole, reduced) in enumerate(outs):
+        assert mine.shape == (4, 3) and torch.equal(mine, summed[4 * r : 4 * r + 4])
+        assert torch.equal(whole, summed) and torch.equal(reduced, summed)
+
+
 def _dies_after_handshake(tp_rank, tp_size):
     from tp2.collectives import all_reduce
     from tp2.handshake import handshake

@@ -1,0 +1,102 @@
+"""Sequence parallelism for H3's DiT blocks (opt-in, TP2_SEQUENCE_PARALLEL=1): the replicated part is split too.
+
+Plain TP keeps the residual stream whole on every rank, so norms, adaln modulation and gated residuals are done
+tp_size times over. With sequence parallelism (Megatron-LM's) each rank keeps S/tp_size rows of the stream:
+
+    x_r (this rank's rows) -> norm1, modulation on x_r -> all-gather -> qkv | attention | out_proj partial
+      -> reduce-scatter -> x_r += gate * attn_r -> norm2, modulation -> all-gather -> fc1 | fc2 partial
+      -> reduce-scatter -> x_r += gate * mlp_r
+
+An all-gather plus a reduce-scatter move the bytes of one all-reduce, and the elementwise work per rank is
+divided by tp_size. The first DiT block takes its rows of the full stream, the last gathers it back, so the rest
+of ComfyUI's forward (refiner, final layer) is unchanged. Rows are padded to a multiple of tp_size with zeros
+that no segment covers (they stay zero and are dropped). Every row's math is the same as without it: each
+rank's rows carry the same sums (at tp_size 2 bit for bit).
+
+The block forward below follows ComfyUI's DiTBlock.forward step for step and calls ComfyUI's own modulation
+helpers on this rank's rows; `install` checks that those helpers exist and refuses otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+
+import torch
+
+from ..tp2.collectives import all_gather_rows
+from ..tp2.errors import PlanError
+from .parallel import _group, scatter_rowwise_outputs
+from .state import STATE, log
+
+ENV_SEQUENCE_PARALLEL = "TP2_SEQUENCE_PARALLEL"
+_rows = threading.local()  # the current forward's split: full, padded, lo, hi, local segments
+
+
+def sequence_parallel_from_env() -> bool:
+    raw = os.environ.get(ENV_SEQUENCE_PARALLEL, "0").strip().lower()
+    if raw not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{ENV_SEQUENCE_PARALLEL}={raw!r}: use 1 (on) or 0 (off).")
+    return raw in ("1", "true", "on")
+
+
+def _split(x: torch.Tensor, mod_segments) -> torch.Tensor:
+    """Record this forward's row split and return this rank's rows of the full stream `x` (zero-padded)."""
+    rank, size = STATE.env.tp_rank, STATE.env.tp_size
+    full = x.shape[0]
+    padded = -(-full // size) * size
+    n = padded // size
+    lo, hi = rank * n, (rank + 1) * n
+    segments = [(max(a, lo) - lo, min(b, hi) - lo, row) for a, b, row in mod_segments if min(b, hi) > max(a, lo)]
+    _rows.split = (full, padded, lo, hi, segments)
+    if getattr(_rows, "logged", None) != full:  # once per sequence length
+        log.info("%s sequence parallel: %d rows, this rank holds rows %d-%d (padded to %d)", STATE.tag, full, lo, min(hi, full), padded)
+        _rows.logged = full
+    local = x[lo : min(hi, full)]
+    if local.shape[0] < n:
+        local = torch.nn.functional.pad(local, (0, 0, 0, n - local.shape[0]))
+    return local.clone()
+
+
+def _gather(local: torch.Tensor) -> torch.Tensor:
+    full = _rows.split[0]
+    return all_gather_rows(local, _group())[:full]
+
+
+def _block_forward(helpers, self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
+    mod_scale_shift, mod_gate = helpers
+    if self.tp2_sp_first:
+        x = _split(x, mod_segments)
+    full, padded, lo, hi, segments = _rows.split
+    if x.shape[0] != hi - lo:
+        raise PlanError(
+            f"{STATE.tag} sequence-parallel block got {x.shape[0]} rows, expected this rank's {hi - lo} of {full}: the "
+            "blocks did not run in order (a block patch?). Unset TP2_SEQUENCE_PARALLEL on every rank."
+        )
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
+    h = _gather(mod_scale_shift(self.norm1(x), shift_msa, scale_msa, segments))
+    with scatter_rowwise_outputs(padded):
+        attn = self.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
+    x = mod_gate(x, gate_msa, attn, segments)
+    h = _gather(mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, segments))
+    with scatter_rowwise_outputs(padded):
+        mlp = self.mlp(h)
+    x = mod_gate(x, gate_mlp, mlp, segments)
+    return _gather(x) if self.tp2_sp_last else x
+
+
+def install(diffusion_model: torch.nn.Module) -> None:
+    """Give every DiT block of a loaded TP model the sequence-parallel forward (the refiner stays as it is)."""
+    import comfy.ldm.minimax.model as h3
+
+    helpers = (getattr(h3, "_mod_scale_shift", None), getattr(h3, "_mod_gate", None))
+    if None in helpers:
+        raise PlanError(
+            f"{STATE.tag} TP2_SEQUENCE_PARALLEL=1 needs ComfyUI's H3 modulation helpers (_mod_scale_shift, _mod_gate), "
+            "which this ComfyUI does not have. Unset TP2_SEQUENCE_PARALLEL on every rank."
+        )
+    blocks = list(diffusion_model.blocks)
+    for i, block in enumerate(blocks):
+        block.tp2_sp_first, block.tp2_sp_last = i == 0, i == len(blocks) - 1
+        block.forward = types.MethodType(lambda self, *a, **k: _block_forward(helpers, self, *a, **k), block)

@@ -1,0 +1,73 @@
+"""TP2_SEQUENCE_PARALLEL=1 on real ComfyUI servers (CPU, gloo): the same latents as plain TP2.
+
+Sequence parallelism changes where rows are normalised, modulated and summed, not the math of any row, so at
+tp_size 2 the latents must be bit-identical to plain TP2 (a sum of two partials is the same in either
+collective), and hence within test_tp_comfy.py's thresholds of one server. The sequence lengths used cover an
+even and an odd number of rows (odd: the last rank's shard carries a zero pad row).
+"""
+
+from __future__ import annotations
+
+import pytest
+from comfy_harness import COMFYUI_DIR, cleanup, have_comfyui, run_everywhere, start_tp, tiny_workflow
+from conftest import make_checkpoint, make_tiny_h3
+from test_tp_comfy import latent, ok
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
+
+TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "10", "TP2_TIMEOUT_S": "30"}
+COND = "h3_tiny_cond.safetensors"
+INT8, FULL = "h3_tiny_int8.safetensors", "h3_tiny_full_adaln.safetensors"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sp_models")
+    make_checkpoint(str(d / INT8), "--int8")
+    make_checkpoint(str(d / FULL), "--adaln", "full")
+    make_tiny_h3.main(["--conditioning", str(d / COND), "--text-dim", "128", "--tokens", "16"])
+    return {f"diffusion_models/{INT8}": str(d / INT8), f"diffusion_models/{FULL}": str(d / FULL), f"h3_conditioning/{COND}": str(d / COND)}
+
+
+def _pair(request, tmp_path_factory, models, name, env):
+    root = str(tmp_path_factory.mktemp(name))
+    servers = start_tp(root, 2, models, TP_ENV | env)
+
+    def stop():
+        for s in servers:
+            s.stop()
+        cleanup(root)
+
+    request.addfinalizer(stop)
+    return servers
+
+
+@pytest.fixture(scope="module")
+def tp2(request, tmp_path_factory, models):
+    return _pair(request, tmp_path_factory, models, "sp_off", {})
+
+
+@pytest.fixture(scope="module")
+def tp2_sp(request, tmp_path_factory, models):
+    return _pair(request, tmp_path_factory, models, "sp_on", {"TP2_SEQUENCE_PARALLEL": "1"})
+
+
+def _sequence_length(server) -> int:
+    with open(server.log_path, "rb") as f:
+        lines = [ln for ln in f.read().decode(errors="replace").splitlines() if "sequence parallel:" in ln]
+    assert lines, "the sequence-parallel forward did not run"
+    return int(lines[-1].split("sequence parallel:")[1].split()[0])
+
+
+@pytest.mark.parametrize("unet,size,odd", [(INT8, (64, 64, 5), False), (INT8, (80, 80, 22), True), (FULL, (64, 64, 5), False)])
+def test_sequence_parallel_equals_plain_tp2(tp2, tp2_sp, unet, size, odd):
+    wf = tiny_workflow(unet, COND, prefix=f"sp_{unet[:-12]}_{size[0]}")
+    wf["4"]["inputs"].update(width=size[0], height=size[1], length=size[2])
+    sp = ok(tp2_sp, run_everywhere(tp2_sp, wf))
+    assert sp[0] == sp[1], "sequence-parallel ranks wrote different bytes"
+    plain = ok(tp2, run_everywhere(tp2, wf))
+    for kind in ("video", "audio"):
+        assert latent(sp[0], kind).equal(latent(plain[0], kind)), f"{kind}: sequence parallel changed the result"
+    rows = _sequence_length(tp2_sp[0])
+    print(f"{unet} {size}: {rows} rows, sequence-parallel latents identical to plain TP2")
+    assert rows % 2 == int(odd), f"this case was meant to have an {'odd' if odd else 'even'} number of rows"
