@@ -82,8 +82,14 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
-        if variant == "bf16":
+        options = set(variant.split("+")) - {""}
+        unknown = options - {"bf16", "sp"}
+        if unknown:
+            raise SystemExit(f"unknown variant {sorted(unknown)} in --tp-sizes (use bf16, sp or bf16+sp)")
+        if "bf16" in options:
             env["TP2_REDUCE_DTYPE"] = "bf16"
+        if "sp" in options:
+            env["TP2_SEQUENCE_PARALLEL"] = "1"
         log = open(os.path.join(run, f"tp{tp_size}{variant}_rank{r}.log"), "w")
         p = subprocess.Popen(cmd, cwd=args.comfyui, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         servers.insert(0, (p, port, log.name))
@@ -209,10 +215,9 @@ async def main_async(args) -> list[dict]:
                         [(r, args.memory_steps, True) for r in args.memory_resolutions] if tp > 1 else []
                     )
                     for res, steps, memory_only in plan:
-                        w, h = (int(x) for x in res.split("x"))
-                        out = await run_one(
-                            session, servers, workflow(args.ckpt, args.cond, w, h, args.frames, steps, f"tp{tp}_{res}"), run_dir
-                        )
+                        w, h, *f = (int(x) for x in res.split("x"))  # WxH, or WxHxFRAMES for a memory run at another length
+                        frames = f[0] if f else args.frames
+                        out = await run_one(session, servers, workflow(args.ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}"), run_dir)
                         out.update(
                             tp_size=tp, variant=variant or ("fp32" if tp > 1 else "-"), resolution=res, steps=steps, memory_only=memory_only
                         )
@@ -256,9 +261,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt", default="h3_full_int8.safetensors", help="file in BASE/models/diffusion_models")
     ap.add_argument("--cond", default="h3_full_cond.safetensors", help="file in BASE/models/h3_conditioning")
-    ap.add_argument("--tp-sizes", default="1,2", help="configurations in order, e.g. 1,2,2:bf16 (bf16 all-reduce)")
+    ap.add_argument(
+        "--tp-sizes", default="1,2", help="configurations in order, e.g. 1,2,2:bf16,2:sp,2:bf16+sp (bf16 reduce, sequence parallel)"
+    )
     ap.add_argument("--resolutions", default="832x480,1344x768")
-    ap.add_argument("--memory-resolutions", default="1600x896,1920x1088")
+    ap.add_argument("--memory-resolutions", default="1600x896,1920x1088", help="TP-only memory runs: WxH or WxHxFRAMES")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--memory-steps", type=int, default=2)
     ap.add_argument("--frames", type=int, default=124)
