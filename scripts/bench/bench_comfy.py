@@ -28,6 +28,7 @@ import time
 import uuid
 
 import aiohttp
+import torch
 
 
 def free_port() -> int:
@@ -174,17 +175,19 @@ async def run_one(session, servers, wf, run_dir) -> dict:
         starts = [t for t, kind, d in ev if kind == "executing" and d.get("node") == "1"]
         after = [t for t, kind, d in ev if kind == "executing" and starts and t > starts[0] and d.get("node") != "1"]
         loads.append(round(after[0] - starts[0], 1) if starts and after else None)
-    digests = []
+    digests, video = [], None
     for (_p, _port, log), h in zip(servers, hists):
         d = hashlib.sha256()
         for node in sorted(h["outputs"]):
             for item in h["outputs"][node].get("latents", []):
                 rank_dir = os.path.dirname(log) + "/" + os.path.basename(log)[:-4]
-                with open(os.path.join(rank_dir, "output", item["subfolder"], item["filename"]), "rb") as f:
+                path = os.path.join(rank_dir, "output", item["subfolder"], item["filename"])
+                video = video or (path if "_video" in item["filename"] else None)
+                with open(path, "rb") as f:
                     d.update(f.read())
         digests.append(d.hexdigest())
     return {"s_per_step": statistics.median(per_step) if per_step else None, "steps_timed": len(per_step), "load_s": loads,
-            "identical": len(set(digests)) == 1, "digest": digests[0][:12], "t0": t0, "t1": t1}  # fmt: skip
+            "identical": len(set(digests)) == 1, "digest": digests[0][:12], "video_latent": video, "t0": t0, "t1": t1}  # fmt: skip
 
 
 def stop_servers(servers):
@@ -231,11 +234,23 @@ async def main_async(args) -> list[dict]:
     return rows
 
 
+def sqnr_vs_tp1(rows: list[dict]) -> None:
+    """Each TPn run's final video latent against TP1's at the same resolution (SQNR in dB), in place."""
+    from safetensors.torch import load_file
+
+    tp1 = {r["resolution"]: r for r in rows if r["tp_size"] == 1 and r.get("video_latent")}
+    for r in rows:
+        ref = tp1.get(r["resolution"])
+        if r["tp_size"] > 1 and ref and r.get("video_latent"):
+            a, b = (load_file(x["video_latent"])["latent_tensor"].double() for x in (ref, r))
+            r["sqnr_db_vs_tp1"] = round(float(10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum().clamp_min(1e-300))), 1)
+
+
 def table(rows: list[dict]) -> str:
     tp1 = {r["resolution"]: r for r in rows if r["tp_size"] == 1 and "error" not in r}
     lines = [
-        "| resolution | tp | reduce | steps | s/step | TP1/TPn | peak GiB per rank | load s per rank | ranks identical |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| resolution | tp | variant | steps | s/step | TP1/TPn | peak GiB per rank | load s per rank | ranks identical | SQNR vs TP1 dB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
@@ -248,7 +263,7 @@ def table(rows: list[dict]) -> str:
         sps = f"{r['s_per_step']:.3f}" if r["s_per_step"] else "-"
         mem = ", ".join(f"{m / 1024:.1f}" for m in r["peak_mib"])
         lines.append(
-            f"| {r['resolution']}{' (memory)' if r['memory_only'] else ''} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | {sps} | {ratio} | {mem} | {r['load_s']} | {r['identical']} |"
+            f"| {r['resolution']}{' (memory)' if r['memory_only'] else ''} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | {sps} | {ratio} | {mem} | {r['load_s']} | {r['identical']} | {r.get('sqnr_db_vs_tp1', '-')} |"
         )
     return "\n".join(lines)
 
@@ -276,6 +291,7 @@ def main(argv=None) -> int:
     args.resolutions = [r for r in args.resolutions.split(",") if r]
     args.memory_resolutions = [r for r in args.memory_resolutions.split(",") if r]
     rows = asyncio.run(main_async(args))
+    sqnr_vs_tp1(rows)
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(table(rows))
