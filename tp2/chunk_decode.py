@@ -6,7 +6,8 @@ into the previous one; the decodes themselves are independent. `RoundRobinDecode
 i % tp_size, a round of tp_size chunks at a time, and broadcasts each decoded chunk from its owner, so every rank
 can run the model's own serial blend on exactly the tensors a single-rank decode would have made.
 
-    dec = RoundRobinDecoder(clips, decode, tp)   clips[i]: chunk i's input; decode(clip) -> decoded chunk
+    clips = temporal_chunks(z, pad, n, size, overlap)   chunk inputs, cut as the H3 VAE cuts them
+    dec = RoundRobinDecoder(clips, decode, tp)   decode(clip) -> decoded chunk
     dec.serve(clip)                              the next chunk's decode; `clip` must equal clips[next]
 
 Memory: at most one round (tp_size decoded chunks) is held at a time. Imports torch only; never `comfy`.
