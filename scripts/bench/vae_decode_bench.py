@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,7 @@ def unpack_device(device_dir: str) -> str:
             [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", site, *wheels], check=True
         )
         subprocess.run(["tar", "-C", site, "-xJf", os.path.join(device_dir, "comfy_kitchen.tar.xz")], check=True)
+        shutil.copytree(os.path.join(ROOT, "scripts", "bench", "avstub", "av"), os.path.join(site, "av"))  # ComfyUI imports PyAV
     if not os.path.isfile(os.path.join(comfy, "main.py")):
         os.makedirs(comfy, exist_ok=True)
         subprocess.run(["tar", "-C", comfy, "-xJf", os.path.join(device_dir, "comfyui.tar.xz")], check=True)
@@ -73,7 +75,8 @@ def import_pack(comfyui: str, tiny: bool):
 
 def build_vae(h3_vae, device: torch.device, dtype: torch.dtype):
     """The full VAE class with the encoder dropped (decode never uses it) and seeded random decoder weights."""
-    vae = h3_vae.MiniMaxH3VideoVAE()
+    with device:  # ComfyUI's ops leave parameters uninitialised: build in place, no host copy
+        vae = h3_vae.MiniMaxH3VideoVAE()
     del vae.encoder, vae.quant_conv
     vae = vae.eval().to(device, dtype)
     gen = torch.Generator(device).manual_seed(0)
