@@ -10,13 +10,14 @@ every rank, on exactly the tensors a single-rank decode makes, so every rank end
 bit for bit. Each chunk ComfyUI asks for is checked against the chunk decoded for it (a changed chunking in
 ComfyUI is an error, never a wrong video).
 
-Falls back to ComfyUI's decode on this rank alone, with one log line: TP2_PARALLEL_VAE=0 (read at start-up),
-fewer than 2 chunks, or a peer that does not reach the decode within TP2_PROMPT_TIMEOUT_S (e.g. its node cache
-served the decode; the cache epoch is raised so the next prompt clears the caches). Refused on every rank:
-different latents (RankMismatchError). A failed collective or chunk decode mid-way marks the process group
-broken, raises the cache epoch and fails the prompt; an out-of-memory there is re-raised as a TP2Error, because
-ComfyUI's OOM retry on one rank alone would leave the others waiting. Interrupts take effect after the decode
-(the deferral used during sampling). Audio decode is not split (a few % of the video decode's time).
+Falls back to ComfyUI's decode on this rank alone, with one log line: TP2_PARALLEL_VAE=0 or tp_size 1 (read
+at start-up: no hook), fewer than 2 chunks, or a peer that does not reach the decode within
+TP2_PROMPT_TIMEOUT_S (e.g. its node cache served the decode; the cache epoch is raised so the next prompt clears
+the caches). Refused on every rank: different latents (RankMismatchError). A failed collective or chunk decode
+mid-way marks the process group broken, raises the cache epoch and fails the prompt; an out-of-memory there is
+re-raised as a TP2Error, because ComfyUI's OOM retry on one rank alone would leave the others waiting.
+Interrupts take effect after the decode (the deferral used during sampling). The audio VAE is not split (not
+measured: a 1-D decoder over a few seconds of audio, expected far cheaper than the video decode).
 """
 
 from __future__ import annotations
@@ -59,8 +60,14 @@ def parallel_vae_enabled(environ=None) -> bool:
 
 def install_parallel_vae_decode() -> None:
     """Split H3 video decodes over the ranks from now on (unless TP2_PARALLEL_VAE=0)."""
-    if not parallel_vae_enabled():
-        log.info("%s %s=0: every rank decodes the whole video itself", STATE.tag, ENV_PARALLEL_VAE)
+    if not parallel_vae_enabled() or STATE.env.tp_size < 2:
+        log.info(
+            "%s video VAE decode not split (%s=%s, tp_size %d)",
+            STATE.tag,
+            ENV_PARALLEL_VAE,
+            os.environ.get(ENV_PARALLEL_VAE, "1"),
+            STATE.env.tp_size,
+        )
         return
     import comfy.ldm.minimax.vae as h3_vae
 
