@@ -84,13 +84,17 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
         options = set(variant.split("+")) - {""}
-        unknown = options - {"bf16", "sp"}
+        unknown = options - {"bf16", "sp", "sdpa"}
         if unknown:
-            raise SystemExit(f"unknown variant {sorted(unknown)} in --tp-sizes (use bf16, sp or bf16+sp)")
+            raise SystemExit(f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, sdpa with +)")
         if "bf16" in options:
             env["TP2_REDUCE_DTYPE"] = "bf16"
         if "sp" in options:
             env["TP2_SEQUENCE_PARALLEL"] = "1"
+        if "sdpa" in options:  # torch SDPA attention instead of comfy-kitchen int8 attention, TP1 and TP ranks alike
+            cmd = [a for a in cmd if a != "--use-ck-attention"]
+            if tp_size > 1:
+                env["TP2_ATTN_BACKEND"] = "sdpa"
         log = open(os.path.join(run, f"tp{tp_size}{variant}_rank{r}.log"), "w")
         p = subprocess.Popen(cmd, cwd=args.comfyui, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         servers.insert(0, (p, port, log.name))
@@ -234,20 +238,25 @@ async def main_async(args) -> list[dict]:
     return rows
 
 
+def _baseline_key(r: dict) -> tuple[str, bool]:
+    """TPn runs compare with the TP1 run at the same resolution and attention backend (ck int8 or SDPA)."""
+    return r["resolution"], "sdpa" in str(r.get("variant", "")).split("+")
+
+
 def sqnr_vs_tp1(rows: list[dict]) -> None:
-    """Each TPn run's final video latent against TP1's at the same resolution (SQNR in dB), in place."""
+    """Each TPn run's final video latent against its TP1 baseline's (SQNR in dB), in place."""
     from safetensors.torch import load_file
 
-    tp1 = {r["resolution"]: r for r in rows if r["tp_size"] == 1 and r.get("video_latent")}
+    tp1 = {_baseline_key(r): r for r in rows if r["tp_size"] == 1 and r.get("video_latent")}
     for r in rows:
-        ref = tp1.get(r["resolution"])
+        ref = tp1.get(_baseline_key(r))
         if r["tp_size"] > 1 and ref and r.get("video_latent"):
             a, b = (load_file(x["video_latent"])["latent_tensor"].double() for x in (ref, r))
             r["sqnr_db_vs_tp1"] = round(float(10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum().clamp_min(1e-300))), 1)
 
 
 def table(rows: list[dict]) -> str:
-    tp1 = {r["resolution"]: r for r in rows if r["tp_size"] == 1 and "error" not in r}
+    tp1 = {_baseline_key(r): r for r in rows if r["tp_size"] == 1 and "error" not in r}
     lines = [
         "| resolution | tp | variant | steps | s/step | TP1/TPn | peak GiB per rank | load s per rank | ranks identical | SQNR vs TP1 dB |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -258,7 +267,7 @@ def table(rows: list[dict]) -> str:
                 f"| {r['resolution']} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | ERROR: {r['error'][:120]} | | | | |"
             )
             continue
-        base = tp1.get(r["resolution"])
+        base = tp1.get(_baseline_key(r))
         ratio = f"{base['s_per_step'] / r['s_per_step']:.2f}x" if base and r["s_per_step"] and r["tp_size"] > 1 else "-"
         sps = f"{r['s_per_step']:.3f}" if r["s_per_step"] else "-"
         mem = ", ".join(f"{m / 1024:.1f}" for m in r["peak_mib"])
@@ -277,7 +286,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt", default="h3_full_int8.safetensors", help="file in BASE/models/diffusion_models")
     ap.add_argument("--cond", default="h3_full_cond.safetensors", help="file in BASE/models/h3_conditioning")
     ap.add_argument(
-        "--tp-sizes", default="1,2", help="configurations in order, e.g. 1,2,2:bf16,2:sp,2:bf16+sp (bf16 reduce, sequence parallel)"
+        "--tp-sizes",
+        default="1,2",
+        help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,1:sdpa (bf16 reduce, sequence parallel, SDPA attention)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088", help="TP-only memory runs: WxH or WxHxFRAMES")
