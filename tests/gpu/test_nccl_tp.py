@@ -56,6 +56,26 @@ def test_nccl_tp2_block_matches_one_gpu(tiny_int8, reduce_dtype):
     assert torch.equal(outs[0]["out"], outs[1]["out"])
 
 
+def _sequence_parallel_worker(tp_rank, tp_size, dtype):
+    from tp2.collectives import all_gather_rows, all_reduce, init_tp_group, read_tp_env, reduce_scatter_rows
+
+    torch.cuda.set_device(tp_rank)
+    tp = init_tp_group(read_tp_env(), torch.device("cuda", tp_rank))
+    g = torch.Generator().manual_seed(tp_rank)
+    partial = torch.randn(14880, 512, generator=g).to("cuda", dtype)  # an H3-length sequence of partial sums
+    mine = reduce_scatter_rows(partial.clone(), tp)
+    return mine.cpu(), all_gather_rows(mine, tp).cpu(), all_reduce(partial.clone(), tp).cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nccl_sequence_parallel_pattern_equals_all_reduce(dtype):
+    """TP2_SEQUENCE_PARALLEL's collectives on NCCL: reduce-scatter then all-gather is bit-identical to all-reduce."""
+    outs = values(run_ranks(_sequence_parallel_worker, 2, dtype, timeout_s=60))
+    summed = outs[0][2]
+    for r, (mine, whole, reduced) in enumerate(outs):
+        assert torch.equal(mine, summed[7440 * r : 7440 * (r + 1)]) and torch.equal(whole, summed) and torch.equal(reduced, summed)
+
+
 def _dies(tp_rank, tp_size):
     from tp2.collectives import all_reduce, init_tp_group, read_tp_env
 
