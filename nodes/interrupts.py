@@ -3,7 +3,8 @@
 ComfyUI raises an interrupt from its progress hook after each step and from `comfy.ops.run_every_op` inside
 every layer; on one rank alone either would leave the others waiting in a collective. While a TP sampler runs
 (`SAMPLING.active`), both checks only keep the flag; rank 0 reads it at the next model evaluation and tells every
-rank to stop there (see lockstep._diffusion_model).
+rank to stop there (see lockstep._diffusion_model). The split VAE decode sets the same flag (nodes/vae_decode.py):
+an interrupt during it takes effect once every rank has its frames.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import comfy.utils
 
 from .state import STATE, log
 
-SAMPLING = threading.local()  # .active while a TP sampler runs in this (the prompt worker's) thread
+SAMPLING = threading.local()  # .active while a TP sampler or split decode runs in this (the prompt worker's) thread
 
 
 def _deferring_update_absolute(original):

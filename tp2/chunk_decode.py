@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from .collectives import TPGroup, broadcast_tree
-from .errors import TP2Error
+from .errors import ChunkingChangedError
 
 
 def temporal_chunks(z: torch.Tensor, pad_tokens: int, num_chunks: int, chunk_size: int, overlap: int) -> list[torch.Tensor]:
@@ -39,10 +39,6 @@ def chunk_owner(index: int, tp_size: int) -> int:
 def rank_shares(num_chunks: int, tp_size: int) -> list[list[int]]:
     """Each rank's chunk indices, in rank order."""
     return [[i for i in range(num_chunks) if chunk_owner(i, tp_size) == r] for r in range(tp_size)]
-
-
-class ChunkingChangedError(TP2Error):
-    """The model asked for a chunk other than the one this rank's schedule decoded."""
 
 
 class RoundRobinDecoder:

@@ -38,3 +38,7 @@ class MissingRoleError(TP2Error):
 
 class AdapterPlacementError(TP2Error):
     """A LoRA (or other weight patch) cannot be applied to this rank's shard as given."""
+
+
+class ChunkingChangedError(TP2Error):
+    """A chunked decode asked for a chunk other than the one this rank's parallel schedule decoded."""
