@@ -134,6 +134,29 @@ def start_tp(root: str, tp_size: int, models: dict[str, str], extra_env: dict[st
     return servers
 
 
+def stop_at_teardown(request, servers: list[Server], root: str) -> list[Server]:
+    """Stop `servers` and remove `root` when the requesting fixture's scope ends; returns `servers`."""
+
+    def stop():
+        for s in servers:
+            s.stop()
+        cleanup(root)
+
+    request.addfinalizer(stop)
+    return servers
+
+
+def servers_for(request, tmp_path_factory, models: dict[str, str], name: str, tp_size=None, env=None, pack=True) -> list[Server]:
+    """A fixture's servers: `tp_size` TP ranks with `env`, or (tp_size None) one server without TP env."""
+    root = str(tmp_path_factory.mktemp(name))
+    if tp_size:
+        servers = start_tp(root, tp_size, models, env)
+    else:
+        servers = [Server(os.path.join(root, "plain"), models, env, pack=pack)]
+        servers[0].wait_ready()
+    return stop_at_teardown(request, servers, root)
+
+
 def run_everywhere(servers: list[Server], prompt: dict, timeout_s: float = 120) -> list[dict]:
     """Submit one prompt with one prompt id to every server; each server's finished history entry."""
     pid = new_id()

@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from comfy_harness import COMFYUI_DIR, Server, cleanup, error_message, have_comfyui, new_id, run_everywhere, start_tp, tiny_workflow
+from comfy_harness import COMFYUI_DIR, error_message, have_comfyui, new_id, run_everywhere, servers_for, tiny_workflow
 from conftest import make_checkpoint, make_tiny_h3
-from test_tp_comfy import latent, ok, rel, sqnr_db
+from test_tp_comfy import TP_ENV, latent, ok, rel, sqnr_db
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
-TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "10", "TP2_TIMEOUT_S": "30"}
 COND = "h3_tiny_cond.safetensors"
 INT8, FULL = "h3_tiny_int8.safetensors", "h3_tiny_full_adaln.safetensors"
 LORA = {INT8: "lora_int8.safetensors", FULL: "lora_full.safetensors"}
@@ -54,31 +53,14 @@ def models(tmp_path_factory):
     return out
 
 
-def _start(request, tmp_path_factory, models, name, tp_size=None):
-    root = str(tmp_path_factory.mktemp(name))
-    if tp_size:
-        servers = start_tp(root, tp_size, models, TP_ENV)
-    else:
-        servers = [Server(os.path.join(root, "plain"), models)]
-        servers[0].wait_ready()
-
-    def stop():
-        for s in servers:
-            s.stop()
-        cleanup(root)
-
-    request.addfinalizer(stop)
-    return servers
-
-
 @pytest.fixture(scope="module")
 def tp2(request, tmp_path_factory, models):
-    return _start(request, tmp_path_factory, models, "lora_tp2", tp_size=2)
+    return servers_for(request, tmp_path_factory, models, "lora_tp2", 2, TP_ENV)
 
 
 @pytest.fixture(scope="module")
 def plain(request, tmp_path_factory, models):
-    return _start(request, tmp_path_factory, models, "lora_plain")[0]
+    return servers_for(request, tmp_path_factory, models, "lora_plain")[0]
 
 
 def lora_workflow(unet: str, lora: str | None, strength: float, prefix: str) -> dict:

@@ -9,13 +9,12 @@ even and an odd number of rows (odd: the last rank's shard carries a zero pad ro
 from __future__ import annotations
 
 import pytest
-from comfy_harness import COMFYUI_DIR, cleanup, have_comfyui, run_everywhere, start_tp, tiny_workflow
+from comfy_harness import COMFYUI_DIR, have_comfyui, run_everywhere, servers_for, tiny_workflow
 from conftest import make_checkpoint, make_tiny_h3
-from test_tp_comfy import latent, ok
+from test_tp_comfy import TP_ENV, latent, ok
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
-TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "10", "TP2_TIMEOUT_S": "30"}
 COND = "h3_tiny_cond.safetensors"
 INT8, FULL = "h3_tiny_int8.safetensors", "h3_tiny_full_adaln.safetensors"
 
@@ -29,27 +28,14 @@ def models(tmp_path_factory):
     return {f"diffusion_models/{INT8}": str(d / INT8), f"diffusion_models/{FULL}": str(d / FULL), f"h3_conditioning/{COND}": str(d / COND)}
 
 
-def _pair(request, tmp_path_factory, models, name, env):
-    root = str(tmp_path_factory.mktemp(name))
-    servers = start_tp(root, 2, models, TP_ENV | env)
-
-    def stop():
-        for s in servers:
-            s.stop()
-        cleanup(root)
-
-    request.addfinalizer(stop)
-    return servers
-
-
 @pytest.fixture(scope="module")
 def tp2(request, tmp_path_factory, models):
-    return _pair(request, tmp_path_factory, models, "sp_off", {})
+    return servers_for(request, tmp_path_factory, models, "sp_off", 2, TP_ENV)
 
 
 @pytest.fixture(scope="module")
 def tp2_sp(request, tmp_path_factory, models):
-    return _pair(request, tmp_path_factory, models, "sp_on", {"TP2_SEQUENCE_PARALLEL": "1"})
+    return servers_for(request, tmp_path_factory, models, "sp_on", 2, TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1"})
 
 
 def _sequence_length(server) -> int:

@@ -21,13 +21,12 @@ from comfy_harness import (
     COMFYUI_DIR,
     Server,
     assert_success,
-    cleanup,
     error_message,
     have_comfyui,
     new_id,
     output_files,
     run_everywhere,
-    start_tp,
+    servers_for,
     tiny_workflow,
 )
 from conftest import make_checkpoint
@@ -64,21 +63,8 @@ def models(tmp_path_factory, comfy_git_status):
     return out
 
 
-def _servers(request, tmp_path_factory, models, name, tp_size=None, pack=True, env=None):
-    root = str(tmp_path_factory.mktemp(name))
-    if tp_size:
-        servers = start_tp(root, tp_size, models, TP_ENV | (env or {}))
-    else:
-        servers = [Server(os.path.join(root, "plain"), models, env, pack=pack)]
-        servers[0].wait_ready()
-
-    def stop():
-        for s in servers:
-            s.stop()
-        cleanup(root)
-
-    request.addfinalizer(stop)
-    return servers
+def _servers(request, tmp_path_factory, models, name, tp_size=None, pack=True):
+    return servers_for(request, tmp_path_factory, models, name, tp_size, TP_ENV if tp_size else None, pack)
 
 
 @pytest.fixture(scope="module")

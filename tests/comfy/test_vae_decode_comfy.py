@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from comfy_harness import COMFYUI_DIR, ROOT, Server, assert_success, cleanup, have_comfyui, new_id, output_files, start_tp
+from comfy_harness import COMFYUI_DIR, ROOT, Server, assert_success, have_comfyui, new_id, output_files, start_tp, stop_at_teardown
 from safetensors.torch import save_file
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
@@ -49,13 +49,7 @@ def servers(request, tmp_path_factory):
                 {"latent_tensor": latent, "latent_format_version_0": torch.tensor([])}, os.path.join(s.base, "input", f"h3_t{t}.latent")
             )
 
-    def stop():
-        for s in out:
-            s.stop()
-        cleanup(root)
-
-    request.addfinalizer(stop)
-    return out
+    return stop_at_teardown(request, out, root)
 
 
 def decode_workflow(latent: str, prefix: str) -> dict:
