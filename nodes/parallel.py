@@ -55,6 +55,8 @@ def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None
     finally:
         comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
     padded = getattr(_scatter, "rows", None)
+    if padded == DEFER:  # the caller reduces (sequence parallelism's overlapped MLP)
+        return y
     if padded is not None:  # sequence parallel: sum and keep this rank's rows
         if padded > y.shape[0]:
             y = torch.nn.functional.pad(y, (0, 0, 0, padded - y.shape[0]))
@@ -62,9 +64,13 @@ def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None
     return all_reduce(y, _group()).to(x.dtype)
 
 
+DEFER = -1  # scatter_rowwise_outputs(DEFER): row-parallel linears return their partial sums, unreduced
+
+
 @contextlib.contextmanager
 def scatter_rowwise_outputs(padded_rows: int):
-    """While active, row-parallel outputs are reduce-scattered over the (padded) sequence instead of all-reduced."""
+    """While active, row-parallel outputs are reduce-scattered over the (padded) sequence instead of all-reduced
+    (or, with DEFER, returned as this rank's partial sums in the reduce dtype for the caller to reduce)."""
     _scatter.rows = padded_rows
     try:
         yield

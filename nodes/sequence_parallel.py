@@ -25,12 +25,13 @@ import types
 
 import torch
 
-from ..tp2.collectives import all_gather_rows
+from ..tp2.collectives import all_gather_rows, start_all_gather_rows, start_reduce_scatter_rows
 from ..tp2.errors import PlanError
-from .parallel import _group, scatter_rowwise_outputs
+from .parallel import DEFER, _group, scatter_rowwise_outputs
 from .state import STATE, log
 
 ENV_SEQUENCE_PARALLEL = "TP2_SEQUENCE_PARALLEL"
+ENV_MLP_CHUNKS = "TP2_SP_MLP_CHUNKS"
 _rows = threading.local()  # the current forward's split: full, padded, lo, hi, local segments
 
 
@@ -41,11 +42,20 @@ def sequence_parallel_from_env() -> bool:
     return raw in ("1", "true", "on")
 
 
+def mlp_chunks_from_env() -> int:
+    """How many row pieces the sequence-parallel MLP is pipelined in (1: no overlap)."""
+    raw = os.environ.get(ENV_MLP_CHUNKS, "1").strip()
+    if not raw.isdigit() or not 1 <= int(raw) <= 16:
+        raise ValueError(f"{ENV_MLP_CHUNKS}={raw!r}: use a whole number from 1 (no overlap) to 16.")
+    return int(raw)
+
+
 def _split(x: torch.Tensor, mod_segments) -> torch.Tensor:
     """Record this forward's row split and return this rank's rows of the full stream `x` (zero-padded)."""
     rank, size = STATE.env.tp_rank, STATE.env.tp_size
     full = x.shape[0]
-    padded = -(-full // size) * size
+    grain = size * STATE.sp_mlp_chunks  # every rank's rows split evenly into the MLP's pieces
+    padded = -(-full // grain) * grain
     n = padded // size
     lo, hi = rank * n, (rank + 1) * n
     segments = [(max(a, lo) - lo, min(b, hi) - lo, row) for a, b, row in mod_segments if min(b, hi) > max(a, lo)]
@@ -64,6 +74,29 @@ def _gather(local: torch.Tensor) -> torch.Tensor:
     return all_gather_rows(local, _group())[:full]
 
 
+def _mlp_overlapped(mlp, h: torch.Tensor) -> torch.Tensor:
+    """The MLP on every rank's rows, in STATE.sp_mlp_chunks pieces: piece c's all-gather, MLP and reduce-scatter,
+    with the other pieces' collectives in flight meanwhile. Returns this rank's rows of the reduced output.
+
+    Piece c gathers the c-th slice of every rank's rows, so its reduce-scatter hands each rank back its own c-th
+    slice: the pieces concatenate to this rank's rows. Pad rows (all on the last rank, at the end of its slices)
+    are left out of the MLP and reduced as zeros, as in the unpipelined path."""
+    full, size, group = _rows.split[0], STATE.env.tp_size, _group()
+    pieces = h.chunk(STATE.sp_mlp_chunks)
+    n, m = h.shape[0], pieces[0].shape[0]
+    gathers = [start_all_gather_rows(p, group) for p in pieces]  # queued at once: they overlap the MLP of earlier pieces
+    scatters = []
+    with scatter_rowwise_outputs(DEFER):
+        for c, gathered in enumerate(gathers):
+            rows = gathered.result()
+            pad = max(0, min(m, (size - 1) * n + (c + 1) * m - full))  # the last rank's pad rows in this piece (trailing)
+            y = mlp(rows[: rows.shape[0] - pad])
+            if pad:
+                y = torch.nn.functional.pad(y, (0, 0, 0, pad))
+            scatters.append(start_reduce_scatter_rows(y, group))
+    return torch.cat([s.result() for s in scatters]).to(h.dtype)
+
+
 def _block_forward(helpers, self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
     mod_scale_shift, mod_gate = helpers
     if self.tp2_sp_first:
@@ -79,9 +112,12 @@ def _block_forward(helpers, self, x, t_emb, mod_segments, rope_freqs, transforme
     with scatter_rowwise_outputs(padded):
         attn = self.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
     x = mod_gate(x, gate_msa, attn, segments)
-    h = _gather(mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, segments))
-    with scatter_rowwise_outputs(padded):
-        mlp = self.mlp(h)
+    h = mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, segments)
+    if STATE.sp_mlp_chunks > 1 and full > padded - (hi - lo):  # pad rows on the last rank only (not a tiny sequence)
+        mlp = _mlp_overlapped(self.mlp, h)
+    else:
+        with scatter_rowwise_outputs(padded):
+            mlp = self.mlp(_gather(h))
     x = mod_gate(x, gate_mlp, mlp, segments)
     return _gather(x) if self.tp2_sp_last else x
 

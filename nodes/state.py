@@ -41,6 +41,7 @@ class RankState:
     int8_gemm: object | None = None  # kernels.select_int8_gemm() result
     reduce_dtype: object = None  # torch dtype of the row-parallel all-reduce (TP2_REDUCE_DTYPE)
     sequence_parallel: bool = False  # TP2_SEQUENCE_PARALLEL: DiT blocks keep S/tp_size rows of the stream
+    sp_mlp_chunks: int = 1  # TP2_SP_MLP_CHUNKS: the sequence-parallel MLP pipelined in this many pieces
     attention: str = "comfyui"  # resolved backend name, "comfyui" = ComfyUI's own choice
     prompt_timeout_s: float = DEFAULT_PROMPT_TIMEOUT_S
     models: list[LoadedModel] = field(default_factory=list)

@@ -138,38 +138,64 @@ def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return t
 
 
-def reduce_scatter_rows(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Sequence parallelism's reduce: sum `t` [S, ...] over ranks and keep this rank's S/tp_size rows.
+class Pending:
+    """A collective in flight: `result()` makes the current stream wait for it and returns the tensor."""
+
+    def __init__(self, work, finish, tp: TPGroup, what: str):
+        self._work, self._finish, self._tp, self._what = work, finish, tp, what
+
+    def result(self) -> torch.Tensor:
+        try:
+            if self._work is not None:
+                self._work.wait()
+        except (RuntimeError, dist.DistError) as e:
+            raise _lost(self._tp, self._what, e) from e
+        return self._finish()
+
+
+def start_reduce_scatter_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
+    """Sequence parallelism's reduce, started: sum `t` [S, ...] over ranks, this rank keeps S/tp_size rows.
 
     Moves half the bytes of an all-reduce per rank. S must be a multiple of tp_size (callers pad). gloo has no
     reduce-scatter: there it is an all-reduce and a narrow, with the same sums."""
+    what = f"reduce_scatter of {tuple(t.shape)} {t.dtype}"
     if tp.tp_size == 1:
-        return t
+        return Pending(None, lambda: t, tp, what)
     n = t.shape[0] // tp.tp_size
     try:
         if tp.backend == "nccl":
             out = torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.reduce_scatter_tensor(out, t.contiguous(), group=tp.group)
-            return out
-        dist.all_reduce(t, group=tp.group)
+            return Pending(dist.reduce_scatter_tensor(out, t.contiguous(), group=tp.group, async_op=True), lambda: out, tp, what)
+        work = dist.all_reduce(t, group=tp.group, async_op=True)
     except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, f"reduce_scatter of {tuple(t.shape)} {t.dtype}", e) from e
-    return t.narrow(0, tp.tp_rank * n, n).clone()
+        raise _lost(tp, what, e) from e
+    return Pending(work, lambda: t.narrow(0, tp.tp_rank * n, n).clone(), tp, what)
 
 
-def all_gather_rows(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Every rank's rows `t` [n, ...] stacked in rank order: [tp_size * n, ...]."""
+def start_all_gather_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
+    """Every rank's rows `t` [n, ...] stacked in rank order, [tp_size * n, ...], started."""
+    what = f"all_gather of {tuple(t.shape)} {t.dtype}"
     if tp.tp_size == 1:
-        return t
+        return Pending(None, lambda: t, tp, what)
     out = torch.empty((t.shape[0] * tp.tp_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     try:
         if tp.backend == "nccl":
-            dist.all_gather_into_tensor(out, t.contiguous(), group=tp.group)
+            work = dist.all_gather_into_tensor(out, t.contiguous(), group=tp.group, async_op=True)
         else:
-            dist.all_gather(list(out.chunk(tp.tp_size)), t.contiguous(), group=tp.group)
+            work = dist.all_gather(list(out.chunk(tp.tp_size)), t.contiguous(), group=tp.group, async_op=True)
     except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, f"all_gather of {tuple(t.shape)} {t.dtype}", e) from e
-    return out
+        raise _lost(tp, what, e) from e
+    return Pending(work, lambda: out, tp, what)
+
+
+def reduce_scatter_rows(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """`start_reduce_scatter_rows(t, tp).result()`."""
+    return start_reduce_scatter_rows(t, tp).result()
+
+
+def all_gather_rows(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """`start_all_gather_rows(t, tp).result()`."""
+    return start_all_gather_rows(t, tp).result()
 
 
 def broadcast_object(obj: object, tp: TPGroup, src: int = 0) -> object:

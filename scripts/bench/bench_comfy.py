@@ -84,9 +84,12 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
         options = set(variant.split("+")) - {""}
-        unknown = options - {"bf16", "sp", "sdpa"}
+        unknown = {o for o in options - {"bf16", "sp", "sdpa"} if not (o.startswith("mlp") and o[3:].isdigit())}
         if unknown:
-            raise SystemExit(f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, sdpa with +)")
+            raise SystemExit(f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, sdpa with +)")
+        for o in options:
+            if o.startswith("mlp"):  # sequence parallel with the MLP pipelined in N pieces
+                env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_MLP_CHUNKS=o[3:])
         if "bf16" in options:
             env["TP2_REDUCE_DTYPE"] = "bf16"
         if "sp" in options:

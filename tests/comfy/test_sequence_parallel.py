@@ -2,7 +2,11 @@
 
 Sequence parallelism changes where rows are normalised, modulated and summed, not the math of any row, so at
 tp_size 2 the latents must be bit-identical to plain TP2 (a sum of two partials is the same in either
-collective), and hence within test_tp_comfy.py's thresholds of one server. The sequence lengths used cover an
+collective), and hence within test_tp_comfy.py's thresholds of one server. With the MLP pipelined in pieces each
+row is computed and summed as before, but the GEMMs see fewer rows per call, and a BLAS may block the sums of a
+smaller matrix differently: there the gate is 1e-5 relative for float weights and 40 dB SQNR for int8 (an ulp
+change in the float ConvRot rotation before quantisation can flip an activation's int8 rounding); measured on CPU:
+see the printout. A misplaced piece moves the latent by tens of percent. The sequence lengths used cover an
 even and an odd number of rows (odd: the last rank's shard carries a zero pad row).
 """
 
@@ -11,7 +15,7 @@ from __future__ import annotations
 import pytest
 from comfy_harness import COMFYUI_DIR, have_comfyui, run_everywhere, servers_for, tiny_workflow
 from conftest import make_checkpoint, make_tiny_h3
-from test_tp_comfy import TP_ENV, latent, ok
+from test_tp_comfy import TP_ENV, latent, ok, rel, sqnr_db
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -33,9 +37,11 @@ def tp2(request, tmp_path_factory, models):
     return servers_for(request, tmp_path_factory, models, "sp_off", 2, TP_ENV)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[1, 4], ids=["sp", "sp_mlp4"])
 def tp2_sp(request, tmp_path_factory, models):
-    return servers_for(request, tmp_path_factory, models, "sp_on", 2, TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1"})
+    """Sequence parallel, with the MLP unpipelined (1) or pipelined in 4 pieces (TP2_SP_MLP_CHUNKS)."""
+    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_MLP_CHUNKS": str(request.param)}
+    return servers_for(request, tmp_path_factory, models, f"sp_on_{request.param}", 2, env)
 
 
 def _sequence_length(server) -> int:
@@ -46,14 +52,21 @@ def _sequence_length(server) -> int:
 
 
 @pytest.mark.parametrize("unet,size,odd", [(INT8, (64, 64, 5), False), (INT8, (80, 80, 22), True), (FULL, (64, 64, 5), False)])
-def test_sequence_parallel_equals_plain_tp2(tp2, tp2_sp, unet, size, odd):
+def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, odd):
+    pieces = request.node.callspec.params["tp2_sp"]
     wf = tiny_workflow(unet, COND, prefix=f"sp_{unet[:-12]}_{size[0]}")
     wf["4"]["inputs"].update(width=size[0], height=size[1], length=size[2])
     sp = ok(tp2_sp, run_everywhere(tp2_sp, wf))
     assert sp[0] == sp[1], "sequence-parallel ranks wrote different bytes"
     plain = ok(tp2, run_everywhere(tp2, wf))
     for kind in ("video", "audio"):
-        assert latent(sp[0], kind).equal(latent(plain[0], kind)), f"{kind}: sequence parallel changed the result"
+        a, b = latent(sp[0], kind), latent(plain[0], kind)
+        print(f"{unet} {size} MLP pieces {pieces} {kind}: max relative difference to plain TP2 {rel(a, b):.1e}")
+        if pieces == 1:
+            assert a.equal(b), f"{kind}: sequence parallel changed the result"
+        elif unet == FULL:  # the MLP's GEMMs see fewer rows per call: the CPU BLAS may block (and sum) them differently
+            assert rel(a, b) < 1e-5, (kind, rel(a, b))
+        else:  # int8: the same ulp-level change in the float ConvRot rotation can flip an activation's int8 rounding
+            assert sqnr_db(b, a) >= 40.0, (kind, sqnr_db(b, a))
     rows = _sequence_length(tp2_sp[0])
-    print(f"{unet} {size}: {rows} rows, sequence-parallel latents identical to plain TP2")
     assert rows % 2 == int(odd), f"this case was meant to have an {'odd' if odd else 'even'} number of rows"

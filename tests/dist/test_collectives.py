@@ -58,13 +58,19 @@ def test_broadcast_tree_and_all_reduce():
 
 
 def _sequence_parallel_worker(tp_rank, tp_size):
-    from tp2.collectives import all_gather_rows, all_reduce, reduce_scatter_rows
+    from tp2.collectives import all_gather_rows, all_reduce, reduce_scatter_rows, start_all_gather_rows, start_reduce_scatter_rows
 
     tp = _join()
     g = torch.Generator().manual_seed(tp_rank)
     partial = torch.randn(4 * tp_size, 3, generator=g)  # this rank's partial sums of a [4 * tp_size, 3] output
     mine = reduce_scatter_rows(partial.clone(), tp)
     whole = all_gather_rows(mine, tp)
+    # several in flight at once, waited in order (the pipelined MLP's pattern)
+    pending = [start_all_gather_rows(mine[:2].clone(), tp), start_all_gather_rows(mine[2:].clone(), tp)]
+    pending.append(start_reduce_scatter_rows(partial.clone(), tp))
+    halves, again = [p.result() for p in pending[:2]], pending[2].result()
+    assert torch.equal(again, mine)
+    assert torch.equal(torch.cat([h.view(tp_size, 2, 3) for h in halves], dim=1).reshape(-1, 3), whole)
     return mine, whole, all_reduce(partial.clone(), tp)
 
 
