@@ -98,7 +98,8 @@ def track_prompts() -> None:
     execution.PromptExecutor.execute_async = execute_async
 
 
-def _digest(t) -> str:
+def tensor_digest(t) -> str:
+    """A short content hash the ranks compare (values as fp32; non-tensors by their text)."""
     if not isinstance(t, torch.Tensor):
         return str(t)
     return hashlib.sha256(t.detach().float().cpu().numpy().tobytes()).hexdigest()[:12]
@@ -127,10 +128,10 @@ def _outer_sample(plan, model_fields, executor, *args, **kwargs):
     seed = args[7] if len(args) > 7 else kwargs.get("seed")
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
     patches = lora_patch_report(executor.class_obj.model_patcher, plan)  # LoRA identities and strengths
-    fields = dict(model_fields, prompt=CURRENT.fingerprint, sampler=str(n), seed=str(seed), sigmas=_digest(sigmas), patches=patches)
+    fields = dict(model_fields, prompt=CURRENT.fingerprint, sampler=str(n), seed=str(seed), sigmas=tensor_digest(sigmas), patches=patches)
     key = f"{CURRENT.prompt_id or 'no-prompt'}/sampler{n}"
     try:
-        session.agree(key, fields, STATE.prompt_timeout_s, abort=_rank0_abort if STATE.env.tp_rank == 0 else None)
+        session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
     except PeerLostError:
         _cache_epoch(bump=True)
         raise
@@ -146,7 +147,7 @@ def _outer_sample(plan, model_fields, executor, *args, **kwargs):
         SAMPLING.active = False
 
 
-def _rank0_abort() -> str | None:
+def rank0_abort() -> str | None:
     """Why rank 0 gives up waiting for its followers: a follower could not take the prompt, or an interrupt."""
     return forward_failure(CURRENT.prompt_id) or ("interrupted on rank 0" if mm.processing_interrupted() else None)
 

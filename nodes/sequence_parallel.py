@@ -28,7 +28,7 @@ import torch
 from ..tp2.collectives import all_gather_rows, start_all_gather_rows, start_reduce_scatter_rows
 from ..tp2.errors import PlanError
 from .parallel import DEFER, _group, scatter_rowwise_outputs
-from .state import STATE, log
+from .state import STATE, env_flag, log
 
 ENV_SEQUENCE_PARALLEL = "TP2_SEQUENCE_PARALLEL"
 ENV_MLP_CHUNKS = "TP2_SP_MLP_CHUNKS"
@@ -36,10 +36,7 @@ _rows = threading.local()  # the current forward's split: full, padded, lo, hi, 
 
 
 def sequence_parallel_from_env() -> bool:
-    raw = os.environ.get(ENV_SEQUENCE_PARALLEL, "0").strip().lower()
-    if raw not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{ENV_SEQUENCE_PARALLEL}={raw!r}: use 1 (on) or 0 (off).")
-    return raw in ("1", "true", "on")
+    return env_flag(ENV_SEQUENCE_PARALLEL, False, "DiT blocks split the token rows over the ranks", "plain tensor parallelism")
 
 
 def mlp_chunks_from_env() -> int:

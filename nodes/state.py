@@ -61,6 +61,14 @@ class RankState:
 STATE = RankState()
 
 
+def env_flag(name: str, default: bool, on_means: str, off_means: str) -> bool:
+    """A 0/1 switch from the environment; anything else is refused with what each value does."""
+    raw = os.environ.get(name, "1" if default else "0").strip().lower()
+    if raw not in ("0", "1", "off", "on", "false", "true"):
+        raise ValueError(f"{name}={raw!r} must be 1 ({on_means}) or 0 ({off_means}).")
+    return raw in ("1", "on", "true")
+
+
 def prompt_timeout_from_env() -> float:
     raw = os.environ.get(ENV_PROMPT_TIMEOUT, str(DEFAULT_PROMPT_TIMEOUT_S))
     try:

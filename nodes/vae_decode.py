@@ -23,20 +23,17 @@ measured: a 1-D decoder over a few seconds of audio, expected far cheaper than t
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import time
 
 import comfy.model_management as mm
-import torch
 
 from ..tp2 import __version__
 from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
-from .front_door import forward_failure
 from .interrupts import SAMPLING
-from .lockstep import CURRENT
-from .state import STATE, log
+from .lockstep import CURRENT, rank0_abort, tensor_digest
+from .state import STATE, env_flag, log
 
 ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
 
@@ -51,11 +48,8 @@ class _Decodes:
 DECODES = _Decodes()
 
 
-def parallel_vae_enabled(environ=None) -> bool:
-    raw = (os.environ if environ is None else environ).get(ENV_PARALLEL_VAE, "1").strip().lower()
-    if raw not in ("0", "1", "off", "on", "false", "true"):
-        raise TP2Error(f"{ENV_PARALLEL_VAE}={raw!r} must be 1 (split the H3 video decode over the ranks) or 0 (each rank decodes alone).")
-    return raw in ("1", "on", "true")
+def parallel_vae_enabled() -> bool:
+    return env_flag(ENV_PARALLEL_VAE, True, "split the H3 video decode over the ranks", "each rank decodes alone")
 
 
 def install_parallel_vae_decode() -> None:
@@ -94,13 +88,13 @@ def _decode_temporal(original, vae, z, output_buffer):
         "pack_version": __version__,
         "prompt": CURRENT.fingerprint,
         "latent_shape": str(tuple(z.shape)),
-        "latent": _digest(z),
+        "latent": tensor_digest(z),
         "dtype": f"{z.dtype} on {z.device.type}",
         "chunks": f"{num_chunks} x ({vae.tokens_chunk_size}+{vae.token_overlap}), pad {pad_tokens}",
     }
     session = STATE.session
     try:
-        group = session.agree(key, fields, STATE.prompt_timeout_s, abort=_rank0_abort if STATE.env.tp_rank == 0 else None)
+        group = session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
     except PeerLostError as e:
         session.cache_epoch(bump=True)
         log.warning("%s %s; decoding the whole video on this rank alone (same result, not split)", STATE.tag, e)
@@ -163,12 +157,3 @@ def _next_decode() -> int:
         DECODES.prompt_id, DECODES.count = CURRENT.prompt_id, 0
     DECODES.count += 1
     return DECODES.count
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
-
-
-def _rank0_abort() -> str | None:
-    """Why rank 0 stops waiting for its followers: a follower could not take the prompt, or an interrupt."""
-    return forward_failure(CURRENT.prompt_id) or ("interrupted on rank 0" if mm.processing_interrupted() else None)
