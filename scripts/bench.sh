@@ -21,6 +21,7 @@ echo '<html><body>minimax-h3-tp2 benchmark</body></html>' > "$W/fe/index.html"
 export PYTHONPATH="$W/site${PYTHONPATH:+:$PYTHONPATH}"
 BASE="$W/base"; mkdir -p "$BASE/custom_nodes" "$BASE/models/diffusion_models" "$BASE/models/h3_conditioning"
 ln -sfn "$PACK_DIR" "$BASE/custom_nodes/minimax-h3-tp2"
+ln -sfn "$PACK_DIR/scripts/bench/profiler_node" "$BASE/custom_nodes/tp2_bench_profiler"   # inert unless --profile
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch, comfy_kitchen; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'int8 attention', comfy_kitchen.int8_attention_is_available())"
 if [[ "${TP2_BENCH_SMOKE:-1}" == 1 ]]; then
@@ -32,6 +33,8 @@ echo "== smoke: tiny checkpoint, TP1 and TP2, to catch set-up problems before th
 fi
 CKPT="$BASE/models/diffusion_models/h3_full_int8.safetensors"
 [[ -f "$CKPT" ]] || "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$CKPT" --full-size --int8
+HALF="$BASE/models/diffusion_models/h3_half_int8.safetensors"   # variant 'half': one TP2 rank's widths as a whole model
+if [[ "$*" == *half* && ! -f "$HALF" ]]; then "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$HALF" --full-size --int8 --heads 28 --ffn 7168; fi
 "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" --conditioning "$BASE/models/h3_conditioning/h3_full_cond.safetensors" --text-dim 5120 --tokens 256
 echo "set-up took $(( $(date +%s) - t0 )) s"
 "$PY" "$PACK_DIR/scripts/bench/bench_comfy.py" --comfyui "$W/ComfyUI" --base "$BASE" --front-end "$W/fe" --out "$OUTDIR" "$@"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
 import hashlib
 import json
 import os
@@ -84,9 +85,13 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
         options = set(variant.split("+")) - {""}
-        unknown = {o for o in options - {"bf16", "sp", "sdpa"} if not (o.startswith("mlp") and o[3:].isdigit())}
+        unknown = {o for o in options - {"bf16", "sp", "sdpa", "half"} if not (o.startswith("mlp") and o[3:].isdigit())}
         if unknown:
-            raise SystemExit(f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, sdpa with +)")
+            raise SystemExit(f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, sdpa, half with +)")
+        if "half" in options and tp_size != 1:
+            raise SystemExit("variant 'half' (one GPU, a TP2 rank's half-width model, no communication) is for tp 1 only")
+        if args.profile:
+            env["TP2_BENCH_PROFILE_DIR"] = os.path.join(args.out, "profile", f"tp{tp_size}{variant}")
         for o in options:
             if o.startswith("mlp"):  # sequence parallel with the MLP pipelined in N pieces
                 env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_MLP_CHUNKS=o[3:])
@@ -227,7 +232,8 @@ async def main_async(args) -> list[dict]:
                     for res, steps, memory_only in plan:
                         w, h, *f = (int(x) for x in res.split("x"))  # WxH, or WxHxFRAMES for a memory run at another length
                         frames = f[0] if f else args.frames
-                        out = await run_one(session, servers, workflow(args.ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}"), run_dir)
+                        ckpt = args.half_ckpt if "half" in variant.split("+") else args.ckpt
+                        out = await run_one(session, servers, workflow(ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}"), run_dir)
                         out.update(
                             tp_size=tp, variant=variant or ("fp32" if tp > 1 else "-"), resolution=res, steps=steps, memory_only=memory_only
                         )
@@ -246,11 +252,16 @@ def _baseline_key(r: dict) -> tuple[str, bool]:
     return r["resolution"], "sdpa" in str(r.get("variant", "")).split("+")
 
 
+def _is_baseline(r: dict) -> bool:
+    """A one-GPU run of the full model (not the half-width stand-in for one TP2 rank)."""
+    return r["tp_size"] == 1 and "half" not in str(r.get("variant", "")).split("+")
+
+
 def sqnr_vs_tp1(rows: list[dict]) -> None:
     """Each TPn run's final video latent against its TP1 baseline's (SQNR in dB), in place."""
     from safetensors.torch import load_file
 
-    tp1 = {_baseline_key(r): r for r in rows if r["tp_size"] == 1 and r.get("video_latent")}
+    tp1 = {_baseline_key(r): r for r in rows if _is_baseline(r) and r.get("video_latent")}
     for r in rows:
         ref = tp1.get(_baseline_key(r))
         if r["tp_size"] > 1 and ref and r.get("video_latent"):
@@ -259,7 +270,7 @@ def sqnr_vs_tp1(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    tp1 = {_baseline_key(r): r for r in rows if r["tp_size"] == 1 and "error" not in r}
+    tp1 = {_baseline_key(r): r for r in rows if _is_baseline(r) and "error" not in r}
     lines = [
         "| resolution | tp | variant | steps | s/step | TP1/TPn | peak GiB per rank | load s per rank | ranks identical | SQNR vs TP1 dB |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -271,7 +282,7 @@ def table(rows: list[dict]) -> str:
             )
             continue
         base = tp1.get(_baseline_key(r))
-        ratio = f"{base['s_per_step'] / r['s_per_step']:.2f}x" if base and r["s_per_step"] and r["tp_size"] > 1 else "-"
+        ratio = f"{base['s_per_step'] / r['s_per_step']:.2f}x" if base and r["s_per_step"] and not _is_baseline(r) else "-"
         sps = f"{r['s_per_step']:.3f}" if r["s_per_step"] else "-"
         mem = ", ".join(f"{m / 1024:.1f}" for m in r["peak_mib"])
         lines.append(
@@ -287,11 +298,14 @@ def main(argv=None) -> int:
     ap.add_argument("--front-end", required=True, help="a folder with an index.html (the frontend package is not needed)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt", default="h3_full_int8.safetensors", help="file in BASE/models/diffusion_models")
+    ap.add_argument("--half-ckpt", default="h3_half_int8.safetensors", help="file in BASE/models/diffusion_models for variant 'half'")
     ap.add_argument("--cond", default="h3_full_cond.safetensors", help="file in BASE/models/h3_conditioning")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU profile of the 3rd model call per server (OUT/profile/)")
     ap.add_argument(
         "--tp-sizes",
         default="1,2",
-        help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,1:sdpa (bf16 reduce, sequence parallel, SDPA attention)",
+        help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,1:sdpa,1:half (bf16 reduce, sequence parallel, SDPA attention, "
+        "one GPU running a TP2 rank's half-width model without communication)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088", help="TP-only memory runs: WxH or WxHxFRAMES")
@@ -309,6 +323,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(table(rows))
+    for path in sorted(glob.glob(os.path.join(args.out, "profile", "*", "*.txt"))):
+        with open(path) as f:
+            print(f"{os.path.relpath(path, args.out)}: " + "".join(f.readlines()[:2]), end="")
     return 0
 
 

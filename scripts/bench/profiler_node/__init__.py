@@ -1,0 +1,148 @@
+"""Benchmark-only ComfyUI custom node: a per-kernel GPU profile of one H3 diffusion-model call (no nodes of its own).
+
+bench.sh links it into the benchmark's custom_nodes; it does nothing unless TP2_BENCH_PROFILE_DIR is set. Then
+the TP2_BENCH_PROFILE_CALL-th call (default 3: warmed up) of ComfyUI's MiniMaxH3Model._forward runs under
+torch.profiler and this process writes DIR/<tag>.json and DIR/<tag>.txt: every GPU kernel's total time and
+count, the time per category (int8 GEMM, attention, NCCL, quantise, norm/rope, elementwise copies), and from the
+timeline how much NCCL time ran while no compute kernel did (exposed communication). <tag> is rank<N> under TP,
+else tp1. Nothing here changes what is computed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+
+NODE_CLASS_MAPPINGS: dict = {}
+log = logging.getLogger("tp2_bench_profiler")
+
+CATEGORIES = (  # first match wins; kernel names of comfy-kitchen 0.2.31, PyTorch 2.11 and NCCL
+    ("nccl", r"nccl"),
+    ("int8_gemm", r"cutlass|gemm|Gemm|igemm|s8|int8_linear|dequant"),
+    ("attention", r"attn|attention|flash|fmha|sage"),
+    ("quantize", r"quantiz|convrot|hadamard"),
+    ("norm_rope", r"rms|norm|rope"),
+    ("copy_cast", r"copy|Copy|cat|pad|gather|scatter|index|fill"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|Reduce|silu|mul|add"),
+)
+
+
+def _category(name: str) -> str:
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, name):
+            return cat
+    return "other"
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _overlap(xs, ys) -> float:
+    """Total length of the intersection of two sorted disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize(trace_path: str, wall_ms: float) -> dict:
+    """Kernel totals, categories and exposed NCCL time from a chrome trace written by torch.profiler."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    per_kernel: dict[str, list] = {}
+    per_cat: dict[str, float] = {}
+    for e in kernels:
+        k = per_kernel.setdefault(e["name"], [0.0, 0])
+        k[0] += e["dur"] / 1e3
+        k[1] += 1
+        cat = _category(e["name"])
+        per_cat[cat] = per_cat.get(cat, 0.0) + e["dur"] / 1e3
+    nccl = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if _category(e["name"]) == "nccl"])
+    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if _category(e["name"]) != "nccl"])
+    busy = _union(nccl + compute)
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    return {
+        "wall_ms": round(wall_ms, 2),
+        "gpu_busy_ms": round(_length(busy) / 1e3, 2),
+        "compute_busy_ms": round(_length(compute) / 1e3, 2),
+        "nccl_ms": round(_length(nccl) / 1e3, 2),
+        "nccl_exposed_ms": round((_length(nccl) - _overlap(nccl, compute)) / 1e3, 2),
+        "categories_ms": {c: round(v, 2) for c, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
+        "kernels": [{"name": n[:160], "ms": round(t, 3), "count": c, "category": _category(n)} for n, (t, c) in top],
+    }
+
+
+def _text(tag: str, s: dict) -> str:
+    lines = [
+        f"{tag}: one H3 diffusion-model call, wall {s['wall_ms']} ms; GPU busy {s['gpu_busy_ms']} ms, compute kernels "
+        f"{s['compute_busy_ms']} ms, NCCL {s['nccl_ms']} ms of which exposed (no compute kernel running) {s['nccl_exposed_ms']} ms",
+        "categories (kernel time, ms): " + ", ".join(f"{c} {v}" for c, v in s["categories_ms"].items()),
+        "",
+        f"{'ms':>9} {'count':>6}  category     kernel",
+    ]
+    for k in s["kernels"][:60]:
+        lines.append(f"{k['ms']:9.3f} {k['count']:6d}  {k['category']:<12} {k['name'][:110]}")
+    return "\n".join(lines) + "\n"
+
+
+def _install(out_dir: str, call_no: int) -> None:
+    import time
+
+    import comfy.ldm.minimax.model as h3
+    import torch
+
+    original = h3.MiniMaxH3Model._forward
+    calls = {"n": 0}
+    tag = f"rank{os.environ['TP2_RANK']}" if os.environ.get("TP2_RANK") else "tp1"
+
+    def profiled_forward(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] != call_no:
+            return original(self, *args, **kwargs)
+        cuda = torch.cuda.is_available()
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        sync()
+        with torch.profiler.profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            out = original(self, *args, **kwargs)
+            sync()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(trace)
+            summary = summarize(trace, wall_ms)
+        with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        with open(os.path.join(out_dir, f"{tag}.txt"), "w") as f:
+            f.write(_text(tag, summary))
+        log.info("profile of H3 call %d written to %s (%s)", call_no, out_dir, tag)
+        return out
+
+    h3.MiniMaxH3Model._forward = profiled_forward
+
+
+if os.environ.get("TP2_BENCH_PROFILE_DIR"):
+    _install(os.environ["TP2_BENCH_PROFILE_DIR"], int(os.environ.get("TP2_BENCH_PROFILE_CALL", "3")))
