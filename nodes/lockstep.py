@@ -113,7 +113,7 @@ def install_lockstep(patcher, plan: Plan, checkpoint_fp: str) -> None:
         "checkpoint": checkpoint_fp,
         "tp_size": str(plan.tp_size),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
-        "sequence_parallel": f"{STATE.sequence_parallel}, mlp pieces {STATE.sp_mlp_chunks}",  # the collectives differ
+        "sequence_parallel": f"{STATE.sequence_parallel}, mlp pieces {STATE.sp_mlp_chunks}, int8 gathers {STATE.sp_int8_gather}",  # the collectives differ
     }
     patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, plan, model_fields))
     patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, _diffusion_model)

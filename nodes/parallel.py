@@ -4,6 +4,8 @@
     rowwise_call(linear, x, input_act)      local GEMM -> fp32 partial sum -> all-reduce(sum) -> x.dtype
     tp_linear_input_act                     replaces comfy.ops.linear_input_act (the fc2 path that skips module hooks)
     role_guard()                            while a TP forward runs, any ComfyUI linear without a role raises
+    int8_input_split(linear, x)             how `linear`'s input can be quantised before it travels (or None)
+    accept_int8_rows(linear)                `linear` also takes Int8Rows: rows quantised elsewhere, multiplied here
 
 Column-parallel and replicated linears keep ComfyUI's own forward: their math is unchanged by TP.
 """
@@ -13,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
+from dataclasses import dataclass
 
 import comfy.ops
 import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
+from ..kernels.int8_split import SplitInt8Linear, split_int8_linear
 from ..tp2.collectives import all_reduce, reduce_scatter_rows
 from ..tp2.errors import MissingRoleError, PlanError
 from ..tp2.layers import ROLE_ATTR, Int8Weight, LinearWeight, local_linear, require_role
@@ -84,6 +88,73 @@ def _local_weight(weight) -> LinearWeight:
         qdata, scale = TensorWiseINT8Layout.get_plain_tensors(weight)
         return Int8Weight(qdata, scale, weight._params.convrot_groupsize if getattr(weight._params, "convrot", False) else None)
     return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+
+
+@dataclass(frozen=True)
+class Int8Rows:
+    """A linear's input that arrived quantised: int8 rows [M, K] and fp32 row scales [M, 1] from `split.quantize`,
+    standing for the `dtype` activation they were made from (shape, device and dtype read like that tensor's)."""
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+    split: SplitInt8Linear
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qdata.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.qdata.device
+
+
+def int8_input_split(linear: torch.nn.Module, x: torch.Tensor) -> SplitInt8Linear | None:
+    """The split int8 linear that gives ComfyUI's own forward of `linear` on rows like `x` bit for bit, or None where
+    ComfyUI would not take its int8 path (float or non-ConvRot weight, a weight function such as an unmerged
+    LoRA, full-precision matmuls) or comfy-kitchen's halves cannot be matched here."""
+    w = linear.weight
+    on_int8_path = (
+        isinstance(w, QuantizedTensor) and w._layout_cls == "TensorWiseINT8Layout" and getattr(w._params, "convrot", False)
+        and getattr(linear, "layout_type", None) is not None and not getattr(linear, "_full_precision_mm", False)
+        and not getattr(linear, "comfy_force_cast_weights", False)
+        and not linear.weight_function and not linear.bias_function and x.shape[0] >= 2
+    )  # fmt: skip
+    return split_int8_linear(x, tuple(w.shape), w._params.convrot_groupsize) if on_int8_path else None
+
+
+def int8_rows_call(linear: torch.nn.Module, rows: Int8Rows) -> torch.Tensor:
+    """ComfyUI's int8 forward of `linear` (weight-only-quant path: the same cast, bias and output dtype) on rows
+    that were quantised before they travelled."""
+    comfy.ops.run_every_op()
+    weight, bias, offload_stream = comfy.ops.cast_bias_weight(
+        linear, None, dtype=linear.weight.dtype, device=rows.device, bias_dtype=rows.dtype,
+        offloadable=True, compute_dtype=rows.dtype, want_requant=True,
+    )  # fmt: skip
+    try:
+        local = _local_weight(weight)
+        if not isinstance(local, Int8Weight) or local.qdata.shape[1] != rows.shape[1]:
+            raise PlanError(
+                f"{STATE.tag} a linear got int8 rows of width {rows.shape[1]} but its weight is "
+                f"{type(local).__name__} {tuple(weight.shape)}: the weight changed after the input was quantised "
+                "(a patch applied mid-run?). Unset TP2_SEQUENCE_PARALLEL on every rank and report this."
+            )
+        return rows.split.gemm(rows.qdata, rows.scale, local.qdata, local.scale, bias, rows.dtype)
+    finally:
+        comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
+
+
+def accept_int8_rows(linear: torch.nn.Module) -> None:
+    """Let `linear` (a column-parallel ComfyUI linear) take Int8Rows as well as tensors; tensors go to its own forward."""
+    if getattr(linear, "tp2_int8_rows", False):
+        return
+    own = linear.forward
+
+    def forward(self, x, *args, **kwargs):
+        return int8_rows_call(self, x) if isinstance(x, Int8Rows) else own(x, *args, **kwargs)
+
+    linear.forward = types.MethodType(forward, linear)
+    linear.tp2_int8_rows = True
 
 
 def _rowwise_forward(self, x, *args, **kwargs):

@@ -8,7 +8,10 @@ tp_size times over. With sequence parallelism (Megatron-LM's) each rank keeps S/
       -> reduce-scatter -> x_r += gate * mlp_r
 
 An all-gather plus a reduce-scatter move the bytes of one all-reduce, and the elementwise work per rank is
-divided by tp_size. The first DiT block takes its rows of the full stream, the last gathers it back, so the rest
+divided by tp_size. Where the gathered rows feed an int8 linear (qkv_proj, fc1), each rank quantises its own rows
+first and the all-gather moves int8 rows plus row scales (TP2_SP_INT8_GATHER, default on): half the bytes, and the
+quantisation is split too. Row-wise quantisation is row-independent, so the GEMM sees the very bits it would have
+made from gathered bf16 rows (kernels/int8_split.py); the ranks agree on it every forward, else all gather bf16. The first DiT block takes its rows of the full stream, the last gathers it back, so the rest
 of ComfyUI's forward (refiner, final layer) is unchanged. Rows are padded to a multiple of tp_size with zeros
 that no segment covers (they stay zero and are dropped). Every row's math is the same as without it: each
 rank's rows carry the same sums (at tp_size 2 bit for bit).
@@ -25,18 +28,23 @@ import types
 
 import torch
 
-from ..tp2.collectives import all_gather_rows, start_all_gather_rows, start_reduce_scatter_rows
+from ..tp2.collectives import all_gather_rows, all_reduce, start_all_gather_rows, start_reduce_scatter_rows
 from ..tp2.errors import PlanError
-from .parallel import DEFER, _group, scatter_rowwise_outputs
+from .parallel import DEFER, Int8Rows, _group, accept_int8_rows, int8_input_split, scatter_rowwise_outputs
 from .state import STATE, env_flag, log
 
 ENV_SEQUENCE_PARALLEL = "TP2_SEQUENCE_PARALLEL"
 ENV_MLP_CHUNKS = "TP2_SP_MLP_CHUNKS"
-_rows = threading.local()  # the current forward's split: full, padded, lo, hi, local segments
+ENV_INT8_GATHER = "TP2_SP_INT8_GATHER"
+_rows = threading.local()  # the current forward's split: full, padded, lo, hi, local segments; int8 gathers agreed
 
 
 def sequence_parallel_from_env() -> bool:
     return env_flag(ENV_SEQUENCE_PARALLEL, False, "DiT blocks split the token rows over the ranks", "plain tensor parallelism")
+
+
+def int8_gather_from_env() -> bool:
+    return env_flag(ENV_INT8_GATHER, True, "int8 linears' inputs are gathered quantised", "they are gathered in bf16")
 
 
 def mlp_chunks_from_env() -> int:
@@ -47,8 +55,9 @@ def mlp_chunks_from_env() -> int:
     return int(raw)
 
 
-def _split(x: torch.Tensor, mod_segments) -> torch.Tensor:
-    """Record this forward's row split and return this rank's rows of the full stream `x` (zero-padded)."""
+def _split(x: torch.Tensor, mod_segments, block) -> torch.Tensor:
+    """Record this forward's row split and whether int8 gathers are on, and return this rank's rows of the full
+    stream `x` (zero-padded)."""
     rank, size = STATE.env.tp_rank, STATE.env.tp_size
     full = x.shape[0]
     grain = size * STATE.sp_mlp_chunks  # every rank's rows split evenly into the MLP's pieces
@@ -57,18 +66,50 @@ def _split(x: torch.Tensor, mod_segments) -> torch.Tensor:
     lo, hi = rank * n, (rank + 1) * n
     segments = [(max(a, lo) - lo, min(b, hi) - lo, row) for a, b, row in mod_segments if min(b, hi) > max(a, lo)]
     _rows.split = (full, padded, lo, hi, segments)
-    if getattr(_rows, "logged", None) != full:  # once per sequence length
-        log.info("%s sequence parallel: %d rows, this rank holds rows %d-%d (padded to %d)", STATE.tag, full, lo, min(hi, full), padded)
-        _rows.logged = full
     local = x[lo : min(hi, full)]
     if local.shape[0] < n:
         local = torch.nn.functional.pad(local, (0, 0, 0, n - local.shape[0]))
+    _rows.int8 = STATE.sp_int8_gather and _all_ranks_can_split(block, local)
+    if getattr(_rows, "logged", None) != (full, _rows.int8):  # once per sequence length
+        log.info(
+            "%s sequence parallel: %d rows, this rank holds rows %d-%d (padded to %d); int8 linears' inputs gathered %s",
+            STATE.tag, full, lo, min(hi, full), padded, "as int8" if _rows.int8 else "in bf16",
+        )  # fmt: skip
+        _rows.logged = (full, _rows.int8)
     return local.clone()
 
 
-def _gather(local: torch.Tensor) -> torch.Tensor:
-    full = _rows.split[0]
-    return all_gather_rows(local, _group())[:full]
+def _all_ranks_can_split(block, local: torch.Tensor) -> bool:
+    """Whether every rank can quantise before gathering (decided per device, so agreed over the group: a rank
+    gathering int8 while its peer gathers bf16 would pair mismatched collectives)."""
+    can = all(int8_input_split(lin, local) is not None for lin in (block.attn.qkv_proj, block.mlp.fc1))
+    votes = all_reduce(torch.tensor([0.0 if can else 1.0], device=local.device), _group())
+    return float(votes.item()) == 0.0
+
+
+class _RowsInFlight:
+    """All ranks' rows of one activation on their way: bf16 rows, or int8 rows and their scales."""
+
+    def __init__(self, local: torch.Tensor, linear):
+        self.dtype, group = local.dtype, _group()
+        self.split = int8_input_split(linear, local) if _rows.int8 else None
+        if self.split is None:
+            self.parts = (start_all_gather_rows(local, group),)
+        else:
+            q, scale = self.split.quantize(local)
+            self.parts = (start_all_gather_rows(q, group), start_all_gather_rows(scale, group))
+
+    def result(self, rows: int):
+        """The first `rows` gathered rows: a tensor, or Int8Rows that the int8 linear multiplies as they are."""
+        got = [p.result()[:rows] for p in self.parts]
+        return got[0] if self.split is None else Int8Rows(got[0], got[1], self.dtype, self.split)
+
+
+def _gather(local: torch.Tensor, linear=None):
+    """Every rank's rows of `local` (the padding dropped), quantised on the way when they feed the int8 `linear`."""
+    if linear is None:
+        return all_gather_rows(local, _group())[: _rows.split[0]]
+    return _RowsInFlight(local, linear).result(_rows.split[0])
 
 
 def _mlp_overlapped(mlp, h: torch.Tensor) -> torch.Tensor:
@@ -81,13 +122,12 @@ def _mlp_overlapped(mlp, h: torch.Tensor) -> torch.Tensor:
     full, size, group = _rows.split[0], STATE.env.tp_size, _group()
     pieces = h.chunk(STATE.sp_mlp_chunks)
     n, m = h.shape[0], pieces[0].shape[0]
-    gathers = [start_all_gather_rows(p, group) for p in pieces]  # queued at once: they overlap the MLP of earlier pieces
+    gathers = [_RowsInFlight(p, mlp.fc1) for p in pieces]  # queued at once: they overlap the MLP of earlier pieces
     scatters = []
     with scatter_rowwise_outputs(DEFER):
         for c, gathered in enumerate(gathers):
-            rows = gathered.result()
             pad = max(0, min(m, (size - 1) * n + (c + 1) * m - full))  # the last rank's pad rows in this piece (trailing)
-            y = mlp(rows[: rows.shape[0] - pad])
+            y = mlp(gathered.result(size * m - pad))
             if pad:
                 y = torch.nn.functional.pad(y, (0, 0, 0, pad))
             scatters.append(start_reduce_scatter_rows(y, group))
@@ -97,7 +137,7 @@ def _mlp_overlapped(mlp, h: torch.Tensor) -> torch.Tensor:
 def _block_forward(helpers, self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
     mod_scale_shift, mod_gate = helpers
     if self.tp2_sp_first:
-        x = _split(x, mod_segments)
+        x = _split(x, mod_segments, self)
     full, padded, lo, hi, segments = _rows.split
     if x.shape[0] != hi - lo:
         raise PlanError(
@@ -105,7 +145,7 @@ def _block_forward(helpers, self, x, t_emb, mod_segments, rope_freqs, transforme
             "blocks did not run in order (a block patch?). Unset TP2_SEQUENCE_PARALLEL on every rank."
         )
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
-    h = _gather(mod_scale_shift(self.norm1(x), shift_msa, scale_msa, segments))
+    h = _gather(mod_scale_shift(self.norm1(x), shift_msa, scale_msa, segments), self.attn.qkv_proj)
     with scatter_rowwise_outputs(padded):
         attn = self.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
     x = mod_gate(x, gate_msa, attn, segments)
@@ -114,7 +154,7 @@ def _block_forward(helpers, self, x, t_emb, mod_segments, rope_freqs, transforme
         mlp = _mlp_overlapped(self.mlp, h)
     else:
         with scatter_rowwise_outputs(padded):
-            mlp = self.mlp(_gather(h))
+            mlp = self.mlp(_gather(h, self.mlp.fc1))
     x = mod_gate(x, gate_mlp, mlp, segments)
     return _gather(x) if self.tp2_sp_last else x
 
@@ -132,4 +172,6 @@ def install(diffusion_model: torch.nn.Module) -> None:
     blocks = list(diffusion_model.blocks)
     for i, block in enumerate(blocks):
         block.tp2_sp_first, block.tp2_sp_last = i == 0, i == len(blocks) - 1
+        accept_int8_rows(block.attn.qkv_proj)
+        accept_int8_rows(block.mlp.fc1)
         block.forward = types.MethodType(lambda self, *a, **k: _block_forward(helpers, self, *a, **k), block)

@@ -6,7 +6,8 @@ collective), and hence within test_tp_comfy.py's thresholds of one server. With 
 row is computed and summed as before, but the GEMMs see fewer rows per call, and a BLAS may block the sums of a
 smaller matrix differently: there the gate is 1e-5 relative for float weights and 40 dB SQNR for int8 (an ulp
 change in the float ConvRot rotation before quantisation can flip an activation's int8 rounding); measured on CPU:
-see the printout. A misplaced piece moves the latent by tens of percent. The sequence lengths used cover an
+see the printout. A misplaced piece moves the latent by tens of percent. Gathering int8 linears' inputs
+quantised (the default) or in bf16 gives the same bits, pipelined or not, up to that same rotation effect. The sequence lengths used cover an
 even and an odd number of rows (odd: the last rank's shard carries a zero pad row).
 """
 
@@ -37,23 +38,25 @@ def tp2(request, tmp_path_factory, models):
     return servers_for(request, tmp_path_factory, models, "sp_off", 2, TP_ENV)
 
 
-@pytest.fixture(scope="module", params=[1, 4], ids=["sp", "sp_mlp4"])
+@pytest.fixture(scope="module", params=[(1, "1"), (4, "1"), (1, "0")], ids=["sp", "sp_mlp4", "sp_bf16_gather"])
 def tp2_sp(request, tmp_path_factory, models):
-    """Sequence parallel, with the MLP unpipelined (1) or pipelined in 4 pieces (TP2_SP_MLP_CHUNKS)."""
-    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_MLP_CHUNKS": str(request.param)}
-    return servers_for(request, tmp_path_factory, models, f"sp_on_{request.param}", 2, env)
+    """Sequence parallel, with the MLP unpipelined (1) or pipelined in 4 pieces (TP2_SP_MLP_CHUNKS), int8 linears'
+    inputs gathered as int8 (default) or in bf16 (TP2_SP_INT8_GATHER=0)."""
+    pieces, int8_gather = request.param
+    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_MLP_CHUNKS": str(pieces), "TP2_SP_INT8_GATHER": int8_gather}
+    return servers_for(request, tmp_path_factory, models, f"sp_on_{pieces}_{int8_gather}", 2, env)
 
 
-def _sequence_length(server) -> int:
+def _sequence_parallel_line(server) -> str:
     with open(server.log_path, "rb") as f:
         lines = [ln for ln in f.read().decode(errors="replace").splitlines() if "sequence parallel:" in ln]
     assert lines, "the sequence-parallel forward did not run"
-    return int(lines[-1].split("sequence parallel:")[1].split()[0])
+    return lines[-1].split("sequence parallel:")[1]
 
 
 @pytest.mark.parametrize("unet,size,odd", [(INT8, (64, 64, 5), False), (INT8, (80, 80, 22), True), (FULL, (64, 64, 5), False)])
 def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, odd):
-    pieces = request.node.callspec.params["tp2_sp"]
+    pieces, int8_gather = request.node.callspec.params["tp2_sp"]
     wf = tiny_workflow(unet, COND, prefix=f"sp_{unet[:-12]}_{size[0]}")
     wf["4"]["inputs"].update(width=size[0], height=size[1], length=size[2])
     sp = ok(tp2_sp, run_everywhere(tp2_sp, wf))
@@ -61,12 +64,14 @@ def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, od
     plain = ok(tp2, run_everywhere(tp2, wf))
     for kind in ("video", "audio"):
         a, b = latent(sp[0], kind), latent(plain[0], kind)
-        print(f"{unet} {size} MLP pieces {pieces} {kind}: max relative difference to plain TP2 {rel(a, b):.1e}")
+        print(f"{unet} {size} MLP pieces {pieces}, int8 gathers {int8_gather} {kind}: max relative difference to plain TP2 {rel(a, b):.1e}")
         if pieces == 1:
             assert a.equal(b), f"{kind}: sequence parallel changed the result"
         elif unet == FULL:  # the MLP's GEMMs see fewer rows per call: the CPU BLAS may block (and sum) them differently
             assert rel(a, b) < 1e-5, (kind, rel(a, b))
         else:  # int8: the same ulp-level change in the float ConvRot rotation can flip an activation's int8 rounding
             assert sqnr_db(b, a) >= 40.0, (kind, sqnr_db(b, a))
-    rows = _sequence_length(tp2_sp[0])
-    assert rows % 2 == int(odd), f"this case was meant to have an {'odd' if odd else 'even'} number of rows"
+    line = _sequence_parallel_line(tp2_sp[0])
+    assert int(line.split()[0]) % 2 == int(odd), f"this case was meant to have an {'odd' if odd else 'even'} number of rows"
+    gathered = "as int8" if unet == INT8 and int8_gather == "1" else "in bf16"  # float weights: nothing to quantise
+    assert line.endswith(f"gathered {gathered}"), line

@@ -102,3 +102,27 @@ def test_nccl_dead_peer_ends_the_survivor_within_the_timeout():
     print(f"survivor: {status} ({value if status != 'ok' else ''}) after {secs:.1f} s")
     assert status in ("error", "died"), results[0]
     assert secs < 15 + 90, secs
+
+
+@pytest.mark.parametrize("rows", [2, 333, 7440, 14880])
+@pytest.mark.parametrize("n,k", [(10752, 5376), (14336, 5376), (5376, 2048)])
+def test_split_int8_linear_matches_int8_linear(rows, n, k):
+    """kernels.int8_split on CUDA: quantising rows here and multiplying them there gives comfy-kitchen's
+    int8_linear bit for bit at H3's TP2 shapes (qkv, fc1 and a narrow K), and row blocks quantise alike."""
+    import comfy_kitchen as ck
+
+    from kernels.int8_split import split_int8_linear
+
+    g = torch.Generator().manual_seed(rows + n)
+    x = (torch.randn((rows, k), generator=g) * 2).to(torch.bfloat16).cuda()
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).cuda()
+    ws = (torch.rand((n, 1), generator=g) * 1e-4 + 1e-5).cuda()
+    split = split_int8_linear(x, tuple(w.shape), 256)
+    assert split is not None and split.backend == "cuda"
+    q, s = split.quantize(x)
+    want = ck.int8_linear(x, w, ws, None, out_dtype=torch.bfloat16, convrot=True, convrot_groupsize=256)
+    assert torch.equal(split.gemm(q, s, w, ws, None, torch.bfloat16), want)
+    half = rows // 2
+    if half >= 1:
+        q0, s0 = split.quantize(x[:half])
+        assert torch.equal(q0, q[:half]) and torch.equal(s0, s[:half])
