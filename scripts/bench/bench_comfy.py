@@ -71,7 +71,7 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
     master = free_port()
     servers = []
     for r in reversed(range(tp_size)):
-        d = os.path.join(run, f"tp{tp_size}{variant}_rank{r}")
+        d = os.path.join(run, f"tp{tp_size}{variant.replace('+', '-')}_rank{r}")
         for sub in ("output", "temp", "user"):
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         port = free_port()
@@ -85,13 +85,17 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
         options = set(variant.split("+")) - {""}
-        unknown = {o for o in options - {"bf16", "sp", "sdpa", "half"} if not (o.startswith("mlp") and o[3:].isdigit())}
+        unknown = {o for o in options - {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm"} if not (o.startswith("mlp") and o[3:].isdigit())}
         if unknown:
-            raise SystemExit(f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, sdpa, half with +)")
+            raise SystemExit(f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, bf16ag, fnorm, sdpa, half with +)")
+        if "bf16ag" in options:  # sequence parallel, int8 linears' inputs gathered in bf16 (not quantised first)
+            env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_INT8_GATHER="0")
+        if "fnorm" in options:  # sequence parallel with the fused norm/modulation kernels
+            env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_FUSED_NORM="1")
         if "half" in options and tp_size != 1:
             raise SystemExit("variant 'half' (one GPU, a TP2 rank's half-width model, no communication) is for tp 1 only")
         if args.profile:
-            env["TP2_BENCH_PROFILE_DIR"] = os.path.join(args.out, "profile", f"tp{tp_size}{variant}")
+            env["TP2_BENCH_PROFILE_DIR"] = os.path.join(args.out, "profile", f"tp{tp_size}{variant.replace('+', '-')}")
         for o in options:
             if o.startswith("mlp"):  # sequence parallel with the MLP pipelined in N pieces
                 env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_MLP_CHUNKS=o[3:])
@@ -103,7 +107,7 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
             cmd = [a for a in cmd if a != "--use-ck-attention"]
             if tp_size > 1:
                 env["TP2_ATTN_BACKEND"] = "sdpa"
-        log = open(os.path.join(run, f"tp{tp_size}{variant}_rank{r}.log"), "w")
+        log = open(os.path.join(run, f"tp{tp_size}{variant.replace('+', '-')}_rank{r}.log"), "w")
         p = subprocess.Popen(cmd, cwd=args.comfyui, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         servers.insert(0, (p, port, log.name))
     return servers
@@ -304,8 +308,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--tp-sizes",
         default="1,2",
-        help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,1:sdpa,1:half (bf16 reduce, sequence parallel, SDPA attention, "
-        "one GPU running a TP2 rank's half-width model without communication)",
+        help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,2:bf16+mlp4,1:sdpa,1:half. Variant parts, joined with +: bf16 "
+        "(bf16 reduce), sp (sequence parallel), mlpN (SP, MLP in N pieces), bf16ag (SP, int8 inputs gathered in bf16), fnorm "
+        "(SP, fused norm kernels), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088", help="TP-only memory runs: WxH or WxHxFRAMES")

@@ -82,6 +82,16 @@ def summarize(trace_path: str, wall_ms: float) -> dict:
     compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if _category(e["name"]) != "nccl"])
     busy = _union(nccl + compute)
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    gaps: dict[tuple[str, str], list] = {}  # idle GPU (no kernel on any stream) by the kernels around it
+    end, prev = None, None
+    for e in ordered:
+        if end is not None and e["ts"] > end:
+            g = gaps.setdefault((prev["name"][:70], e["name"][:70]), [0.0, 0])
+            g[0] += (e["ts"] - end) / 1e3
+            g[1] += 1
+        if end is None or e["ts"] + e["dur"] > end:
+            end, prev = e["ts"] + e["dur"], e
     return {
         "wall_ms": round(wall_ms, 2),
         "gpu_busy_ms": round(_length(busy) / 1e3, 2),
@@ -90,6 +100,10 @@ def summarize(trace_path: str, wall_ms: float) -> dict:
         "nccl_exposed_ms": round((_length(nccl) - _overlap(nccl, compute)) / 1e3, 2),
         "categories_ms": {c: round(v, 2) for c, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
         "kernels": [{"name": n[:160], "ms": round(t, 3), "count": c, "category": _category(n)} for n, (t, c) in top],
+        "idle_gaps": [
+            {"ms": round(t, 3), "count": c, "after": a, "before": b}
+            for (a, b), (t, c) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:15]
+        ],
     }
 
 
@@ -103,6 +117,9 @@ def _text(tag: str, s: dict) -> str:
     ]
     for k in s["kernels"][:60]:
         lines.append(f"{k['ms']:9.3f} {k['count']:6d}  {k['category']:<12} {k['name'][:110]}")
+    lines += ["", "GPU idle (no kernel on any stream), by the kernels before and after:"]
+    for g in s["idle_gaps"]:
+        lines.append(f"{g['ms']:9.3f} {g['count']:6d}  after {g['after']}  before {g['before']}")
     return "\n".join(lines) + "\n"
 
 
