@@ -11,7 +11,9 @@ An all-gather plus a reduce-scatter move the bytes of one all-reduce, and the el
 divided by tp_size. Where the gathered rows feed an int8 linear (qkv_proj, fc1), each rank quantises its own rows
 first and the all-gather moves int8 rows plus row scales (TP2_SP_INT8_GATHER, default on): half the bytes, and the
 quantisation is split too. Row-wise quantisation is row-independent, so the GEMM sees the very bits it would have
-made from gathered bf16 rows (kernels/int8_split.py); the ranks agree on it every forward, else all gather bf16. The first DiT block takes its rows of the full stream, the last gathers it back, so the rest
+made from gathered bf16 rows (kernels/int8_split.py); the ranks agree on it every forward, else all gather bf16.
+With TP2_SP_FUSED_NORM=1 (CUDA with Triton) each norm + modulation, and the attention's gated residual before the
+second, run as one kernel per segment (kernels/norm_modulate.py): same rounding points, ulp-level differences. The first DiT block takes its rows of the full stream, the last gathers it back, so the rest
 of ComfyUI's forward (refiner, final layer) is unchanged. Rows are padded to a multiple of tp_size with zeros
 that no segment covers (they stay zero and are dropped). Every row's math is the same as without it: each
 rank's rows carry the same sums (at tp_size 2 bit for bit).
@@ -28,6 +30,7 @@ import types
 
 import torch
 
+from ..kernels import norm_modulate
 from ..tp2.collectives import all_gather_rows, all_reduce, start_all_gather_rows, start_reduce_scatter_rows
 from ..tp2.errors import PlanError
 from .parallel import DEFER, Int8Rows, _group, accept_int8_rows, int8_input_split, scatter_rowwise_outputs
@@ -36,6 +39,7 @@ from .state import STATE, env_flag, log
 ENV_SEQUENCE_PARALLEL = "TP2_SEQUENCE_PARALLEL"
 ENV_MLP_CHUNKS = "TP2_SP_MLP_CHUNKS"
 ENV_INT8_GATHER = "TP2_SP_INT8_GATHER"
+ENV_FUSED_NORM = "TP2_SP_FUSED_NORM"
 _rows = threading.local()  # the current forward's split: full, padded, lo, hi, local segments; int8 gathers agreed
 
 
@@ -45,6 +49,38 @@ def sequence_parallel_from_env() -> bool:
 
 def int8_gather_from_env() -> bool:
     return env_flag(ENV_INT8_GATHER, True, "int8 linears' inputs are gathered quantised", "they are gathered in bf16")
+
+
+def fused_norm_from_env() -> bool:
+    return env_flag(ENV_FUSED_NORM, False, "norm + modulation (+ gated residual) as one kernel on CUDA", "ComfyUI's own ops")
+
+
+def _fused_norm_ok(block, x: torch.Tensor, segments) -> bool:
+    """Whether this block's norms can run fused here: CUDA with Triton, plain norm weights (no weight function, e.g.
+    a LoRA patch applied on the fly), and segments that tile this rank's rows from the first one on."""
+    if not (STATE.sp_fused_norm and norm_modulate.available(x.device)):
+        return False
+    if any(n.weight is None or n.weight_function or n.bias_function for n in (block.norm1, block.norm2)):
+        return False
+    return all(a == (segments[i - 1][1] if i else 0) for i, (a, _b, _row) in enumerate(segments))
+
+
+def _norm_modulated(x, norm, shift, scale, segments, gate=None, y=None) -> torch.Tensor:
+    """rms_norm(x) * (1 + scale) + shift per segment, in one kernel each (after x += gate * y, in place, if given).
+    Rows after the last segment (the zero pad rows) get the plain norm of zero rows, as in ComfyUI's ops: zeros."""
+    import comfy.model_management
+
+    h = torch.empty_like(x)
+    w = comfy.model_management.cast_to(norm.weight, dtype=x.dtype, device=x.device)
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    for a, b, row in segments:
+        scale1, shift_row = 1.0 + scale[row].to(x.dtype), shift[row].to(x.dtype)
+        if gate is None:
+            norm_modulate.norm_modulate(x[a:b], w, eps, scale1, shift_row, h[a:b])
+        else:
+            norm_modulate.gate_norm_modulate(x[a:b], y[a:b], gate[row].to(x.dtype), w, eps, scale1, shift_row, h[a:b])
+    h[segments[-1][1] if segments else 0 :].zero_()
+    return h
 
 
 def mlp_chunks_from_env() -> int:
@@ -145,11 +181,18 @@ def _block_forward(helpers, self, x, t_emb, mod_segments, rope_freqs, transforme
             "blocks did not run in order (a block patch?). Unset TP2_SEQUENCE_PARALLEL on every rank."
         )
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
-    h = _gather(mod_scale_shift(self.norm1(x), shift_msa, scale_msa, segments), self.attn.qkv_proj)
+    fused = _fused_norm_ok(self, x, segments)
+    if fused:
+        h = _norm_modulated(x, self.norm1, shift_msa, scale_msa, segments)
+    else:
+        h = mod_scale_shift(self.norm1(x), shift_msa, scale_msa, segments)
     with scatter_rowwise_outputs(padded):
-        attn = self.attn(h, rope_freqs=rope_freqs, transformer_options=transformer_options)
-    x = mod_gate(x, gate_msa, attn, segments)
-    h = mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, segments)
+        attn = self.attn(_gather(h, self.attn.qkv_proj), rope_freqs=rope_freqs, transformer_options=transformer_options)
+    if fused:  # x += gate * attn and the second norm in one pass
+        h = _norm_modulated(x, self.norm2, shift_mlp, scale_mlp, segments, gate_msa, attn)
+    else:
+        x = mod_gate(x, gate_msa, attn, segments)
+        h = mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, segments)
     if STATE.sp_mlp_chunks > 1 and full > padded - (hi - lo):  # pad rows on the last rank only (not a tiny sequence)
         mlp = _mlp_overlapped(self.mlp, h)
     else:

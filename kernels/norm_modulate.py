@@ -1,0 +1,87 @@
+"""Fused RMSNorm + adaLN modulation, optionally after the gated residual, for rows of one modulation segment (Triton).
+
+ComfyUI's H3 block does these as separate passes over the stream, each through PyTorch's broadcasting elementwise
+kernel:
+
+    x += gate * y                        (addcmul_)          \\ gate_norm_modulate: one pass, x updated in place
+    h  = rms_norm(x, w, eps)             (F.rms_norm)         |  norm_modulate: the last three in one pass
+    h *= 1 + scale;  h += shift          (mul_, add_)        /
+
+Here one kernel per segment reads x (and y) once and writes h (and x). It rounds to the activation dtype where
+ComfyUI's sequence does (after the gated add, after the norm, after the scale, after the shift), so what differs
+is only the order of the fp32 sum of squares and fused multiply-adds: an ulp here and there (tests/gpu measure
+it). Vectors (w, gate, 1 + scale, shift) are [D] in the activation dtype, made by the caller as ComfyUI makes
+them. CUDA with Triton only: `available(device)` says whether it can run; callers keep ComfyUI's ops otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs, Windows without triton: callers use ComfyUI's own ops
+    triton = None
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _kernel(x_ptr, y_ptr, gate_ptr, w_ptr, scale1_ptr, shift_ptr, h_ptr, sx, sy, sh, d, eps, GATE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        dt = h_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+        if GATE:
+            y = tl.load(y_ptr + row * sy + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(gate_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            x = (x + y * g).to(dt)
+            tl.store(x_ptr + row * sx + cols, x, mask=mask)
+            x = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        n = (x * rstd * w).to(dt).to(tl.float32)
+        s1 = tl.load(scale1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        t = (n * s1).to(dt).to(tl.float32)
+        b = tl.load(shift_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * sh + cols, (t + b).to(dt), mask=mask)
+
+
+def _launch(x, y, gate, w, eps, scale1, shift, h) -> None:
+    rows, d = x.shape
+    if rows == 0:
+        return
+    for t in (x, h) + ((y,) if y is not None else ()):
+        if t.stride(-1) != 1:
+            raise ValueError("norm_modulate needs rows with contiguous columns")
+    block = triton.next_power_of_2(d)
+    _kernel[(rows,)](
+        x, y if y is not None else x, gate if gate is not None else w, w, scale1, shift, h,
+        x.stride(0), (y if y is not None else x).stride(0), h.stride(0), d, float(eps),
+        GATE=y is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+    )  # fmt: skip
+
+
+def norm_modulate(x: torch.Tensor, w: torch.Tensor, eps: float, scale1: torch.Tensor, shift: torch.Tensor, h: torch.Tensor) -> None:
+    """h = rms_norm(x, w, eps) * scale1 + shift, rounded like ComfyUI's three ops; x, h: [M, D] row views."""
+    _launch(x, None, None, w, eps, scale1, shift, h)
+
+
+def gate_norm_modulate(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    scale1: torch.Tensor,
+    shift: torch.Tensor,
+    h: torch.Tensor,
+) -> None:
+    """x += gate * y (in place), then h = norm_modulate(x); x, y, h: [M, D] row views."""
+    _launch(x, y, gate, w, eps, scale1, shift, h)
