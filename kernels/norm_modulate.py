@@ -7,10 +7,10 @@ kernel:
     h  = rms_norm(x, w, eps)             (F.rms_norm)         |  norm_modulate: the last three in one pass
     h *= 1 + scale;  h += shift          (mul_, add_)        /
 
-Here one kernel per segment reads x (and y) once and writes h (and x). It rounds to the activation dtype where
-ComfyUI's sequence does (after the gated add, after the norm, after the scale, after the shift), so what differs
-is only the order of the fp32 sum of squares and fused multiply-adds: an ulp here and there (tests/gpu measure
-it). Vectors (w, gate, 1 + scale, shift) are [D] in the activation dtype, made by the caller as ComfyUI makes
+Here one kernel per segment reads x (and y) once and writes h (and x). It rounds to the activation dtype after
+the gated add, the norm, the scale and the shift, as ComfyUI's separate ops do; PyTorch's own norm kernel may
+round once more inside, so the bits differ in the last place here and there, and the fused result is at least
+as close to exact math (tests/gpu measure both against float64). Vectors (w, gate, 1 + scale, shift) are [D] in the activation dtype, made by the caller as ComfyUI makes
 them. CUDA with Triton only: `available(device)` says whether it can run; callers keep ComfyUI's ops otherwise.
 """
 

@@ -14,7 +14,7 @@ from ..kernels import select_int8_gemm
 from ..tp2.collectives import read_tp_env, reduce_dtype_from_env
 from ..tp2.session import TPSession
 from .pack_nodes import NODES, register_conditioning_folder
-from .sequence_parallel import fused_norm_from_env, int8_gather_from_env, mlp_chunks_from_env, sequence_parallel_from_env
+from .sequence_parallel import fused_norm_from_env, int8_gather_from_env, pieces_from_env, sequence_parallel_from_env
 from .state import STATE, log, prompt_timeout_from_env
 
 
@@ -44,7 +44,7 @@ def activate() -> None:
     STATE.int8_kernel = STATE.int8_gemm.kernel_name
     STATE.reduce_dtype = reduce_dtype_from_env()
     STATE.sequence_parallel = sequence_parallel_from_env()
-    STATE.sp_mlp_chunks = mlp_chunks_from_env()
+    STATE.sp_pieces = pieces_from_env()
     STATE.sp_int8_gather = int8_gather_from_env()
     STATE.sp_fused_norm = fused_norm_from_env()
     STATE.session = TPSession(env, device)

@@ -114,7 +114,7 @@ def install_lockstep(patcher, plan: Plan, checkpoint_fp: str) -> None:
         "tp_size": str(plan.tp_size),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
         "sequence_parallel": (  # the collectives (and the norm kernels) differ
-            f"{STATE.sequence_parallel}, mlp pieces {STATE.sp_mlp_chunks}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
+            f"{STATE.sequence_parallel}, pieces {STATE.sp_pieces}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
         ),
     }
     patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, plan, model_fields))

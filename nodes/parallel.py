@@ -22,16 +22,17 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
 from ..kernels.int8_split import SplitInt8Linear, split_int8_linear
-from ..tp2.collectives import all_reduce, reduce_scatter_rows
+from ..tp2.collectives import all_reduce
 from ..tp2.errors import MissingRoleError, PlanError
 from ..tp2.layers import ROLE_ATTR, Int8Weight, LinearWeight, local_linear, require_role
 from ..tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
+from ..tp2.sequence_layout import reduce_scatter_sequence
 from .state import STATE
 
 ROLE_OF_STYLE = {COLWISE: "colwise", COLWISE_PACKED: "colwise", ROWWISE: "rowwise", ROWWISE_SPLIT_INPUT: "rowwise", REPLICATE: "replicate"}
 _original_linear_input_act = comfy.ops.linear_input_act
 _in_tp_forward = threading.local()
-_scatter = threading.local()  # rows: padded sequence length while a sequence-parallel block runs attn/mlp
+_scatter = threading.local()  # .layout: the RowLayout (or DEFER) while a sequence-parallel block runs attn/mlp
 
 
 def _is_comfy_linear(module: torch.nn.Module) -> bool:
@@ -55,31 +56,35 @@ def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None
         x = x.narrow(-1, STATE.env.tp_rank * k, k)
     weight, bias, offload_stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True, compute_dtype=x.dtype, want_requant=True)
     try:
-        y = local_linear(x, _local_weight(weight), bias, STATE.reduce_dtype, STATE.int8_gemm, input_act)
+        local = _local_weight(weight)
+
+        def partial(rows: torch.Tensor) -> torch.Tensor:
+            return local_linear(rows, local, bias, STATE.reduce_dtype, STATE.int8_gemm, input_act)
+
+        layout = getattr(_scatter, "layout", None)
+        if layout is DEFER:  # the caller reduces (sequence parallelism's MLP in pieces)
+            return partial(x)
+        if layout is not None:  # sequence parallel: sum piece by piece, this rank keeping its rows
+            p = layout.piece_rows
+            return reduce_scatter_sequence(lambda c: partial(x[c * p : c * p + layout.valid_rows(c)]), layout, _group()).to(x.dtype)
+        return all_reduce(partial(x), _group()).to(x.dtype)
     finally:
         comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
-    padded = getattr(_scatter, "rows", None)
-    if padded == DEFER:  # the caller reduces (sequence parallelism's overlapped MLP)
-        return y
-    if padded is not None:  # sequence parallel: sum and keep this rank's rows
-        if padded > y.shape[0]:
-            y = torch.nn.functional.pad(y, (0, 0, 0, padded - y.shape[0]))
-        return reduce_scatter_rows(y, _group()).to(x.dtype)
-    return all_reduce(y, _group()).to(x.dtype)
 
 
-DEFER = -1  # scatter_rowwise_outputs(DEFER): row-parallel linears return their partial sums, unreduced
+DEFER = "defer"  # scatter_rowwise_outputs(DEFER): row-parallel linears return their partial sums, unreduced
 
 
 @contextlib.contextmanager
-def scatter_rowwise_outputs(padded_rows: int):
-    """While active, row-parallel outputs are reduce-scattered over the (padded) sequence instead of all-reduced
-    (or, with DEFER, returned as this rank's partial sums in the reduce dtype for the caller to reduce)."""
-    _scatter.rows = padded_rows
+def scatter_rowwise_outputs(layout):
+    """While active, row-parallel outputs over the whole (unpadded) sequence are reduce-scattered to this rank's rows
+    of `layout` (a tp2.sequence_layout.RowLayout), piece by piece, instead of all-reduced; with DEFER they are
+    returned as this rank's partial sums in the reduce dtype for the caller to reduce."""
+    _scatter.layout = layout
     try:
         yield
     finally:
-        _scatter.rows = None
+        _scatter.layout = None
 
 
 def _local_weight(weight) -> LinearWeight:

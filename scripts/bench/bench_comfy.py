@@ -97,8 +97,8 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
         if args.profile:
             env["TP2_BENCH_PROFILE_DIR"] = os.path.join(args.out, "profile", f"tp{tp_size}{variant.replace('+', '-')}")
         for o in options:
-            if o.startswith("mlp"):  # sequence parallel with the MLP pipelined in N pieces
-                env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_MLP_CHUNKS=o[3:])
+            if o.startswith("mlp"):  # sequence parallel in N pieces (out_proj and the MLP pipelined; named for its first form)
+                env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_PIECES=o[3:])
         if "bf16" in options:
             env["TP2_REDUCE_DTYPE"] = "bf16"
         if "sp" in options:
@@ -309,7 +309,7 @@ def main(argv=None) -> int:
         "--tp-sizes",
         default="1,2",
         help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,2:bf16+mlp4,1:sdpa,1:half. Variant parts, joined with +: bf16 "
-        "(bf16 reduce), sp (sequence parallel), mlpN (SP, MLP in N pieces), bf16ag (SP, int8 inputs gathered in bf16), fnorm "
+        "(bf16 reduce), sp (sequence parallel), mlpN (SP in N pieces: out_proj and MLP pipelined), bf16ag (SP, int8 inputs gathered in bf16), fnorm "
         "(SP, fused norm kernels), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")

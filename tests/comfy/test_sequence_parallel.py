@@ -2,13 +2,13 @@
 
 Sequence parallelism changes where rows are normalised, modulated and summed, not the math of any row, so at
 tp_size 2 the latents must be bit-identical to plain TP2 (a sum of two partials is the same in either
-collective), and hence within test_tp_comfy.py's thresholds of one server. With the MLP pipelined in pieces each
-row is computed and summed as before, but the GEMMs see fewer rows per call, and a BLAS may block the sums of a
-smaller matrix differently: there the gate is 1e-5 relative for float weights and 40 dB SQNR for int8 (an ulp
+collective), and hence within test_tp_comfy.py's thresholds of one server. In pieces (TP2_SP_PIECES: out_proj and
+the MLP pipelined) each row is computed and summed as before, but the GEMMs see fewer rows per call, and a BLAS
+may block the sums of a smaller matrix differently: there the gate is 1e-5 relative for float weights and 40 dB SQNR for int8 (an ulp
 change in the float ConvRot rotation before quantisation can flip an activation's int8 rounding); measured on CPU:
 see the printout. A misplaced piece moves the latent by tens of percent. Gathering int8 linears' inputs
-quantised (the default) or in bf16 gives the same bits, pipelined or not, up to that same rotation effect. The sequence lengths used cover an
-even and an odd number of rows (odd: the last rank's shard carries a zero pad row).
+quantised (the default) or in bf16 gives the same bits, pipelined or not, up to that same rotation effect. The
+sequence lengths used cover an even and an odd number of rows (odd: the sequence ends in a zero pad row).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ def tp2(request, tmp_path_factory, models):
     return servers_for(request, tmp_path_factory, models, "sp_off", 2, TP_ENV)
 
 
-@pytest.fixture(scope="module", params=[(1, "1"), (4, "1"), (1, "0")], ids=["sp", "sp_mlp4", "sp_bf16_gather"])
+@pytest.fixture(scope="module", params=[(1, "1"), (4, "1"), (1, "0")], ids=["sp", "sp_pieces4", "sp_bf16_gather"])
 def tp2_sp(request, tmp_path_factory, models):
-    """Sequence parallel, with the MLP unpipelined (1) or pipelined in 4 pieces (TP2_SP_MLP_CHUNKS), int8 linears'
+    """Sequence parallel in 1 piece or 4 (TP2_SP_PIECES: out_proj and the MLP pipelined), int8 linears'
     inputs gathered as int8 (default) or in bf16 (TP2_SP_INT8_GATHER=0)."""
     pieces, int8_gather = request.param
-    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_MLP_CHUNKS": str(pieces), "TP2_SP_INT8_GATHER": int8_gather}
+    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_PIECES": str(pieces), "TP2_SP_INT8_GATHER": int8_gather}
     return servers_for(request, tmp_path_factory, models, f"sp_on_{pieces}_{int8_gather}", 2, env)
 
 
@@ -64,7 +64,7 @@ def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, od
     plain = ok(tp2, run_everywhere(tp2, wf))
     for kind in ("video", "audio"):
         a, b = latent(sp[0], kind), latent(plain[0], kind)
-        print(f"{unet} {size} MLP pieces {pieces}, int8 gathers {int8_gather} {kind}: max relative difference to plain TP2 {rel(a, b):.1e}")
+        print(f"{unet} {size} pieces {pieces}, int8 gathers {int8_gather} {kind}: max relative difference to plain TP2 {rel(a, b):.1e}")
         if pieces == 1:
             assert a.equal(b), f"{kind}: sequence parallel changed the result"
         elif unet == FULL:  # the MLP's GEMMs see fewer rows per call: the CPU BLAS may block (and sum) them differently

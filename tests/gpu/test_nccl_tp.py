@@ -137,26 +137,33 @@ def _comfy_norm_modulate(x, y, gate, w, eps, scale1, shift):
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_fused_norm_modulate_matches_comfy_ops(gated):
-    """kernels.norm_modulate vs ComfyUI's ops at H3's width: the same rounding points, so only ulp-level
-    differences (sum-of-squares order, fused multiply-adds). Prints the measured agreement."""
+    """kernels.norm_modulate vs ComfyUI's ops at H3's width, both against the same math in float64 from the same
+    bf16 inputs: the fused kernel must be at least as accurate as ComfyUI's ops (it rounds no more often) and agree
+    with them to well above int8's noise. Prints the measured figures."""
     from kernels import norm_modulate
 
+    def sqnr(a, b):
+        a, b = a.double(), b.double()
+        return float(10 * torch.log10(b.pow(2).sum() / (a - b).pow(2).sum().clamp_min(1e-300)))
+
     g = torch.Generator().manual_seed(7)
-    rows, d = 7440, 5376
+    rows, d, eps = 7440, 5376, 1e-6
     x = (torch.randn((rows, d), generator=g) * 4).to(torch.bfloat16).cuda()
     y = (torch.randn((rows, d), generator=g)).to(torch.bfloat16).cuda() if gated else None
     vec = [(torch.randn(d, generator=g) * 0.3).to(torch.bfloat16).cuda() for _ in range(4)]
     w, scale1, shift, gate = vec[0] + 1, 1.0 + vec[1], vec[2], vec[3]
-    x_ref = x.clone()
-    want = _comfy_norm_modulate(x_ref, y, gate, w, 1e-6, scale1, shift)
+    x64 = x.double() + (y.double() * gate.double() if gated else 0)
+    exact = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w.double() * scale1.double() + shift.double()
+    x_comfy = x.clone()
+    comfy = _comfy_norm_modulate(x_comfy, y, gate, w, eps, scale1, shift)
     h = torch.empty_like(x)
     if gated:
-        norm_modulate.gate_norm_modulate(x, y, gate, w, 1e-6, scale1, shift, h)
-        assert (x != x_ref).float().mean().item() < 0.01, "the gated residual differs beyond fused-multiply-add rounding"
+        norm_modulate.gate_norm_modulate(x, y, gate, w, eps, scale1, shift, h)
+        assert sqnr(x, x_comfy) > 60.0, "the gated residual differs beyond rounding"
     else:
-        norm_modulate.norm_modulate(x, w, 1e-6, scale1, shift, h)
-    a, b = h.double(), want.double()
-    sqnr = float(10 * torch.log10(b.pow(2).sum() / (a - b).pow(2).sum().clamp_min(1e-300)))
-    differ = (h != want).float().mean().item()
-    print(f"fused norm/modulate (gated={gated}) vs ComfyUI's ops: {differ:.2%} of elements differ, SQNR {sqnr:.1f} dB")
-    assert differ < 0.05 and sqnr > 50.0
+        norm_modulate.norm_modulate(x, w, eps, scale1, shift, h)
+    fused_db, comfy_db, between = sqnr(h, exact), sqnr(comfy, exact), sqnr(h, comfy)
+    print(
+        f"norm/modulate (gated={gated}) vs float64: fused {fused_db:.1f} dB, ComfyUI's ops {comfy_db:.1f} dB; fused vs ComfyUI {between:.1f} dB"
+    )
+    assert fused_db >= comfy_db - 0.5 and between > 40.0
