@@ -82,12 +82,13 @@ def _norm_modulated(x, norm, shift, scale, segments, gate=None, y=None) -> torch
     h = torch.empty_like(x)
     w = comfy.model_management.cast_to(norm.weight, dtype=x.dtype, device=x.device)
     eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    scale1, shift = 1.0 + scale.to(x.dtype), shift.to(x.dtype)  # every modulation row at once, as ComfyUI makes each
+    gate = gate.to(x.dtype) if gate is not None else None
     for a, b, row in segments:
-        scale1, shift_row = 1.0 + scale[row].to(x.dtype), shift[row].to(x.dtype)
         if gate is None:
-            norm_modulate.norm_modulate(x[a:b], w, eps, scale1, shift_row, h[a:b])
+            norm_modulate.norm_modulate(x[a:b], w, eps, scale1[row], shift[row], h[a:b])
         else:
-            norm_modulate.gate_norm_modulate(x[a:b], y[a:b], gate[row].to(x.dtype), w, eps, scale1, shift_row, h[a:b])
+            norm_modulate.gate_norm_modulate(x[a:b], y[a:b], gate[row], w, eps, scale1[row], shift[row], h[a:b])
     h[segments[-1][1] if segments else 0 :].zero_()
     return h
 
