@@ -138,6 +138,7 @@ def _outer_sample(plan, model_fields, executor, *args, **kwargs):
         _cache_epoch(bump=True)
         raise
     STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
+    STATE.sampling_key = key
     SAMPLING.active = True
     try:
         return executor(*args, **kwargs)

@@ -49,6 +49,7 @@ ENV_SEQUENCE_PARALLEL = "TP2_SEQUENCE_PARALLEL"
 ENV_PIECES = "TP2_SP_PIECES"
 ENV_INT8_GATHER = "TP2_SP_INT8_GATHER"
 ENV_FUSED_NORM = "TP2_SP_FUSED_NORM"
+_votes: dict = {}  # this sampling run's int8-gather votes, by local shape
 _rows = threading.local()  # this forward's RowLayout (.layout), local segments (.segments), int8 gathers agreed (.int8)
 
 
@@ -121,10 +122,19 @@ def _split(x: torch.Tensor, mod_segments, block) -> torch.Tensor:
 
 def _all_ranks_can_split(block, local: torch.Tensor) -> bool:
     """Whether every rank can quantise before gathering (decided per device, so agreed over the group: a rank
-    gathering int8 while its peer gathers bf16 would pair mismatched collectives)."""
-    can = all(int8_input_split(lin, local) is not None for lin in (block.attn.qkv_proj, block.mlp.fc1))
-    votes = all_reduce(torch.tensor([0.0 if can else 1.0], device=local.device), _group())
-    return float(votes.item()) == 0.0
+    gathering int8 while its peer gathers bf16 would pair mismatched collectives). Voted at the first forward of
+    each sampling run and sequence shape (the ranks agreed on the run, so they vote at the same forward), not at
+    every step: the vote makes the CPU wait for the GPU."""
+    run = (STATE.sampling_key, STATE.session.generation)
+    if _votes.get("run") != run:
+        _votes.clear()
+        _votes["run"] = run
+    key = (tuple(local.shape), local.dtype)
+    if key not in _votes:
+        can = all(int8_input_split(lin, local) is not None for lin in (block.attn.qkv_proj, block.mlp.fc1))
+        against = all_reduce(torch.tensor([0.0 if can else 1.0], device=local.device), _group())
+        _votes[key] = float(against.item()) == 0.0
+    return _votes[key]
 
 
 class _GatherInFlight:
