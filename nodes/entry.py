@@ -59,7 +59,8 @@ def activate() -> None:
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     log.info(
         "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, reduce %s, sequence parallel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
-        STATE.tag, device, env.master_addr, env.master_port, STATE.int8_kernel, STATE.reduce_dtype, "on" if STATE.sequence_parallel else "off",
+        STATE.tag, device, env.master_addr, env.master_port, STATE.int8_kernel, STATE.reduce_dtype,
+        f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}, pieces {STATE.sp_pieces})" if STATE.sequence_parallel else "off",
         env.timeout_s, STATE.prompt_timeout_s,
     )  # fmt: skip
 

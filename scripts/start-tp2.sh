@@ -22,9 +22,11 @@ set -euo pipefail
 : "${TP2_START_TIMEOUT_S:=300}"      # start-up: how long to wait for every rank's HTTP API
 : "${TP2_REDUCE_DTYPE:=fp32}"        # row-parallel reduce: fp32 (exact sums) | bf16 (faster, see docs/PERFORMANCE.md)
 : "${TP2_SEQUENCE_PARALLEL:=0}"      # 1: DiT blocks split the token rows too (bit-identical, a little faster)
+: "${TP2_SP_INT8_GATHER:=1}"         # with sequence parallelism: int8 linears' inputs gathered as int8 (bit-identical)
+: "${TP2_SP_FUSED_NORM:=0}"          # with sequence parallelism on CUDA: norm + modulation as one Triton kernel (faster)
 : "${TP2_SP_PIECES:=1}"              # with sequence parallelism: the sequence in N pieces, out_proj/MLP collectives overlapped
 : "${TP2_PARALLEL_VAE:=1}"           # 1: the video VAE decode is split over the ranks
-export TP2_INT8_KERNEL TP2_ATTN_BACKEND TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL TP2_SP_PIECES TP2_PARALLEL_VAE
+export TP2_INT8_KERNEL TP2_ATTN_BACKEND TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM TP2_SP_PIECES TP2_PARALLEL_VAE
 
 PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 die() { echo "start-tp2: $*" >&2; exit 1; }
@@ -143,7 +145,7 @@ RANK_URLS="$(for (( r = 0; r < TP_SIZE; r++ )); do printf 'http://%s:%d,' "$HOST
 RANK_URLS="${RANK_URLS%,}"
 
 echo "minimax-h3-tp2: starting $TP_SIZE ranks of $COMFYUI under $PY"
-echo "  settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_PIECES=$TP2_SP_PIECES TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE"
+echo "  settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_SP_PIECES=$TP2_SP_PIECES TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE"
 echo "            TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S MASTER_PORT=$MASTER_PORT"
 : > "$PIDS"
 for (( r = TP_SIZE - 1; r >= 0; r-- )); do
