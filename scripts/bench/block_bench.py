@@ -15,30 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from cuda_timing import timed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HIDDEN, HEADS, HEAD_DIM, FFN, GROUP = 5376, 56, 128, 14336, 256
-
-
-def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def int8_weight(rows: int, cols: int, gen: torch.Generator):

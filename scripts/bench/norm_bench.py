@@ -9,28 +9,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import timed  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from kernels import norm_modulate  # noqa: E402
-
-
-def timed(fn, reps=50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -65,7 +52,7 @@ def main() -> None:
 
     mb = a.rows * a.dim * 2 / 1e6
     for gated in (False, True):
-        tc, tf = timed(lambda: comfy(gated)), timed(lambda: fused(gated))
+        tc, tf = timed(lambda: comfy(gated), 50, 5), timed(lambda: fused(gated), 50, 5)
         passes = 4 if gated else 2
         print(f"rows {a.rows} x {a.dim} bf16, gated={gated}: ComfyUI ops {tc:.3f} ms, fused {tf:.3f} ms "
               f"({passes * mb / tf / 1e3:.2f} TB/s effective for {passes} passes)")  # fmt: skip
