@@ -41,9 +41,12 @@ def tp2(request, tmp_path_factory, models):
 @pytest.fixture(scope="module", params=[(1, "1"), (4, "1"), (1, "0")], ids=["sp", "sp_pieces4", "sp_bf16_gather"])
 def tp2_sp(request, tmp_path_factory, models):
     """Sequence parallel in 1 piece or 4 (TP2_SP_PIECES: out_proj and the MLP pipelined), int8 linears'
-    inputs gathered as int8 (default) or in bf16 (TP2_SP_INT8_GATHER=0)."""
+    inputs gathered as int8 (default) or in bf16 (TP2_SP_INT8_GATHER=0, with TP2_SP_FUSED_NORM=1, which CPU
+    ignores)."""
     pieces, int8_gather = request.param
     env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_PIECES": str(pieces), "TP2_SP_INT8_GATHER": int8_gather}
+    if int8_gather == "0":  # and the fused norms asked for: on CPU they fall back to ComfyUI's ops (same bits)
+        env["TP2_SP_FUSED_NORM"] = "1"
     return servers_for(request, tmp_path_factory, models, f"sp_on_{pieces}_{int8_gather}", 2, env)
 
 

@@ -122,3 +122,29 @@ def test_peer_that_never_arrives_is_an_error_within_the_timeout():
     assert status == "error" and err[0] == "PeerLostError", results[0]
     assert "Rank 0 of 2 could not form the TP group at 127.0.0.1:" in err[1] and "within 5 s" in err[1]
     assert secs < 5 + 20, secs
+
+
+def _pieces_worker(tp_rank, tp_size, full, pieces):
+    from tp2.sequence_layout import RowLayout, gather_row_scales, reduce_scatter_sequence, start_gather_sequence
+
+    tp = _join()
+    x = torch.arange(full * 3, dtype=torch.float32).reshape(full, 3) + 1
+    layout = RowLayout.plan(full, tp_size, tp_rank, pieces)
+    local = layout.take(x)
+    gathered = start_gather_sequence(local, layout, tp).result()
+    scales = gather_row_scales(local[:, :1].contiguous(), layout, tp)
+    p = layout.piece_rows
+    summed = reduce_scatter_sequence(lambda c: x[c * p : c * p + layout.valid_rows(c)] * (tp_rank + 1), layout, tp)
+    return gathered, scales, summed, local
+
+
+@pytest.mark.parametrize("tp_size,full,pieces", [(2, 37, 1), (2, 37, 4), (3, 20, 3), (2, 3, 4)])
+def test_sequence_in_pieces_gathers_and_reduces_in_place(tp_size, full, pieces):
+    """tp2.sequence_layout on gloo: the per-piece all-gathers rebuild the sequence (pad rows zero), the row scales
+    come back in sequence order, and the per-piece reduce-scatters leave each rank the sums of its own rows."""
+    x = torch.arange(full * 3, dtype=torch.float32).reshape(full, 3) + 1
+    total = sum(r + 1 for r in range(tp_size))
+    for gathered, scales, summed, local in values(run_ranks(_pieces_worker, tp_size, full, pieces)):
+        assert torch.equal(gathered[:full], x) and not gathered[full:].any()
+        assert torch.equal(scales, gathered[:, :1])
+        assert torch.equal(summed, local * total)
