@@ -5,9 +5,9 @@ quantisation is row-independent, so a rank can quantise its own rows, ship int8 
 bytes of bf16), and multiply the gathered rows: `gemm(*quantize(x)) == int8_linear(x)` bit for bit, because each
 half calls the very kernel int8_linear calls for that shape (tests/gpu checks this on CUDA, tests/unit on CPU).
 
-    split = split_int8_linear(x, group)     # None where the halves cannot be matched to int8_linear exactly
-    q, s = split.quantize(x)                # int8 [M, K], fp32 [M, 1]
-    y = split.gemm(q, s, w_qdata, w_scale, bias, out_dtype)
+    split = split_int8_linear(x, (N, K), group)   # None where the halves cannot be matched to int8_linear exactly
+    q, s = split.quantize(x)                      # int8 [M, K], fp32 [M, 1]
+    y = split.gemm(q, s, w_qdata, w_scale, bias, out_dtype)   # == int8_linear(x, w_qdata, w_scale, bias, ...)
 
 Backends: comfy-kitchen's CUDA backend (the fused ConvRot quantiser; the Turing, CUTLASS or cuBLAS GEMM in the
 order int8_linear tries them) and its eager backend (CPU). The CUDA half reaches into comfy-kitchen's backend
