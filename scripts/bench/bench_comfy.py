@@ -86,14 +86,18 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
         options = set(variant.split("+")) - {""}
         known = {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm", "simple"}
-        unknown = {o for o in options - known if not (o[:3] in ("mlp", "nch") and o[3:].isdigit())}
+        unknown = {
+            o for o in options - known if not ((o[:3] in ("mlp", "nch") and o[3:].isdigit()) or (o[:4] == "nmax" and o[4:].isdigit()))
+        }
         if unknown:
             raise SystemExit(
-                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, bf16ag, fnorm, nchN, simple, sdpa, half with +)"
+                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half with +)"
             )
         for o in options:
             if o.startswith("nch"):  # NCCL tuning: at least N channels
                 env["NCCL_MIN_NCHANNELS"] = o[3:]
+            if o.startswith("nmax"):  # NCCL tuning: at most N channels (fewer SMs taken from overlapping GEMMs)
+                env["NCCL_MAX_NCHANNELS"] = o[4:]
         if "simple" in options:  # NCCL tuning: the Simple protocol only
             env["NCCL_PROTO"] = "Simple"
         if "bf16ag" in options:  # sequence parallel, int8 linears' inputs gathered in bf16 (not quantised first)
@@ -318,7 +322,7 @@ def main(argv=None) -> int:
         default="1,2",
         help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,2:bf16+mlp4,1:sdpa,1:half. Variant parts, joined with +: bf16 "
         "(bf16 reduce), sp (sequence parallel), mlpN (SP in N pieces: out_proj and MLP pipelined), bf16ag (SP, int8 inputs gathered in bf16), fnorm "
-        "(SP, fused norm kernels), nchN (NCCL_MIN_NCHANNELS=N), simple (NCCL_PROTO=Simple), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication)",
+        "(SP, fused norm kernels), nchN / nmaxN (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS=N), simple (NCCL_PROTO=Simple), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088", help="TP-only memory runs: WxH or WxHxFRAMES")
