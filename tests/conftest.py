@@ -28,6 +28,18 @@ def make_checkpoint(path: str, *args: str) -> str:
     return path
 
 
+TINY_COND = "h3_tiny_cond.safetensors"
+
+
+def make_models(folder: str, checkpoints: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """Tiny checkpoints (file name -> generator arguments) and a 16-token conditioning file in `folder`, as the
+    {models subfolder/name: path} map the ComfyUI harness links into each server's models folder."""
+    out = {f"diffusion_models/{name}": make_checkpoint(os.path.join(folder, name), *args) for name, args in checkpoints.items()}
+    make_tiny_h3.main(["--conditioning", os.path.join(folder, TINY_COND), "--text-dim", "128", "--tokens", "16"])
+    out[f"h3_conditioning/{TINY_COND}"] = os.path.join(folder, TINY_COND)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("tiny"))

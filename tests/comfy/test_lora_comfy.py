@@ -13,12 +13,12 @@ import os
 
 import pytest
 from comfy_harness import COMFYUI_DIR, error_message, have_comfyui, new_id, run_everywhere, servers_for, tiny_workflow
-from conftest import make_checkpoint, make_tiny_h3
+from conftest import TINY_COND, make_models, make_tiny_h3
 from test_tp_comfy import TP_ENV, latent, ok, rel, sqnr_db
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
-COND = "h3_tiny_cond.safetensors"
+COND = TINY_COND
 INT8, FULL = "h3_tiny_int8.safetensors", "h3_tiny_full_adaln.safetensors"
 LORA = {INT8: "lora_int8.safetensors", FULL: "lora_full.safetensors"}
 DORA, OTHER = "lora_dora.safetensors", "lora_other.safetensors"
@@ -39,11 +39,7 @@ def _make_lora(ckpt: str, out: str, *args: str) -> str:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora_models")
-    make_checkpoint(str(d / INT8), "--int8")
-    make_checkpoint(str(d / FULL), "--adaln", "full")
-    make_tiny_h3.main(["--conditioning", str(d / COND), "--text-dim", "128", "--tokens", "16"])
-    out = {f"diffusion_models/{n}": str(d / n) for n in (INT8, FULL)}
-    out[f"h3_conditioning/{COND}"] = str(d / COND)
+    out = make_models(str(d), {INT8: ("--int8",), FULL: ("--adaln", "full")})
     for ckpt, name in LORA.items():
         out[f"loras/{name}"] = _make_lora(str(d / ckpt), str(d / name), *(["--format", "kohya"] if ckpt == FULL else []))
     out[f"loras/{DORA}"] = _make_lora(str(d / INT8), str(d / DORA), "--dora", "blocks.1.attn.qkv_proj")

@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import pytest
 from comfy_harness import COMFYUI_DIR, have_comfyui, run_everywhere, servers_for, tiny_workflow
-from conftest import make_checkpoint, make_tiny_h3
+from conftest import TINY_COND, make_models
 from test_tp_comfy import TP_ENV, latent, ok, rel, sqnr_db
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
-COND = "h3_tiny_cond.safetensors"
+COND = TINY_COND
 INT8, FULL = "h3_tiny_int8.safetensors", "h3_tiny_full_adaln.safetensors"
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sp_models")
-    make_checkpoint(str(d / INT8), "--int8")
-    make_checkpoint(str(d / FULL), "--adaln", "full")
-    make_tiny_h3.main(["--conditioning", str(d / COND), "--text-dim", "128", "--tokens", "16"])
-    return {f"diffusion_models/{INT8}": str(d / INT8), f"diffusion_models/{FULL}": str(d / FULL), f"h3_conditioning/{COND}": str(d / COND)}
+    return make_models(str(tmp_path_factory.mktemp("sp_models")), {INT8: ("--int8",), FULL: ("--adaln", "full")})
 
 
 @pytest.fixture(scope="module")

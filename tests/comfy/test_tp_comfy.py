@@ -29,13 +29,13 @@ from comfy_harness import (
     servers_for,
     tiny_workflow,
 )
-from conftest import make_checkpoint
+from conftest import TINY_COND, make_models
 from safetensors.torch import load
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
 TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "10", "TP2_TIMEOUT_S": "30"}
-COND = "h3_tiny_cond.safetensors"
+COND = TINY_COND
 FLOAT, INT8, INT8_G64 = "h3_tiny_float.safetensors", "h3_tiny_int8.safetensors", "h3_tiny_int8_g64.safetensors"
 FULL = "h3_tiny_full_adaln.safetensors"  # full form: time_embedder + adaln split along its input
 
@@ -50,17 +50,8 @@ def comfy_git_status():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, comfy_git_status):
-    d = tmp_path_factory.mktemp("models")
-    make_checkpoint(str(d / FLOAT))
-    make_checkpoint(str(d / INT8), "--int8")
-    make_checkpoint(str(d / INT8_G64), "--int8", "--convrot-group", "64")  # splits at tp_size 4 too
-    make_checkpoint(str(d / FULL), "--adaln", "full")
-    from conftest import make_tiny_h3
-
-    make_tiny_h3.main(["--conditioning", str(d / COND), "--text-dim", "128", "--tokens", "16"])
-    out = {f"diffusion_models/{n}": str(d / n) for n in (FLOAT, INT8, INT8_G64, FULL)}
-    out[f"h3_conditioning/{COND}"] = str(d / COND)
-    return out
+    checkpoints = {FLOAT: (), INT8: ("--int8",), INT8_G64: ("--int8", "--convrot-group", "64"), FULL: ("--adaln", "full")}
+    return make_models(str(tmp_path_factory.mktemp("models")), checkpoints)  # INT8_G64 splits at tp_size 4 too
 
 
 def _servers(request, tmp_path_factory, models, name, tp_size=None, pack=True):
