@@ -36,6 +36,7 @@ import os
 import threading
 import types
 
+import comfy.model_management
 import torch
 
 from ..kernels import norm_modulate
@@ -78,8 +79,6 @@ def _fused_norm_ok(block, x: torch.Tensor, segments) -> bool:
 def _norm_modulated(x, norm, shift, scale, segments, gate=None, y=None) -> torch.Tensor:
     """rms_norm(x) * (1 + scale) + shift per segment, in one kernel each (after x += gate * y, in place, if given).
     Rows after the last segment (the zero pad rows) get the plain norm of zero rows, as in ComfyUI's ops: zeros."""
-    import comfy.model_management
-
     h = torch.empty_like(x)
     w = comfy.model_management.cast_to(norm.weight, dtype=x.dtype, device=x.device)
     eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
@@ -151,8 +150,9 @@ class _GatherInFlight:
             self.scales = gather_row_scales(scale, layout, group)
 
     def result(self, start: int, stop: int):
-        """Sequence rows [start, stop): a tensor, or Int8Rows that the int8 linear multiplies as they are."""
-        rows = self.rows.result()[start:stop]
+        """Sequence rows [start, stop) (waiting only for the pieces that hold them): a tensor, or Int8Rows that the
+        int8 linear multiplies as they are."""
+        rows = self.rows.result(stop)[start:stop]
         return rows if self.split is None else Int8Rows(rows, self.scales[start:stop], self.dtype, self.split)
 
 

@@ -170,8 +170,12 @@ def start_reduce_scatter_rows(t: torch.Tensor, tp: TPGroup, out: torch.Tensor | 
         work = dist.all_reduce(t, group=tp.group, async_op=True)
     except (RuntimeError, dist.DistError) as e:
         raise _lost(tp, what, e) from e
-    mine = lambda: t.narrow(0, tp.tp_rank * n, n)  # noqa: E731
-    return Pending(work, lambda: mine().clone() if out is None else out.copy_(mine()), tp, what)
+
+    def finish() -> torch.Tensor:
+        mine = t.narrow(0, tp.tp_rank * n, n)
+        return mine.clone() if out is None else out.copy_(mine)
+
+    return Pending(work, finish, tp, what)
 
 
 def start_all_gather_rows(t: torch.Tensor, tp: TPGroup, out: torch.Tensor | None = None) -> Pending:

@@ -76,14 +76,18 @@ class RowLayout:
 
 
 class PiecesInFlight:
-    """Several collectives filling one tensor; `result()` waits for all of them and returns it."""
+    """One collective per piece filling one tensor, `rows_per_piece` rows each, in order."""
 
-    def __init__(self, out: torch.Tensor, pending: list[Pending]):
-        self.out, self.pending = out, pending
+    def __init__(self, out: torch.Tensor, pending: list[Pending], rows_per_piece: int):
+        self.out, self.pending, self.rows_per_piece, self.done = out, pending, rows_per_piece, 0
 
-    def result(self) -> torch.Tensor:
-        for p in self.pending:
+    def result(self, stop: int | None = None) -> torch.Tensor:
+        """The tensor, once the pieces holding rows [0, stop) (default: all) are in; later pieces may still be
+        in flight."""
+        wanted = len(self.pending) if stop is None else min(len(self.pending), -(-stop // self.rows_per_piece))
+        for p in self.pending[self.done : wanted]:
             p.result()
+        self.done = max(self.done, wanted)
         return self.out
 
 
@@ -92,7 +96,7 @@ def start_gather_sequence(local: torch.Tensor, layout: RowLayout, tp: TPGroup) -
     out = local.new_empty((layout.padded, *local.shape[1:]))
     m, p = layout.m, layout.piece_rows
     pending = [start_all_gather_rows(local[c * m : (c + 1) * m], tp, out=out[c * p : (c + 1) * p]) for c in range(layout.pieces)]
-    return PiecesInFlight(out, pending)
+    return PiecesInFlight(out, pending, p)
 
 
 def gather_row_scales(local: torch.Tensor, layout: RowLayout, tp: TPGroup) -> torch.Tensor:
@@ -119,4 +123,4 @@ def reduce_scatter_sequence(piece_output: Callable[[int], torch.Tensor | None], 
         elif y.shape[0] < p:
             y = torch.nn.functional.pad(y, (0, 0, 0, p - y.shape[0]))
         pending.append(start_reduce_scatter_rows(y, tp, out=out[c * m : (c + 1) * m]))
-    return PiecesInFlight(out, pending).result()
+    return PiecesInFlight(out, pending, m).result()
