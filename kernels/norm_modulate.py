@@ -16,6 +16,8 @@ them. CUDA with Triton only: `available(device)` says whether it can run; caller
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -26,7 +28,8 @@ except ImportError:  # CPU-only installs, Windows without triton: callers use Co
 
 
 def available(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
+    """CUDA with Triton, or Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, which the CPU tests use."""
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:

@@ -17,8 +17,10 @@ divided by tp_size. Options, all off-switchable and agreed between the ranks at 
 - TP2_SP_PIECES=N (default 1): the sequence is dealt out in N pieces (tp2/sequence_layout.py), and out_proj and
   the MLP run piece by piece, each piece's reduce-scatter (and the MLP's all-gathers) in flight while the next
   piece computes.
-- TP2_SP_FUSED_NORM=1 (CUDA with Triton): each norm + modulation, and the attention's gated residual before the
-  second, as one kernel per segment (kernels/norm_modulate.py): ulp-level differences to ComfyUI's ops.
+- TP2_SP_FUSED_NORM=1 (CUDA with Triton): each norm + modulation, with the gated residual before it (the
+  attention's before norm2; the previous block's MLP's before norm1, which that block leaves pending), as one
+  kernel per segment (kernels/norm_modulate.py), and the q/k norm + rope as one Triton kernel
+  (kernels/qk_norm_rope.py): ulp-level differences to ComfyUI's ops.
 
 The first DiT block takes its rows of the full stream, the last gathers it back, so the rest of ComfyUI's
 forward (refiner, final layer) is unchanged. Pad rows (zeros, at the end of the sequence) are in no segment and
@@ -27,7 +29,8 @@ one piece bit for bit; with pieces the GEMMs see fewer rows per call: bit for bi
 in a CPU BLAS).
 
 The block forward below follows ComfyUI's DiTBlock.forward step for step and calls ComfyUI's own modulation
-helpers on this rank's rows; `install` checks that those helpers exist and refuses otherwise.
+helpers on this rank's rows, and its attention is ComfyUI's Attention.forward as nodes/h3_attention.py has it;
+`install` checks that what they use exists and refuses otherwise.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from ..kernels import norm_modulate
 from ..tp2.collectives import all_reduce
 from ..tp2.errors import PlanError
 from ..tp2.sequence_layout import RowLayout, gather_row_scales, reduce_scatter_sequence, start_gather_sequence
+from .h3_attention import attention_forward
 from .parallel import DEFER, Int8Rows, _group, accept_int8_rows, int8_input_split, scatter_rowwise_outputs
 from .state import STATE, env_flag, log
 
@@ -51,7 +55,8 @@ ENV_PIECES = "TP2_SP_PIECES"
 ENV_INT8_GATHER = "TP2_SP_INT8_GATHER"
 ENV_FUSED_NORM = "TP2_SP_FUSED_NORM"
 _votes: dict = {}  # this sampling run's int8-gather votes, by local shape
-_rows = threading.local()  # this forward's RowLayout (.layout), local segments (.segments), int8 gathers agreed (.int8)
+_rows = threading.local()  # this forward's RowLayout (.layout), local segments (.segments), int8 gathers agreed (.int8),
+#                            the previous block's gated MLP residual not yet added to its output (.pending)
 
 
 def sequence_parallel_from_env() -> bool:
@@ -110,12 +115,14 @@ def _split(x: torch.Tensor, mod_segments, block) -> torch.Tensor:
     _rows.layout, _rows.segments = layout, layout.local_segments(mod_segments)
     local = layout.take(x)
     _rows.int8 = STATE.sp_int8_gather and _all_ranks_can_split(block, local)
-    if getattr(_rows, "logged", None) != (layout, _rows.int8):  # once per sequence length
+    fused = _fused_norm_ok(block, local, _rows.segments)
+    if getattr(_rows, "logged", None) != (layout, _rows.int8, fused):  # once per sequence length
         log.info(
-            "%s sequence parallel: %d rows, this rank holds %d rows (%d pieces, padded to %d); int8 linears' inputs gathered %s",
-            STATE.tag, layout.full, layout.local_rows, layout.pieces, layout.padded, "as int8" if _rows.int8 else "in bf16",
+            "%s sequence parallel: %d rows, this rank holds %d rows (%d pieces, padded to %d); norms %s; int8 linears' inputs gathered %s",
+            STATE.tag, layout.full, layout.local_rows, layout.pieces, layout.padded, "fused (Triton)" if fused else "by ComfyUI's ops",
+            "as int8" if _rows.int8 else "in bf16",
         )  # fmt: skip
-        _rows.logged = (layout, _rows.int8)
+        _rows.logged = (layout, _rows.int8, fused)
     return local
 
 
@@ -173,8 +180,34 @@ def _mlp_in_pieces(mlp, h: torch.Tensor) -> torch.Tensor:
         return reduce_scatter_sequence(lambda c: mlp(gathered.result(c * p, c * p + layout.valid_rows(c))), layout, _group()).to(h.dtype)
 
 
-def _block_forward(helpers, self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
-    mod_scale_shift, mod_gate = helpers
+class _PendingResidual:
+    """A block's `x += gate * mlp`, left for the next block to do inside its first norm (one pass fewer over x)."""
+
+    def __init__(self, x: torch.Tensor, gate: torch.Tensor, mlp: torch.Tensor):
+        self.x, self.gate, self.mlp = x, gate, mlp
+
+
+def _take_pending(x: torch.Tensor, first: bool) -> _PendingResidual | None:
+    pending, _rows.pending = getattr(_rows, "pending", None), None
+    if first or pending is None:  # at the first block: a stale one is from a forward that raised; its x is gone
+        return None
+    if pending.x is not x:
+        raise PlanError(
+            f"{STATE.tag} a sequence-parallel block got another stream than the previous block returned (a block patch "
+            "between blocks?). Unset TP2_SP_FUSED_NORM on every rank."
+        )
+    return pending
+
+
+def _may_defer(block, transformer_options) -> bool:
+    """Whether this block may leave its MLP residual to the next block: only when ComfyUI's loop hands each block's
+    output straight to the next one (no block replacement patches) and this is not the last block."""
+    return not block.tp2_sp_last and not transformer_options.get("patches_replace", {}).get("dit")
+
+
+def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
+    mod_scale_shift, mod_gate = h3._mod_scale_shift, h3._mod_gate
+    pending = _take_pending(x, self.tp2_sp_first)
     if self.tp2_sp_first:
         x = _split(x, mod_segments, self)
     layout, segments = _rows.layout, _rows.segments
@@ -185,12 +218,19 @@ def _block_forward(helpers, self, x, t_emb, mod_segments, rope_freqs, transforme
         )
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
     fused = _fused_norm_ok(self, x, segments)
-    if fused:
+    if fused and pending is not None:  # the previous block's x += gate * mlp and this norm in one pass
+        h = _norm_modulated(x, self.norm1, shift_msa, scale_msa, segments, pending.gate, pending.mlp)
+    elif fused:
         h = _norm_modulated(x, self.norm1, shift_msa, scale_msa, segments)
     else:
+        if pending is not None:
+            x = mod_gate(x, pending.gate, pending.mlp, segments)
         h = mod_scale_shift(self.norm1(x), shift_msa, scale_msa, segments)
+    del pending
     with scatter_rowwise_outputs(layout):
-        attn = self.attn(_gather(h, self.attn.qkv_proj), rope_freqs=rope_freqs, transformer_options=transformer_options)
+        attn = attention_forward(
+            h3, self.attn, _gather(h, self.attn.qkv_proj), rope_freqs=rope_freqs, transformer_options=transformer_options, fused=fused
+        )
     if fused:  # x += gate * attn and the second norm in one pass
         h = _norm_modulated(x, self.norm2, shift_mlp, scale_mlp, segments, gate_msa, attn)
     else:
@@ -201,6 +241,9 @@ def _block_forward(helpers, self, x, t_emb, mod_segments, rope_freqs, transforme
     else:
         with scatter_rowwise_outputs(layout):
             mlp = self.mlp(_gather(h, self.mlp.fc1))
+    if fused and _may_defer(self, transformer_options):
+        _rows.pending = _PendingResidual(x, gate_mlp, mlp)
+        return x
     x = mod_gate(x, gate_mlp, mlp, segments)
     return _gather(x) if self.tp2_sp_last else x
 
@@ -209,15 +252,16 @@ def install(diffusion_model: torch.nn.Module) -> None:
     """Give every DiT block of a loaded TP model the sequence-parallel forward (the refiner stays as it is)."""
     import comfy.ldm.minimax.model as h3
 
-    helpers = (getattr(h3, "_mod_scale_shift", None), getattr(h3, "_mod_gate", None))
-    if None in helpers:
+    needed = ("_mod_scale_shift", "_mod_gate", "optimized_attention")
+    missing = [name for name in needed if getattr(h3, name, None) is None]
+    if missing:
         raise PlanError(
-            f"{STATE.tag} TP2_SEQUENCE_PARALLEL=1 needs ComfyUI's H3 modulation helpers (_mod_scale_shift, _mod_gate), "
-            "which this ComfyUI does not have. Unset TP2_SEQUENCE_PARALLEL on every rank."
+            f"{STATE.tag} TP2_SEQUENCE_PARALLEL=1 needs {', '.join(needed)} in ComfyUI's H3 model module, and this "
+            f"ComfyUI lacks {', '.join(missing)}. Unset TP2_SEQUENCE_PARALLEL on every rank."
         )
     blocks = list(diffusion_model.blocks)
     for i, block in enumerate(blocks):
         block.tp2_sp_first, block.tp2_sp_last = i == 0, i == len(blocks) - 1
         accept_int8_rows(block.attn.qkv_proj)
         accept_int8_rows(block.mlp.fc1)
-        block.forward = types.MethodType(lambda self, *a, **k: _block_forward(helpers, self, *a, **k), block)
+        block.forward = types.MethodType(lambda self, *a, **k: _block_forward(h3, self, *a, **k), block)

@@ -167,3 +167,33 @@ def test_fused_norm_modulate_matches_comfy_ops(gated):
         f"norm/modulate (gated={gated}) vs float64: fused {fused_db:.1f} dB, ComfyUI's ops {comfy_db:.1f} dB; fused vs ComfyUI {between:.1f} dB"
     )
     assert fused_db >= comfy_db - 0.5 and between > 40.0
+
+
+@pytest.mark.parametrize("s", [7440, 14880, 333])
+def test_qk_norm_rope_matches_comfy_kitchen(s):
+    """kernels.qk_norm_rope vs comfy-kitchen's CUDA rms_rope_split_half_ (what ComfyUI's H3 attention calls) at a
+    TP2 rank's H3 shapes (28 heads of 128, rot_dim 96), in place in a qkv buffer: the same roundings, so all but
+    a rare last-place flip (fp32 sums in another order) must be equal; v untouched. Prints the counts."""
+    import comfy_kitchen as ck
+
+    from kernels import qk_norm_rope
+
+    g = torch.Generator().manual_seed(s)
+    heads, d, pairs = 28, 128, 48
+    qkv = (torch.randn((s, 3 * heads * d), generator=g) * 3).to(torch.bfloat16).cuda()
+    angles = torch.rand((s, pairs), generator=g) * 100
+    c, sn = torch.cos(angles), torch.sin(angles)
+    table = torch.stack([c, -sn, sn, c], dim=-1).reshape(1, s, 1, pairs, 2, 2).to(torch.bfloat16).cuda()
+    qw, kw = ((torch.rand(d, generator=g) + 0.5).to(torch.bfloat16).cuda() for _ in range(2))
+    ref = qkv.clone()
+    rq, rk, _ = (t.view(1, s, heads, d) for t in ref.split(heads * d, dim=-1))
+    ck.rms_rope_split_half_(rq, rk, table, qw, kw, epsilon=1e-6, rot_dim=2 * pairs)
+    q, k, _ = (t.view(s, heads, d) for t in qkv.split(heads * d, dim=-1))
+    assert qk_norm_rope.available(q, k, table)
+    qk_norm_rope.rms_rope_split_half_(q, k, table, qw, kw, 1e-6)
+    torch.cuda.synchronize()
+    differ = (qkv != ref).sum().item()
+    far = ((qkv.float() - ref.float()).abs() > ref.float().abs() * 2**-7 + 1e-6).sum().item()
+    print(f"q/k norm + rope, {s} rows: {differ} of {2 * s * heads * d} values differ from comfy-kitchen's, {far} by more than one bf16 ulp")
+    assert torch.equal(qkv[:, 2 * heads * d :], ref[:, 2 * heads * d :]), "v changed"
+    assert far == 0 and differ <= 1e-3 * 2 * s * heads * d

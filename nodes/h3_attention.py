@@ -1,0 +1,60 @@
+"""H3's attention for the sequence-parallel blocks: ComfyUI's Attention.forward step for step, with two changes.
+
+1. No copy of v when the attention backend is comfy-kitchen's INT8 one: ComfyUI clones v out of the qkv buffer
+   (a peak-memory fix for backends that consume q, k and v one after the other), but comfy-kitchen's quantiser
+   reads q, k and v as strided views of that buffer and frees all three together. The clone costs a full pass
+   over v (~0.13 ms per block on a TP2 rank at 832x480) and changes no bit; other backends keep it.
+2. With `fused` (TP2_SP_FUSED_NORM=1), the per-head q/k RMSNorm + rope runs as kernels/qk_norm_rope.py's Triton
+   kernel instead of comfy-kitchen's: same roundings, ~4x the bandwidth; comfy-kitchen's runs wherever that one
+   cannot (CPU, other dtypes or layouts).
+"""
+
+from __future__ import annotations
+
+import comfy.ldm.modules.attention as comfy_attention
+import comfy.model_management
+import comfy.quant_ops
+import torch
+
+from ..kernels import qk_norm_rope
+
+
+def _quantises_views(h3, transformer_options) -> bool:
+    """Whether the attention call below ends in comfy-kitchen's INT8 container path, which reads the q/k/v views."""
+    ck = getattr(comfy_attention, "attention_comfy_kitchen_int8", None)
+    if ck is None:
+        return False
+    override = transformer_options.get("optimized_attention_override")
+    if override is not None:
+        return getattr(override, "container_function", None) is ck.container_function
+    return h3.optimized_attention is ck
+
+
+def attention_forward(h3, attn, x, rope_freqs=None, transformer_options={}, fused=False) -> torch.Tensor:  # noqa: B006 - ComfyUI's signature
+    """ComfyUI's `h3.Attention.forward(attn, x, ...)`, with the two changes above. `h3` is comfy.ldm.minimax.model."""
+    s = x.shape[0]
+    q, k, v = attn.qkv_proj(x).split(attn.heads * attn.head_dim, dim=-1)
+    v = v.view(s, attn.heads, attn.head_dim)
+    if rope_freqs is not None:
+        q = q.view(s, attn.heads, attn.head_dim)
+        k = k.view(s, attn.heads, attn.head_dim)
+        qw = comfy.model_management.cast_to(attn.q_norm.weight, device=x.device)
+        kw = comfy.model_management.cast_to(attn.k_norm.weight, device=x.device)
+        rot = rope_freqs.shape[-3] * 2
+        if comfy.model_management.in_training:
+            q, k = comfy.quant_ops.ck.rms_rope_split_half(q[None], k[None], rope_freqs, qw, kw, epsilon=attn.q_norm.eps, rot_dim=rot)
+            q, k = q[0], k[0]
+        elif fused and qk_norm_rope.available(q, k, rope_freqs):
+            qk_norm_rope.rms_rope_split_half_(q, k, rope_freqs, qw, kw, attn.q_norm.eps)
+        else:
+            comfy.quant_ops.ck.rms_rope_split_half_(q[None], k[None], rope_freqs, qw, kw, epsilon=attn.q_norm.eps, rot_dim=rot)
+    else:
+        q = attn.q_norm(q.view(s, attn.heads, attn.head_dim))
+        k = attn.k_norm(k.view(s, attn.heads, attn.head_dim))
+    if not _quantises_views(h3, transformer_options):
+        v = v.clone()
+    q = comfy_attention.AttentionTensorContainer(q.transpose(0, 1).unsqueeze(0))
+    k = comfy_attention.AttentionTensorContainer(k.transpose(0, 1).unsqueeze(0))
+    v = comfy_attention.AttentionTensorContainer(v.transpose(0, 1).unsqueeze(0))
+    out = h3.optimized_attention(q, k, v, attn.heads, mask=None, skip_reshape=True, transformer_options=transformer_options)
+    return attn.out_proj(out.squeeze(0))
