@@ -172,28 +172,43 @@ def test_fused_norm_modulate_matches_comfy_ops(gated):
 @pytest.mark.parametrize("s", [7440, 14880, 333])
 def test_qk_norm_rope_matches_comfy_kitchen(s):
     """kernels.qk_norm_rope vs comfy-kitchen's CUDA rms_rope_split_half_ (what ComfyUI's H3 attention calls) at a
-    TP2 rank's H3 shapes (28 heads of 128, rot_dim 96), in place in a qkv buffer: the same roundings, so all but
-    a rare last-place flip (fp32 sums in another order) must be equal; v untouched. Prints the counts."""
+    TP2 rank's H3 shapes (28 heads of 128, rot_dim 96), in place in a qkv buffer, both against float64 from the
+    same bf16 inputs: the same roundings, so at least as accurate and equal but for rare last-place flips (an fp32
+    sum in another order moves the norm by an ulp; where the rotation cancels, that shows as more than an ulp of
+    the small output); v untouched. Prints the figures."""
     import comfy_kitchen as ck
 
     from kernels import qk_norm_rope
 
+    def sqnr(a, b):
+        a, b = a.double(), b.double()
+        return float(10 * torch.log10(b.pow(2).sum() / (a - b).pow(2).sum().clamp_min(1e-300)))
+
     g = torch.Generator().manual_seed(s)
-    heads, d, pairs = 28, 128, 48
+    heads, d, pairs, eps = 28, 128, 48, 1e-6
     qkv = (torch.randn((s, 3 * heads * d), generator=g) * 3).to(torch.bfloat16).cuda()
     angles = torch.rand((s, pairs), generator=g) * 100
     c, sn = torch.cos(angles), torch.sin(angles)
     table = torch.stack([c, -sn, sn, c], dim=-1).reshape(1, s, 1, pairs, 2, 2).to(torch.bfloat16).cuda()
     qw, kw = ((torch.rand(d, generator=g) + 0.5).to(torch.bfloat16).cuda() for _ in range(2))
+    x64 = qkv[:, : 2 * heads * d].double().view(s, 2, heads, d)
+    n = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * torch.stack([qw, kw]).double()[None, :, None]
+    f = table[0, :, 0].double()[:, None, None]  # [S, 1, 1, P, 2, 2]
+    lo, hi = n[..., :pairs], n[..., pairs : 2 * pairs]
+    exact = torch.cat([f[..., 0, 0] * lo + f[..., 0, 1] * hi, f[..., 1, 0] * lo + f[..., 1, 1] * hi, n[..., 2 * pairs :]], -1)
     ref = qkv.clone()
     rq, rk, _ = (t.view(1, s, heads, d) for t in ref.split(heads * d, dim=-1))
-    ck.rms_rope_split_half_(rq, rk, table, qw, kw, epsilon=1e-6, rot_dim=2 * pairs)
+    ck.rms_rope_split_half_(rq, rk, table, qw, kw, epsilon=eps, rot_dim=2 * pairs)
     q, k, _ = (t.view(s, heads, d) for t in qkv.split(heads * d, dim=-1))
     assert qk_norm_rope.available(q, k, table)
-    qk_norm_rope.rms_rope_split_half_(q, k, table, qw, kw, 1e-6)
+    qk_norm_rope.rms_rope_split_half_(q, k, table, qw, kw, eps)
     torch.cuda.synchronize()
-    differ = (qkv != ref).sum().item()
-    far = ((qkv.float() - ref.float()).abs() > ref.float().abs() * 2**-7 + 1e-6).sum().item()
-    print(f"q/k norm + rope, {s} rows: {differ} of {2 * s * heads * d} values differ from comfy-kitchen's, {far} by more than one bf16 ulp")
     assert torch.equal(qkv[:, 2 * heads * d :], ref[:, 2 * heads * d :]), "v changed"
-    assert far == 0 and differ <= 1e-3 * 2 * s * heads * d
+    ours, theirs = qkv[:, : 2 * heads * d].view(exact.shape), ref[:, : 2 * heads * d].view(exact.shape)
+    differ, total = (ours != theirs).sum().item(), ours.numel()
+    ours_db, theirs_db = sqnr(ours, exact), sqnr(theirs, exact)
+    print(
+        f"q/k norm + rope, {s} rows: vs float64 Triton {ours_db:.2f} dB, comfy-kitchen {theirs_db:.2f} dB; {differ} of {total} "
+        f"values differ, largest by {(ours.float() - theirs.float()).abs().max().item():.4f}"
+    )
+    assert ours_db >= theirs_db - 0.05 and differ <= 1e-3 * total
