@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start, stop or inspect one ComfyUI per GPU, joined into one tensor-parallel world by minimax-h3-tp2.
 #
-#   scripts/start-tp2.sh --comfyui DIR [--tp-size N] [--gpus 0,1 | --cpu] [--base-port 18188] [--run-dir DIR]
+#   scripts/start-tp2.sh --comfyui DIR [--tp-size N] [--gpus 0,1 | --cpu] [--fast] [--base-port 18188] [--run-dir DIR]
 #                        [--base-dir DIR] [--listen ADDR --allow-remote] [-- extra ComfyUI args]
 #   scripts/start-tp2.sh stop   --run-dir DIR
 #   scripts/start-tp2.sh status --run-dir DIR
@@ -11,8 +11,15 @@
 # pids RUN_DIR/pids, the per-run secret RUN_DIR/secret (rank 0 forwards every prompt queued on it to the followers,
 # authenticated with it). Followers start first; the command returns once every rank answers its HTTP API.
 # --base-dir passes ComfyUI's --base-directory (models and custom_nodes from there; the demo uses it).
-# ComfyUI runs under $PYTHON if set, else the pack's .venv (scripts/install.sh), else python3.
+# --fast starts with the fastest measured settings (bf16 reduce, sequence parallelism, fused Triton kernels; about
+# 1.9x one GPU at 832x480 on 2x H200, docs/PERFORMANCE.md) instead of the exact defaults; a variable set in the
+# environment still wins. ComfyUI runs under $PYTHON if set, else the pack's .venv (scripts/install.sh), else python3.
 set -euo pipefail
+
+for a in "$@"; do  # --fast changes the defaults below, so it is read first
+  [[ "$a" == -- ]] && break
+  [[ "$a" == --fast ]] && : "${TP2_REDUCE_DTYPE:=bf16}" "${TP2_SEQUENCE_PARALLEL:=1}" "${TP2_SP_FUSED_NORM:=1}"
+done
 
 # ---- defaults: the one place they live (each can be overridden by the same env var) ----
 : "${TP2_INT8_KERNEL:=auto}"         # int8 GEMM of row-parallel layers: auto | cuda | triton | eager
@@ -41,13 +48,14 @@ while [[ $# -gt 0 ]]; do
     --tp-size) TP_SIZE="$2"; shift 2 ;;
     --gpus) GPUS="$2"; shift 2 ;;
     --cpu) CPU=1; shift ;;
+    --fast) shift ;;  # read above
     --base-port) BASE_PORT="$2"; shift 2 ;;
     --run-dir) RUN_DIR="$2"; shift 2 ;;
     --base-dir) BASE_DIR="$2"; shift 2 ;;
     --listen) LISTEN="$2"; shift 2 ;;
     --allow-remote) ALLOW_REMOTE=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
 done
@@ -110,6 +118,7 @@ esac
 # ---- start ----
 [[ -n "$COMFYUI" && -f "$COMFYUI/main.py" ]] || die "no ComfyUI at '${COMFYUI:-}' (give --comfyui DIR; scripts/install.sh can clone one)"
 COMFYUI="$(cd "$COMFYUI" && pwd)"
+echo "minimax-h3-tp2 settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_SP_PIECES=$TP2_SP_PIECES TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S"
 [[ "$TP_SIZE" =~ ^[1-9][0-9]*$ ]] || die "--tp-size must be a positive integer, got '$TP_SIZE'"
 if [[ -f "$PIDS" ]]; then
   while read -r rank pid port; do alive "$pid" && die "ranks of $RUN_DIR are already running (rank $rank pid $pid); run: $0 stop --run-dir $RUN_DIR"; done < "$PIDS"
@@ -144,9 +153,7 @@ HOST="$LISTEN"; [[ "$HOST" == 0.0.0.0 ]] && HOST=127.0.0.1
 RANK_URLS="$(for (( r = 0; r < TP_SIZE; r++ )); do printf 'http://%s:%d,' "$HOST" $((BASE_PORT + r)); done)"
 RANK_URLS="${RANK_URLS%,}"
 
-echo "minimax-h3-tp2: starting $TP_SIZE ranks of $COMFYUI under $PY"
-echo "  settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_SP_PIECES=$TP2_SP_PIECES TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE"
-echo "            TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S MASTER_PORT=$MASTER_PORT"
+echo "minimax-h3-tp2: starting $TP_SIZE ranks of $COMFYUI under $PY (MASTER_PORT=$MASTER_PORT)"
 : > "$PIDS"
 for (( r = TP_SIZE - 1; r >= 0; r-- )); do
   d="$RUN_DIR/rank$r"; mkdir -p "$d/output" "$d/temp" "$d/user"
