@@ -1,0 +1,82 @@
+"""nodes/h3_attention.py against ComfyUI's own H3 Attention.forward on one GPU (needs a ComfyUI checkout with H3 at
+$COMFYUI_DIR, default ~/ComfyUI; on the device machine, the staged one).
+
+Without the fused kernel the two must be bit-identical for both attention backends the pack selects: with
+comfy-kitchen's INT8 backend ours skips ComfyUI's copy of v (the quantiser reads the same values through the
+view), with SDPA it keeps it. With the fused q/k norm + rope kernel the attention input moves by last-place
+flips, which the INT8 attention's own quantisation passes on: gated at 35 dB (int8 attention alone is ~30-40 dB
+from exact). A layer of H3's shapes per TP2 rank (28 heads of 128), random bf16 weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR", os.path.expanduser("~/ComfyUI"))
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        not os.path.isfile(os.path.join(COMFYUI_DIR, "comfy", "ldm", "minimax", "model.py")), reason="needs ComfyUI with H3"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def comfy_and_ours():
+    sys.path.insert(0, COMFYUI_DIR)
+    import comfy.ldm.minimax.model as h3
+    import comfy.ldm.modules.attention as attention
+    import comfy.ops
+
+    pack = types.ModuleType("tp2pack")  # the pack as a package, without its ComfyUI entry point
+    pack.__path__ = [ROOT]
+    sys.modules.setdefault("tp2pack", pack)
+    return h3, attention, comfy.ops, importlib.import_module("tp2pack.nodes.h3_attention")
+
+
+def _backend(attention, name: str):
+    """transformer_options as the pack's lockstep sets them for TP2_ATTN_BACKEND=ck / sdpa."""
+    if name == "sdpa":
+
+        def chosen(func, *args, **kwargs):
+            return attention.attention_pytorch(*args, **kwargs)
+    else:
+
+        def chosen(func, *args, **kwargs):
+            return attention.attention_comfy_kitchen_int8(*args, **kwargs)
+
+        chosen.container_function = attention.attention_comfy_kitchen_int8.container_function
+    return {"optimized_attention_override": chosen}
+
+
+@pytest.mark.parametrize("backend,fused", [("ck", False), ("sdpa", False), ("ck", True)])
+@torch.inference_mode()
+def test_attention_forward_matches_comfyui(comfy_and_ours, backend, fused):
+    h3, attention, ops, ours = comfy_and_ours
+    g = torch.Generator().manual_seed(3)
+    heads, head_dim, hidden, s = 28, 128, 1024, 7440
+    attn = h3.Attention(hidden, heads, head_dim, 1e-6, dtype=torch.bfloat16, device="cuda", operations=ops.disable_weight_init)
+    attn.requires_grad_(False)
+    for p in attn.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * (0.03 if p.dim() == 2 else 0.2) + (1.0 if p.dim() == 1 else 0.0))
+    x = torch.randn((s, hidden), generator=g).to(torch.bfloat16).cuda()
+    rope = h3.rope_rotation_table(torch.rand((s, 96), generator=g).cuda() * 50, torch.bfloat16)
+    options = _backend(attention, backend)
+    assert ours._quantises_views(h3, options) == (backend == "ck")
+    want = attn(x, rope_freqs=rope, transformer_options=options)
+    got = ours.attention_forward(h3, attn, x, rope_freqs=rope, transformer_options=options, fused=fused)
+    if not fused:
+        assert torch.equal(got, want), f"{backend}: differs from ComfyUI's attention"
+        return
+    err = (got.double() - want.double()).pow(2).sum()
+    sqnr = float(10 * torch.log10(want.double().pow(2).sum() / err.clamp_min(1e-300)))
+    print(f"attention with the fused q/k norm + rope vs ComfyUI's: {sqnr:.1f} dB")
+    assert sqnr >= 35.0
