@@ -1,9 +1,10 @@
 """nodes/h3_attention.py against ComfyUI's own H3 Attention.forward on one GPU (needs a ComfyUI checkout with H3 at
 $COMFYUI_DIR, default ~/ComfyUI; on the device machine, the staged one).
 
-Without the fused kernel the two must be bit-identical for both attention backends the pack selects: with
-comfy-kitchen's INT8 backend ours skips ComfyUI's copy of v (the quantiser reads the same values through the
-view), with SDPA it keeps it. With the fused q/k norm + rope kernel the attention input moves by last-place
+Without the fused kernel the two must be bit-identical for both attention backends the pack selects (or, where
+the backend itself gives different bits on a second call, no further apart than those): with comfy-kitchen's
+INT8 backend ours skips ComfyUI's copy of v (the quantiser reads the same values through the view), with SDPA
+it keeps it. With the fused q/k norm + rope kernel the attention input moves by last-place
 flips, which the INT8 attention's own quantisation passes on: gated at 35 dB (int8 attention alone is ~30-40 dB
 from exact). A layer of H3's shapes per TP2 rank (28 heads of 128), random bf16 weights.
 """
@@ -71,12 +72,19 @@ def test_attention_forward_matches_comfyui(comfy_and_ours, backend, fused):
     rope = h3.rope_rotation_table(torch.rand((s, 96), generator=g).cuda() * 50, torch.bfloat16)
     options = _backend(attention, backend)
     assert ours._quantises_views(h3, options) == (backend == "ck")
-    want = attn(x, rope_freqs=rope, transformer_options=options)
+    want, again = (attn(x, rope_freqs=rope, transformer_options=options) for _ in range(2))
     got = ours.attention_forward(h3, attn, x, rope_freqs=rope, transformer_options=options, fused=fused)
-    if not fused:
+    repeatable = torch.equal(want, again)
+    print(f"{backend}, fused {fused}: ComfyUI's attention run twice: {'equal' if repeatable else f'{sqnr_db(again, want):.1f} dB apart'}; "
+          f"ours vs ComfyUI's {'equal' if torch.equal(got, want) else f'{sqnr_db(got, want):.1f} dB'}")  # fmt: skip
+    if fused:
+        assert sqnr_db(got, want) >= 35.0
+    elif repeatable:
         assert torch.equal(got, want), f"{backend}: differs from ComfyUI's attention"
-        return
-    err = (got.double() - want.double()).pow(2).sum()
-    sqnr = float(10 * torch.log10(want.double().pow(2).sum() / err.clamp_min(1e-300)))
-    print(f"attention with the fused q/k norm + rope vs ComfyUI's: {sqnr:.1f} dB")
-    assert sqnr >= 35.0
+    else:  # the backend itself varies between calls: ours must vary no more than it does
+        assert sqnr_db(got, want) >= sqnr_db(again, want) - 1.0
+
+
+def sqnr_db(a: torch.Tensor, ref: torch.Tensor) -> float:
+    err = (a.double() - ref.double()).pow(2).sum()
+    return float(10 * torch.log10(ref.double().pow(2).sum() / err.clamp_min(1e-300)))
