@@ -11,7 +11,7 @@ Here one kernel per segment reads x (and y) once and writes h (and x). It rounds
 the gated add, the norm, the scale and the shift, as ComfyUI's separate ops do; PyTorch's own norm kernel may
 round once more inside, so the bits differ in the last place here and there, and the fused result is at least
 as close to exact math (tests/gpu measure both against float64). Vectors (w, gate, 1 + scale, shift) are [D] in the activation dtype, made by the caller as ComfyUI makes
-them. CUDA with Triton only: `available(device)` says whether it can run; callers keep ComfyUI's ops otherwise.
+them. CUDA with Triton only: `available(device, dtype)` says whether it runs here; callers keep ComfyUI's ops otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from . import triton_probe
+
 try:
     import triton
     import triton.language as tl
@@ -27,9 +29,18 @@ except ImportError:  # CPU-only installs, Windows without triton: callers use Co
     triton = None
 
 
-def available(device: torch.device) -> bool:
-    """CUDA with Triton, or Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors, which the CPU tests use."""
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """CUDA with Triton where both variants really run for `dtype` (probed once), or Triton's interpreter
+    (TRITON_INTERPRET=1) on CPU tensors, which the CPU tests use."""
+    if triton is None or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    return triton_probe.runs("norm_modulate", device, dtype, _probe)
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> None:
+    x, y, v = (torch.ones((2, 64), device=device, dtype=dtype) for _ in range(3))
+    norm_modulate(x, v[0], 1e-6, v[0], v[0], y)
+    gate_norm_modulate(x, v, v[0], v[0], 1e-6, v[0], v[0], y)
 
 
 if triton is not None:

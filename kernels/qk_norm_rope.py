@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from . import triton_probe
+
 try:
     import triton
     import triton.language as tl
@@ -32,8 +34,8 @@ TOKENS_PER_PROGRAM = 16
 
 
 def available(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> bool:
-    """Whether this kernel can take the call: CUDA (or Triton's interpreter on CPU), floating q/k views
-    [S, H, D] with contiguous heads, and a [1, S, 1, P, 2, 2] table with 2P <= D."""
+    """Whether this kernel can take the call: CUDA where it really runs for this dtype (probed once; Triton's
+    interpreter on CPU), floating q/k views [S, H, D] with contiguous heads, a [1, S, 1, P, 2, 2] table, 2P <= D."""
     if triton is None or not (q.device.type == "cuda" or _interpreted()):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype or q.shape != k.shape or q.dim() != 3:
@@ -41,7 +43,15 @@ def available(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> bool:
     if q.stride(-1) != 1 or k.stride(-1) != 1 or q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2]:
         return False
     s, _, d = q.shape
-    return table.dim() == 6 and tuple(table.shape[:3]) == (1, s, 1) and tuple(table.shape[4:]) == (2, 2) and 2 * table.shape[3] <= d
+    if not (table.dim() == 6 and tuple(table.shape[:3]) == (1, s, 1) and tuple(table.shape[4:]) == (2, 2) and 2 * table.shape[3] <= d):
+        return False
+    return triton_probe.runs("qk_norm_rope", q.device, q.dtype, _probe)
+
+
+def _probe(device: torch.device, dtype: torch.dtype) -> None:
+    x = torch.ones((2, 1, 128), device=device, dtype=dtype)
+    table = torch.ones((1, 2, 1, 48, 2, 2), device=device, dtype=dtype)
+    rms_rope_split_half_(x, x.clone(), table, x[0, 0], x[0, 0], 1e-6)
 
 
 def _interpreted() -> bool:

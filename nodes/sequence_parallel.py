@@ -74,7 +74,7 @@ def fused_norm_from_env() -> bool:
 def _fused_norm_ok(block, x: torch.Tensor, segments) -> bool:
     """Whether this block's norms can run fused here: CUDA with Triton, plain norm weights (no weight function, e.g.
     a LoRA patch applied on the fly), and segments that tile this rank's rows from the first one on."""
-    if not (STATE.sp_fused_norm and norm_modulate.available(x.device)):
+    if not (STATE.sp_fused_norm and norm_modulate.available(x.device, x.dtype)):
         return False
     if any(n.weight is None or n.weight_function or n.bias_function for n in (block.norm1, block.norm2)):
         return False

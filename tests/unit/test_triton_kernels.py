@@ -91,7 +91,7 @@ def check_norm_modulate(gated: str) -> None:
     expected_x = x + gate * y if gated else x.clone()
     expected_h = torch.nn.functional.rms_norm(expected_x, (d,), w, 1e-6) * (1 + scale) + shift
     h = torch.empty_like(x)
-    assert kernel.available(x.device)
+    assert kernel.available(x.device, x.dtype)
     if gated:
         kernel.gate_norm_modulate(x, y, gate, w, 1e-6, 1 + scale, shift, h)
     else:
@@ -111,6 +111,26 @@ def test_qk_norm_rope_in_place_in_a_qkv_buffer(dtype, shape):
 @pytest.mark.parametrize("gated", [False, True])
 def test_norm_modulate_matches_comfy_ops_in_fp32(gated):
     in_interpreter("check_norm_modulate", gated)
+
+
+def test_a_kernel_that_does_not_run_is_reported_once_and_not_used(caplog):
+    """kernels.triton_probe: a failing probe (a GPU or dtype Triton cannot compile for) answers False, says why
+    once, and is not retried; a working one answers True."""
+    sys.path.insert(0, ROOT)
+    from kernels import triton_probe
+
+    calls = []
+
+    def broken(device, dtype):
+        calls.append(dtype)
+        raise RuntimeError("no bf16 on this GPU\nmore detail")
+
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING"):
+        assert not triton_probe.runs("test_broken", cpu, torch.bfloat16, broken)
+        assert not triton_probe.runs("test_broken", cpu, torch.bfloat16, broken)
+    assert calls == [torch.bfloat16] and "test_broken does not run on cpu in torch.bfloat16 (no bf16 on this GPU)" in caplog.text
+    assert triton_probe.runs("test_working", cpu, torch.float16, lambda device, dtype: None)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""Whether a Triton kernel really runs on a device and dtype: one real call on tiny inputs, once per process.
+
+Triton is installed with PyTorch, but whether a kernel compiles and runs depends on the GPU (an RTX 2080 Ti is
+compute capability 7.5, with no native bf16) and on the Triton build. A kernel module's `available(...)` asks
+here; a failed probe is logged once with the reason and its callers keep the ops they would use without Triton,
+so an optional fast path can never stop a run. The probe synchronises the device once, at the first use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+_results: dict[tuple[str, str, torch.dtype], bool] = {}
+
+
+def runs(name: str, device: torch.device, dtype: torch.dtype, call: Callable[[torch.device, torch.dtype], None]) -> bool:
+    """True once `call(device, dtype)` has run without an error on this device and dtype (cached)."""
+    key = (name, str(device), dtype)
+    if key not in _results:
+        try:
+            call(device, dtype)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            _results[key] = True
+        except Exception as e:  # noqa: BLE001 - any failure means "not on this device": the caller's fallback runs
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            log.warning(
+                "minimax-h3-tp2: the Triton kernel %s does not run on %s in %s (%s); using the unfused ops", name, device, dtype, reason
+            )
+            _results[key] = False
+    return _results[key]
