@@ -16,8 +16,6 @@ them. CUDA with Triton only: `available(device, dtype)` says whether it runs her
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import triton_probe
@@ -30,11 +28,8 @@ except ImportError:  # CPU-only installs, Windows without triton: callers use Co
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """CUDA with Triton where both variants really run for `dtype` (probed once), or Triton's interpreter
-    (TRITON_INTERPRET=1) on CPU tensors, which the CPU tests use."""
-    if triton is None or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    return triton_probe.runs("norm_modulate", device, dtype, _probe)
+    """CUDA with Triton where both variants really run for `dtype` (probed once; see kernels/triton_probe.py)."""
+    return triton is not None and triton_probe.runs("norm_modulate", device, dtype, _probe)
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> None:

@@ -18,8 +18,6 @@ q and k are [S, H, D] views with contiguous heads (the qkv buffer's column slice
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import triton_probe
@@ -36,7 +34,7 @@ TOKENS_PER_PROGRAM = 16
 def available(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> bool:
     """Whether this kernel can take the call: CUDA where it really runs for this dtype (probed once; Triton's
     interpreter on CPU), floating q/k views [S, H, D] with contiguous heads, a [1, S, 1, P, 2, 2] table, 2P <= D."""
-    if triton is None or not (q.device.type == "cuda" or _interpreted()):
+    if triton is None:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype or q.shape != k.shape or q.dim() != 3:
         return False
@@ -52,11 +50,6 @@ def _probe(device: torch.device, dtype: torch.dtype) -> None:
     x = torch.ones((2, 1, 128), device=device, dtype=dtype)
     table = torch.ones((1, 2, 1, 48, 2, 2), device=device, dtype=dtype)
     rms_rope_split_half_(x, x.clone(), table, x[0, 0], x[0, 0], 1e-6)
-
-
-def _interpreted() -> bool:
-    """Triton's interpreter (TRITON_INTERPRET=1) runs the kernel on CPU tensors: the CPU tests use it."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -108,10 +101,9 @@ def rms_rope_split_half_(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, 
     pairs = table.shape[3]
     if s == 0:
         return
-    ft, fp = table.stride(1), table.stride(3)
-    if table.stride(4) != 2 or table.stride(5) != 1:
+    if table.stride(4) != 2 or table.stride(5) != 1:  # the kernel reads each 2x2 rotation as 4 adjacent values
         table = table.contiguous()
-        ft, fp = table.stride(1), table.stride(3)
+    ft, fp = table.stride(1), table.stride(3)
     qw, kw = qw.to(device=q.device).contiguous(), kw.to(device=q.device).contiguous()
     tail = d - 2 * pairs
     _kernel[(triton.cdiv(s, TOKENS_PER_PROGRAM),)](

@@ -9,6 +9,7 @@ so an optional fast path can never stop a run. The probe synchronises the device
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -18,7 +19,10 @@ _results: dict[tuple[str, str, torch.dtype], bool] = {}
 
 
 def runs(name: str, device: torch.device, dtype: torch.dtype, call: Callable[[torch.device, torch.dtype], None]) -> bool:
-    """True once `call(device, dtype)` has run without an error on this device and dtype (cached)."""
+    """True once `call(device, dtype)` has run without an error on this device and dtype (cached). Only CUDA
+    devices qualify, or CPU under Triton's interpreter (TRITON_INTERPRET=1), which the CPU tests use."""
+    if not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
     key = (name, str(device), dtype)
     if key not in _results:
         try:

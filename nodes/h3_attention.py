@@ -5,8 +5,8 @@
    reads q, k and v as strided views of that buffer and frees all three together. The clone costs a full pass
    over v (~0.13 ms per block on a TP2 rank at 832x480) and changes no bit; other backends keep it.
 2. With `fused` (TP2_SP_FUSED_NORM=1), the per-head q/k RMSNorm + rope runs as kernels/qk_norm_rope.py's Triton
-   kernel instead of comfy-kitchen's: same roundings, ~4x the bandwidth; comfy-kitchen's runs wherever that one
-   cannot (CPU, other dtypes or layouts).
+   kernel instead of comfy-kitchen's: same roundings, 3x the bandwidth on an H200 (docs/PERFORMANCE.md);
+   comfy-kitchen's runs wherever that one cannot (CPU, other dtypes or layouts, a GPU Triton does not run on).
 """
 
 from __future__ import annotations

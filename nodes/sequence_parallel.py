@@ -13,7 +13,8 @@ divided by tp_size. Options, all off-switchable and agreed between the ranks at 
 - TP2_SP_INT8_GATHER (default on): where the gathered rows feed an int8 linear (qkv_proj, fc1), each rank
   quantises its own rows and the all-gather moves int8 rows plus row scales: half the bytes, and the
   quantisation split too. Row-wise quantisation is row-independent, so the GEMM gets the very bits it would have
-  made from gathered bf16 rows (kernels/int8_split.py); the ranks agree on it every forward, else all gather bf16.
+  made from gathered bf16 rows (kernels/int8_split.py); the ranks vote on it once per sampling run, else all
+  gather bf16.
 - TP2_SP_PIECES=N (default 1): the sequence is dealt out in N pieces (tp2/sequence_layout.py), and out_proj and
   the MLP run piece by piece, each piece's reduce-scatter (and the MLP's all-gathers) in flight while the next
   piece computes.
@@ -193,8 +194,9 @@ def _take_pending(x: torch.Tensor, first: bool) -> _PendingResidual | None:
         return None
     if pending.x is not x:
         raise PlanError(
-            f"{STATE.tag} a sequence-parallel block got another stream than the previous block returned (a block patch "
-            "between blocks?). Unset TP2_SP_FUSED_NORM on every rank."
+            f"{STATE.tag} a sequence-parallel block got another stream ({tuple(x.shape)}) than the previous block returned "
+            f"({tuple(pending.x.shape)}, its MLP residual still to add): something ran between the blocks (a block patch?). "
+            "Unset TP2_SP_FUSED_NORM on every rank."
         )
     return pending
 
