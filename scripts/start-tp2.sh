@@ -55,7 +55,7 @@ while [[ $# -gt 0 ]]; do
     --listen) LISTEN="$2"; shift 2 ;;
     --allow-remote) ALLOW_REMOTE=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
 done
