@@ -11,4 +11,6 @@ except ImportError:
 else:
     from .nodes.entry import comfy_entrypoint
 
-__all__ = ["comfy_entrypoint"]
+WEB_DIRECTORY = "./web"  # the rank banner (web/tp2_rank_banner.js): a follower's UI links rank 0
+
+__all__ = ["WEB_DIRECTORY", "comfy_entrypoint"]

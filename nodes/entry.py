@@ -28,7 +28,7 @@ def activate() -> None:
         return
     import comfy.model_management
 
-    from .front_door import install_front_door
+    from .front_door import install_front_door, read_secret
     from .interrupts import install_interrupt_deferral
     from .loader import install_loader_hook
     from .lockstep import track_prompts
@@ -47,15 +47,16 @@ def activate() -> None:
     STATE.sp_pieces = pieces_from_env()
     STATE.sp_int8_gather = int8_gather_from_env()
     STATE.sp_fused_norm = fused_norm_from_env()
-    STATE.session = TPSession(env, device)
+    STATE.boot_id = uuid.uuid4().hex
+    secret = read_secret()
+    STATE.session = TPSession(env, device, boot_id=STATE.boot_id, secret=secret)
     install_loader_hook()
     install_lora_hooks()
     install_linear_input_act_patch()
     track_prompts()
     install_interrupt_deferral()
-    install_front_door()
+    install_front_door(secret)
     install_parallel_vae_decode()
-    STATE.boot_id = uuid.uuid4().hex
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     log.info(
         "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, reduce %s, sequence parallel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
@@ -75,6 +76,7 @@ def _register_boot() -> None:
         try:
             STATE.session.register_boot(STATE.boot_id, timeout_s=10)
             STATE.boot_registered.set()
+            STATE.session.start_watching()
             return
         except Exception as e:  # noqa: BLE001 - rank 0 not up yet: retry
             last = e
@@ -84,6 +86,7 @@ def _register_boot() -> None:
         STATE.tag,
         last,
     )
+    STATE.session.start_watching()  # it keeps trying the store
 
 
 class TP2Extension(ComfyExtension):

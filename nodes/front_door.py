@@ -1,13 +1,17 @@
-"""Rank 0 is the front door: a prompt queued there (web UI, /prompt, tp2-submit with one port) runs on every rank.
+"""Rank 0 is the front door and holds the only queue: a prompt reaches the followers when rank 0 starts it.
 
-On by TP2_SECRET_FILE (the launcher writes a per-run secret there); without it every rank accepts prompts as
-before and nothing is forwarded.
+On by TP2_SECRET_FILE (the launcher writes a per-run secret there); without it every rank keeps its own queue
+and accepts prompts as before (submit the same prompt id to every rank).
 
-    rank 0     POST /prompt accepted -> the same body and prompt id go to every follower (X-TP2-Secret); a
-               follower that cannot take it cancels rank 0's copy at once, with the rank named; POST /queue
-               (clear, delete) and /interrupt are repeated on every follower; GET /tp2/ranks lists the ranks
-    followers  POST /prompt without the secret is refused (use rank 0); a prompt id seen before is answered
-               again without queueing it twice (the dual-submit client and the forward may both deliver it)
+    rank 0     POST /prompt queues here only (a prompt id seen before is refused). When the prompt worker starts
+               a prompt, `dispatch` sends it to every follower with rank 0's sequence number, a run id unique to
+               this execution and whether every rank clears its node cache first; a follower that cannot take it
+               fails the prompt at once, with the rank named. Cancel, delete and clear act on rank 0's queue alone
+               (the followers hold nothing pending); a running prompt that stops tells the followers itself (see
+               lockstep). POST /free (unload_models) and /history are repeated on every follower; free_memory
+               becomes a node-cache clear on every rank before the next prompt. GET /tp2/ranks lists the ranks.
+    followers  every state-changing route (prompt, queue, interrupt, jobs cancel, free, history) refuses without
+               the secret; prompts only from rank 0's dispatcher, strictly in its order
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import hmac
 import json
 import logging
 import os
-from collections import OrderedDict
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
@@ -28,16 +31,27 @@ log = logging.getLogger("minimax_h3_tp2")
 HEADER = "X-TP2-Secret"
 ENV_SECRET_FILE = "TP2_SECRET_FILE"
 ENV_RANK_URLS = "TP2_RANK_URLS"
+SENSITIVE = ("auth_token_comfy_org", "api_key_comfy_org")  # ComfyUI's SENSITIVE_EXTRA_DATA_KEYS: never forwarded
 PROMPT_PATHS = ("/prompt", "/api/prompt")
-CONTROL_PATHS = ("/interrupt", "/api/interrupt", "/queue", "/api/queue")
-FORWARD_TIMEOUT = ClientTimeout(total=20, sock_connect=3)
+FOLLOWER_GUARDED = PROMPT_PATHS + ("/queue", "/api/queue", "/interrupt", "/api/interrupt", "/free", "/api/free", "/history", "/api/history")
+REPEATED = ("/free", "/api/free", "/history", "/api/history")  # rank 0 repeats these on every follower
+FORWARD_TIMEOUT = ClientTimeout(total=60, sock_connect=3)
+
+
+def _guarded_on_follower(request: web.Request) -> bool:
+    if request.method != "POST":
+        return False
+    path = request.path
+    return path in FOLLOWER_GUARDED or (path.startswith(("/api/jobs/", "/jobs/")) and path.endswith("/cancel"))
 
 
 class FrontDoor:
     def __init__(self, secret: str, rank_urls: list[str]):
         self.secret, self.rank_urls = secret, rank_urls
-        self.seen: OrderedDict[str, dict] = OrderedDict()  # follower: prompt id -> the answer it got
-        self.failed: dict[str, str] = {}  # rank 0: prompt id -> why a follower could not take it
+        self.seq = 0  # rank 0: prompts dispatched by this process
+        self.orders: dict[str, dict] = {}  # follower: prompt id -> rank 0's order for it (run, seq, boot, reset)
+        self.last_order: tuple[str, int] | None = None  # follower: (rank 0 boot id, seq) of the last order taken
+        self.rank0_boot_ran: str | None = None  # follower: rank 0's boot id at the last prompt this rank ran
 
     def authorised(self, request: web.Request) -> bool:
         return hmac.compare_digest(request.headers.get(HEADER, ""), self.secret)
@@ -54,94 +68,129 @@ class FrontDoor:
                 async with ClientSession(timeout=FORWARD_TIMEOUT) as s, s.post(url + path, json=body, headers={HEADER: self.secret}) as r:
                     if r.status == 200:
                         return None
-                    return f"rank {rank} ({url}) refused it ({r.status}): {(await r.text())[:300]}"
-            except (ClientError, asyncio.TimeoutError, OSError) as e:
+                    return f"rank {rank} ({url}) refused it ({r.status}): {_error_text(await r.text())}"
+            except asyncio.TimeoutError:
+                return (f"rank {rank} ({url}) did not answer within {FORWARD_TIMEOUT.total:.0f} s: it is frozen or overloaded "
+                        f"(scripts/start-tp2.sh status; restart it with scripts/start-tp2.sh restart --rank {rank})")  # fmt: skip
+            except (ClientError, OSError) as e:
                 return f"rank {rank} ({url}) is not reachable ({type(e).__name__}: {e}); start it again (scripts/start-tp2.sh status)"
 
         return [p for p in await asyncio.gather(*(one(r, u) for r, u in self.followers)) if p]
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler):
-        if request.method != "POST" or request.path not in PROMPT_PATHS + CONTROL_PATHS:
-            return await handler(request)
-        if STATE.env.tp_rank != 0:
-            return await self._follower(request, handler)
-        response = await handler(request)
-        if request.path in CONTROL_PATHS:
-            problems = await self.forward(request.path, await _json(request))
-            for p in problems:
-                log.warning("%s could not repeat %s on a follower: %s", STATE.tag, request.path, p)
-            return response
-        if response.status != 200 or self.authorised(request):  # refused here, or a dual-submit copy (sent to all)
-            return response
-        prompt_id = json.loads(response.body)["prompt_id"]
-        problems = await self.forward(request.path, dict(await _json(request), prompt_id=prompt_id))
-        if not problems:
-            return response
-        why = "; ".join(problems)
-        self.failed[prompt_id] = why
-        _cancel_local(prompt_id)
-        log.warning("%s prompt %s cancelled: %s", STATE.tag, prompt_id, why)
-        error = {
-            "type": "tp2_follower_unavailable",
-            "message": f"Tensor-parallel ranks unavailable: {why}",
-            "details": why,
-            "extra_info": {},
-        }
-        return web.json_response({"error": error, "node_errors": {}}, status=503)
+    # -- rank 0 ----------------------------------------------------------------------------------------
+    async def dispatch(self, prompt: dict, prompt_id: str, extra_data: dict, outputs: list, reset: bool) -> tuple[str, str | None]:
+        """Send the prompt rank 0 is starting to every follower: (the run id, why a follower could not take it)."""
+        self.seq += 1
+        run = f"{prompt_id}.{STATE.boot_id[:8]}.{self.seq}"
+        order = {"run": run, "seq": self.seq, "boot": STATE.boot_id, "reset": reset}
+        extra = {k: v for k, v in extra_data.items() if k not in SENSITIVE}
+        body = {"prompt": prompt, "prompt_id": prompt_id, "extra_data": extra, "number": self.seq, "tp2": order,
+                "partial_execution_targets": list(outputs)}  # fmt: skip
+        problems = await self.forward("/prompt", body)
+        return run, "; ".join(problems) or None
 
-    async def _follower(self, request: web.Request, handler):
-        if request.path in CONTROL_PATHS:
+    def _known_prompt_id(self, prompt_id) -> bool:
+        from server import PromptServer
+
+        queue = PromptServer.instance.prompt_queue
+        running, pending = queue.get_current_queue_volatile()
+        return prompt_id in queue.history or any(item[1] == prompt_id for item in [*running, *pending])
+
+    async def _rank0(self, request: web.Request, handler):
+        if request.path in PROMPT_PATHS:
+            prompt_id = (await _json(request)).get("prompt_id")
+            if prompt_id is not None and self._known_prompt_id(prompt_id):
+                why = f"prompt id {prompt_id} was queued or run before on this server: a prompt id is used once. Omit it to get a new one."
+                return _refusal("tp2_prompt_id_reused", why, 409)
             return await handler(request)
+        body = await _json(request)
+        if request.path in ("/free", "/api/free"):
+            if body.get("free_memory"):  # every rank clears its node cache before the next prompt, in step
+                STATE.session.cache_epoch(bump=True)
+            body = {"unload_models": bool(body.get("unload_models"))}
+        problems = await self.forward(request.path, body)
+        for p in problems:
+            log.warning("%s could not repeat %s on a follower: %s", STATE.tag, request.path, p)
+        return await handler(request)
+
+    # -- followers -------------------------------------------------------------------------------------
+    async def _follower(self, request: web.Request, handler):
         if not self.authorised(request):
             front = self.rank_urls[0] if self.rank_urls else "rank 0"
-            message = (f"This ComfyUI is tensor-parallel rank {STATE.env.tp_rank} of {STATE.env.tp_size}, a follower: queue prompts on "
-                       f"rank 0 ({front}); it runs them on every rank.")  # fmt: skip
-            return web.json_response(
-                {"error": {"type": "tp2_follower", "message": message, "details": message, "extra_info": {}}, "node_errors": {}}, status=403
-            )
+            why = (f"This ComfyUI is tensor-parallel rank {STATE.env.tp_rank} of {STATE.env.tp_size}, a follower: use rank 0 "
+                   f"({front}); it queues prompts and runs them on every rank.")  # fmt: skip
+            return _refusal("tp2_follower", why, 403)
+        if request.path not in PROMPT_PATHS:
+            return await handler(request)
         # a restarted follower takes prompts only once its peers can see it restarted (its boot id is published)
         await asyncio.get_running_loop().run_in_executor(None, STATE.boot_registered.wait, 15.0)
-        prompt_id = (await _json(request)).get("prompt_id")
-        if prompt_id in self.seen:
-            return web.json_response(self.seen[prompt_id])
-        self.seen[prompt_id] = {"prompt_id": prompt_id, "number": -1, "node_errors": {}}  # claim it before awaiting
+        body = await _json(request)
+        order, prompt_id = body.get("tp2"), body.get("prompt_id")
+        if not isinstance(order, dict) or not prompt_id:
+            return _refusal("tp2_follower", "followers take prompts only from rank 0's dispatcher (scripts/tp2-submit uses rank 0)", 403)
+        if self.last_order is not None and self.last_order[0] == order["boot"] and order["seq"] <= self.last_order[1]:
+            why = f"order {order['seq']} arrived after order {self.last_order[1]} from the same rank 0: refused to keep the ranks in step"
+            return _refusal("tp2_out_of_order", why, 409)
+        self.orders[prompt_id] = order
         response = await handler(request)
         if response.status == 200:
-            self.seen[prompt_id] = json.loads(response.body)
-            while len(self.seen) > 1000:
-                self.seen.popitem(last=False)
+            self.last_order = (order["boot"], order["seq"])
         else:
-            del self.seen[prompt_id]
+            self.orders.pop(prompt_id, None)
         return response
 
+    def take_order(self, prompt_id: str) -> dict | None:
+        """Follower, at execution: rank 0's order for this prompt, with `reset` also set when rank 0 restarted
+        since this rank's last prompt (its node cache is empty)."""
+        order = self.orders.pop(prompt_id, None)
+        if order is None:
+            return None
+        restarted = self.rank0_boot_ran is not None and self.rank0_boot_ran != order["boot"]
+        self.rank0_boot_ran = order["boot"]
+        return dict(order, reset=order["reset"] or restarted)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        if STATE.env.tp_rank != 0:
+            return await self._follower(request, handler) if _guarded_on_follower(request) else await handler(request)
+        if request.method == "POST" and request.path in PROMPT_PATHS + REPEATED:
+            return await self._rank0(request, handler)
+        return await handler(request)
+
     async def ranks(self, request: web.Request):
-        return web.json_response({"tp_size": STATE.env.tp_size, "ranks": [{"rank": r, "url": u} for r, u in enumerate(self.rank_urls)]})
+        ranks = [{"rank": r, "url": u} for r, u in enumerate(self.rank_urls)]
+        return web.json_response({"tp_size": STATE.env.tp_size, "this_rank": STATE.env.tp_rank, "ranks": ranks})
+
+
+def _refusal(kind: str, why: str, status: int) -> web.Response:
+    return web.json_response({"error": {"type": kind, "message": why, "details": why, "extra_info": {}}, "node_errors": {}}, status=status)
+
+
+def _error_text(text: str) -> str:
+    try:
+        body = json.loads(text)
+        err = body.get("error", body)
+        msg = err.get("message", "") if isinstance(err, dict) else str(err)
+        return (msg + " " + json.dumps(body.get("node_errors") or {}))[:600].strip()
+    except (ValueError, AttributeError):
+        return text[:300]
 
 
 async def _json(request: web.Request) -> dict:
     try:
-        return await request.json()
+        body = await request.json()
+        return body if isinstance(body, dict) else {}
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}
-
-
-def _cancel_local(prompt_id: str) -> None:
-    """Drop rank 0's copy: from the queue if it waits there; a running copy stops at its sampler rendezvous."""
-    from server import PromptServer
-
-    PromptServer.instance.prompt_queue.delete_queue_item(lambda item: item[1] == prompt_id)
 
 
 FRONT_DOOR: FrontDoor | None = None
 
 
-def install_front_door() -> FrontDoor | None:
-    """Add the middleware and GET /tp2/ranks to ComfyUI's server (before it starts); None when no secret is set."""
-    global FRONT_DOOR
+def read_secret() -> str | None:
+    """The run's secret (TP2_SECRET_FILE), or None when the front door is off."""
     path = os.environ.get(ENV_SECRET_FILE)
     if not path:
-        log.warning("%s %s is not set: the front door is off (every rank accepts prompts; submit to all ranks)", STATE.tag, ENV_SECRET_FILE)
         return None
     with open(path) as f:
         secret = f.read().strip()
@@ -149,6 +198,15 @@ def install_front_door() -> FrontDoor | None:
         raise ValueError(
             f"{ENV_SECRET_FILE}={path} holds {len(secret)} characters; the launcher writes 64. Restart the ranks with scripts/start-tp2.sh."
         )
+    return secret
+
+
+def install_front_door(secret: str | None) -> FrontDoor | None:
+    """Add the middleware and GET /tp2/ranks to ComfyUI's server (before it starts); None when no secret is set."""
+    global FRONT_DOOR
+    if secret is None:
+        log.warning("%s %s is not set: the front door is off (every rank accepts prompts; submit to all ranks)", STATE.tag, ENV_SECRET_FILE)
+        return None
     urls = [u for u in os.environ.get(ENV_RANK_URLS, "").split(",") if u]
     if len(urls) != STATE.env.tp_size:
         raise ValueError(f"{ENV_RANK_URLS} lists {len(urls)} URLs for tp_size {STATE.env.tp_size}; the launcher sets one per rank.")
@@ -160,11 +218,6 @@ def install_front_door() -> FrontDoor | None:
     log.info(
         "%s front door on: %s",
         STATE.tag,
-        "forwarding prompts to the followers" if STATE.env.tp_rank == 0 else f"prompts only from rank 0 ({urls[0]})",
+        "the only queue; prompts go to the followers as they start" if STATE.env.tp_rank == 0 else f"prompts only from rank 0 ({urls[0]})",
     )
     return FRONT_DOOR
-
-
-def forward_failure(prompt_id: str | None) -> str | None:
-    """Why rank 0 cancelled this prompt (a follower could not take it), for the sampler rendezvous to stop at once."""
-    return FRONT_DOOR.failed.get(prompt_id) if FRONT_DOOR and prompt_id else None

@@ -1,7 +1,9 @@
-"""Lockstep between ranks: prompt rendezvous at every sampler, rank 0's inputs broadcast to every forward.
+"""Lockstep between ranks: one run per prompt, rendezvous at every sampler, rank 0's inputs broadcast to every forward.
 
-    track_prompts()        records the running prompt (id, graph fingerprint) and clears the node cache when
-                           a rank reported that ranks' caches may have diverged
+    track_prompts()        each prompt is a run every rank knows by one id: rank 0 dispatches it to the followers
+                           as it starts (front door on), with whether every rank clears its node cache first; a
+                           rank whose prompt fails for any reason tells every rank at once, with its reason
+                           (tp2/watch.py), and gives up its process group
     OUTER_SAMPLE wrapper   before any collective: ranks agree (over the store, bounded wait) on prompt, sampler
                            index, seed, sigmas, model and its weight patches (LoRA digests and strengths); a
                            process group is (re)made if needed
@@ -29,9 +31,11 @@ import torch
 from ..kernels.attention import select_attention
 from ..tp2 import __version__
 from ..tp2.collectives import broadcast_tree
-from ..tp2.errors import PeerLostError
+from ..tp2.errors import PeerLostError, PromptAbortedError
 from ..tp2.plan import Plan
-from .front_door import forward_failure
+from ..tp2.watch import describe_failure
+from . import front_door
+from .faults import inject_fault
 from .interrupts import SAMPLING
 from .lora import lora_patch_report
 from .parallel import role_guard
@@ -44,8 +48,13 @@ class _Prompt:
     """The prompt this ComfyUI is executing (the prompt worker runs one at a time)."""
 
     prompt_id: str | None = None
+    run: str | None = None  # the id every rank knows this execution by
     fingerprint: str = "none"
     samplers: int = 0
+    model_calls: int = 0
+    step: int | None = None  # sampling step of the last model evaluation, 1-based, of `steps`
+    steps: int | None = None
+    coordinated_stop: bool = False  # rank 0 told every rank to stop at this model evaluation
     cache_epoch_seen: int = 0
     boots_seen: list | None = None
 
@@ -85,17 +94,69 @@ def track_prompts() -> None:
 
     @functools.wraps(original)
     async def execute_async(self, prompt, prompt_id, extra_data={}, execute_outputs=[]):  # noqa: B006 - ComfyUI's signature
-        if _caches_may_differ():
-            log.info("%s a rank restarted or failed since the last prompt: clearing this rank's node cache", STATE.tag)
+        session, door = STATE.session, front_door.FRONT_DOOR
+        refused, boots = None, {}
+        if door is not None and STATE.env.tp_rank == 0:
+            reset = _caches_may_differ()
+            run, refused = await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, reset)
+        elif door is not None:
+            order = door.take_order(prompt_id) or {"run": prompt_id, "reset": _caches_may_differ()}
+            run, reset = order["run"], order["reset"]
+            boots = {0: order["boot"]} if "boot" in order else {}
+        else:  # no front door: every rank was given the prompt under one id
+            run, reset = prompt_id, _caches_may_differ()
+        if reset:
+            log.info("%s a rank restarted, failed or freed memory since the last prompt: clearing this rank's node cache", STATE.tag)
             self.reset()
-        CURRENT.prompt_id, CURRENT.fingerprint, CURRENT.samplers = prompt_id, prompt_fingerprint(prompt), 0
+        CURRENT.prompt_id, CURRENT.run, CURRENT.fingerprint = prompt_id, run, prompt_fingerprint(prompt)
+        CURRENT.samplers = CURRENT.model_calls = 0
+        CURRENT.step = CURRENT.steps = None
+        CURRENT.coordinated_stop = False
+        session.begin_run(run, boots)
         try:
-            return await original(self, prompt, prompt_id, extra_data, execute_outputs)
+            if refused:
+                why = f"Tensor-parallel ranks unavailable: {refused}"
+                log.warning("%s prompt %s not started: %s", STATE.tag, prompt_id, why)
+                _fail_before_start(self, prompt, prompt_id, extra_data, execute_outputs, why)
+            else:
+                await original(self, prompt, prompt_id, extra_data, execute_outputs)
         finally:
-            CURRENT.prompt_id = None
+            failure = _failure(self)
+            if failure is not None:
+                if session.stop_reason() is None:  # this rank stopped the run: every rank is told why
+                    session.stop_run(f"rank {STATE.env.tp_rank} stopped the prompt: {failure}")
+                else:
+                    session.abandon_group()
+                _cache_epoch(bump=True)
+            session.end_run()
+            CURRENT.prompt_id = CURRENT.run = None
 
     execute_async._tp2 = True
     execution.PromptExecutor.execute_async = execute_async
+
+
+def _failure(executor) -> str | None:
+    """Why the prompt ComfyUI just ran failed on this rank (from its status messages), or None if it succeeded."""
+    for kind, data in reversed(getattr(executor, "status_messages", [])):
+        if kind == "execution_error":
+            return f"{data.get('node_type')} failed: {data.get('exception_type')}: {' '.join(str(data.get('exception_message', '')).split())[:500]}"
+        if kind == "execution_interrupted":
+            return "interrupted"
+    return None
+
+
+def _fail_before_start(executor, prompt, prompt_id, extra_data, outputs, why: str) -> None:
+    """Record the prompt as failed without running a node, as ComfyUI records a node's error."""
+    executor.server.client_id = extra_data.get("client_id")
+    executor.status_messages = []
+    executor.add_message("execution_start", {"prompt_id": prompt_id}, broadcast=False)
+    node_id = next(iter(outputs), None) or next(iter(prompt))
+    executor.add_message("execution_error", {
+        "prompt_id": prompt_id, "node_id": node_id, "node_type": prompt[node_id].get("class_type", "?"), "executed": [],
+        "exception_message": why, "exception_type": "TP2Error", "traceback": [], "current_inputs": {}, "current_outputs": [],
+    }, broadcast=False)  # fmt: skip
+    executor.success = False
+    executor.history_result = {"outputs": {}, "meta": {}}
 
 
 def tensor_digest(t) -> str:
@@ -131,7 +192,8 @@ def _outer_sample(plan, model_fields, executor, *args, **kwargs):
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
     patches = lora_patch_report(executor.class_obj.model_patcher, plan)  # LoRA identities and strengths
     fields = dict(model_fields, prompt=CURRENT.fingerprint, sampler=str(n), seed=str(seed), sigmas=tensor_digest(sigmas), patches=patches)
-    key = f"{CURRENT.prompt_id or 'no-prompt'}/sampler{n}"
+    key = f"{CURRENT.run or 'no-prompt'}/sampler{n}"
+    inject_fault(STATE.env.tp_rank, 0)  # tests only (TP2_TEST_FAULT); inert by default
     try:
         session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
     except PeerLostError:
@@ -142,17 +204,20 @@ def _outer_sample(plan, model_fields, executor, *args, **kwargs):
     SAMPLING.active = True
     try:
         return executor(*args, **kwargs)
-    except PeerLostError:
-        session.mark_broken()
-        _cache_epoch(bump=True)
+    except (PromptAbortedError, PeerLostError):  # a peer stopped or was lost: it has been told, or is gone
+        session.abandon_group()
+        raise
+    except BaseException as e:
+        if not (isinstance(e, mm.InterruptProcessingException) and CURRENT.coordinated_stop):
+            session.stop_run(describe_failure(STATE.env.tp_rank, e, CURRENT.step, CURRENT.steps))  # tell every rank now
         raise
     finally:
         SAMPLING.active = False
 
 
 def rank0_abort() -> str | None:
-    """Why rank 0 gives up waiting for its followers: a follower could not take the prompt, or an interrupt."""
-    return forward_failure(CURRENT.prompt_id) or ("interrupted on rank 0" if mm.processing_interrupted() else None)
+    """Why rank 0 gives up waiting for its followers: an interrupt (or a cancel of the running job) on rank 0."""
+    return "interrupted on rank 0" if mm.processing_interrupted() else None
 
 
 def _refine_text(original, text_states):
@@ -165,6 +230,9 @@ def _refine_text(original, text_states):
 
 def _diffusion_model(executor, x, timestep, context, transformer_options, **kwargs):
     group = STATE.session.group
+    CURRENT.model_calls += 1
+    CURRENT.step, CURRENT.steps = _step_of(transformer_options)
+    inject_fault(STATE.env.tp_rank, CURRENT.model_calls)  # tests only (TP2_TEST_FAULT); inert by default
     payload = kwargs.get("minimax_payload") or {}
     shared = None
     if STATE.env.tp_rank == 0:
@@ -176,6 +244,7 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
             shared = {"x": list(x), "t": timestep, "context": context, "payload": layoutless, "extra": extra}
     shared = broadcast_tree(shared, group)
     if shared.get("stop"):
+        CURRENT.coordinated_stop = True
         log.info("%s interrupted on rank 0: every rank stops at this model evaluation", STATE.tag)
         mm.interrupt_current_processing(False)
         raise mm.InterruptProcessingException()
@@ -187,6 +256,16 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
         transformer_options = dict(transformer_options, optimized_attention_override=override)
     with role_guard():
         return executor(shared["x"], shared["t"], shared["context"], transformer_options, **kwargs)
+
+
+def _step_of(transformer_options) -> tuple[int | None, int | None]:
+    """(1-based step, steps) of this model evaluation, from the sampler's sigmas; (None, None) when unknown."""
+    try:
+        schedule, sigma = transformer_options["sample_sigmas"], transformer_options["sigmas"]
+        hits = (schedule == sigma.reshape(-1)[0].to(schedule)).nonzero()
+        return (int(hits[0, 0]) + 1 if len(hits) else None), len(schedule) - 1
+    except (KeyError, AttributeError, IndexError, TypeError, RuntimeError):
+        return None, None
 
 
 @functools.cache

@@ -30,7 +30,8 @@ import comfy.model_management as mm
 
 from ..tp2 import __version__
 from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, temporal_chunks
-from ..tp2.errors import PeerLostError, TP2Error
+from ..tp2.errors import PeerLostError, PromptAbortedError, TP2Error
+from ..tp2.watch import describe_failure
 from .interrupts import SAMPLING
 from .lockstep import CURRENT, rank0_abort, tensor_digest
 from .state import STATE, env_flag, log
@@ -83,7 +84,7 @@ def _decode_temporal(original, vae, z, output_buffer):
     if num_chunks < 2:
         log.info("%s VAE decode: latent of %d frames is one chunk, nothing to split: decoding on this rank alone", STATE.tag, z.shape[2])
         return original(vae, z, output_buffer)
-    key = f"{CURRENT.prompt_id or 'no-prompt'}/vae-decode{_next_decode()}"
+    key = f"{CURRENT.run or 'no-prompt'}/vae-decode{_next_decode()}"
     fields = {
         "pack_version": __version__,
         "prompt": CURRENT.fingerprint,
@@ -120,8 +121,12 @@ def _decode_split(original, vae, z, output_buffer, clips, group):
                 f"{STATE.tag} the VAE decoded {decoder.served} of {len(clips)} chunks the parallel schedule made: ComfyUI's "
                 f"temporal chunking changed. Set {ENV_PARALLEL_VAE}=0 and report this with your ComfyUI version."
             )
-    except Exception:
-        STATE.session.mark_broken()
+    except (PromptAbortedError, PeerLostError):  # a peer stopped or was lost: it has been told, or is gone
+        STATE.session.abandon_group()
+        STATE.session.cache_epoch(bump=True)
+        raise
+    except BaseException as e:
+        STATE.session.stop_run(describe_failure(STATE.env.tp_rank, e))  # tell every rank now
         STATE.session.cache_epoch(bump=True)
         raise
     finally:

@@ -3,13 +3,17 @@
 #
 #   scripts/start-tp2.sh --comfyui DIR [--tp-size N] [--gpus 0,1 | --cpu] [--fast] [--base-port 18188] [--run-dir DIR]
 #                        [--base-dir DIR] [--listen ADDR --allow-remote] [-- extra ComfyUI args]
-#   scripts/start-tp2.sh stop   --run-dir DIR
-#   scripts/start-tp2.sh status --run-dir DIR
+#   scripts/start-tp2.sh stop    --run-dir DIR
+#   scripts/start-tp2.sh status  --run-dir DIR
+#   scripts/start-tp2.sh restart --run-dir DIR --rank N
 #
 # Each rank r gets CUDA_VISIBLE_DEVICES=<its GPU>, HTTP port base-port + r, and its own output, temp, user
 # directories and sqlite database under the run dir (default ./tp2-run); logs are RUN_DIR/rank<r>.log and the
-# pids RUN_DIR/pids, the per-run secret RUN_DIR/secret (rank 0 forwards every prompt queued on it to the followers,
+# pids RUN_DIR/pids, the per-run secret RUN_DIR/secret (rank 0 hands every prompt it starts to the followers,
 # authenticated with it). Followers start first; the command returns once every rank answers its HTTP API.
+# A rank whose process exits is started again (at most TP2_MAX_RESTARTS times in a row; RUN_DIR/rank<r>.restarts
+# says when and why, and `status` shows it); the ranks form a new group at the next prompt. `restart --rank N`
+# restarts one rank by hand.
 # --base-dir passes ComfyUI's --base-directory (models and custom_nodes from there; the demo uses it).
 # --fast starts with the fastest measured settings (bf16 reduce, sequence parallelism, fused Triton kernels; about
 # 1.9x one GPU at 832x480 on 2x H200, docs/PERFORMANCE.md) instead of the exact defaults; a variable set in the
@@ -27,6 +31,7 @@ done
 : "${TP2_TIMEOUT_S:=300}"            # a collective waits this long for a peer before it is an error
 : "${TP2_PROMPT_TIMEOUT_S:=45}"      # ranks wait this long for each other at every sampler
 : "${TP2_START_TIMEOUT_S:=300}"      # start-up: how long to wait for every rank's HTTP API
+: "${TP2_MAX_RESTARTS:=5}"          # a rank that exits is started again at most this many times in a row
 : "${TP2_REDUCE_DTYPE:=fp32}"        # row-parallel reduce: fp32 (exact sums) | bf16 (faster, see docs/PERFORMANCE.md)
 : "${TP2_SEQUENCE_PARALLEL:=0}"      # 1: DiT blocks split the token rows too (bit-identical, a little faster)
 : "${TP2_SP_INT8_GATHER:=1}"         # with sequence parallelism: int8 linears' inputs gathered as int8 (bit-identical)
@@ -39,7 +44,8 @@ PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 die() { echo "start-tp2: $*" >&2; exit 1; }
 
 cmd=start
-if [[ $# -gt 0 && ( "$1" == stop || "$1" == status ) ]]; then cmd=$1; shift; fi
+if [[ $# -gt 0 && ( "$1" == stop || "$1" == status || "$1" == restart || "$1" == _supervise ) ]]; then cmd=$1; shift; fi
+RANK_ARG=""
 COMFYUI="${COMFYUI_DIR:-}"; TP_SIZE=2; GPUS=""; CPU=0; BASE_PORT=18188; RUN_DIR="$PWD/tp2-run"; BASE_DIR=""
 LISTEN=127.0.0.1; ALLOW_REMOTE=0; EXTRA=()
 while [[ $# -gt 0 ]]; do
@@ -54,8 +60,9 @@ while [[ $# -gt 0 ]]; do
     --base-dir) BASE_DIR="$2"; shift 2 ;;
     --listen) LISTEN="$2"; shift 2 ;;
     --allow-remote) ALLOW_REMOTE=1; shift ;;
+    --rank) RANK_ARG="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
 done
@@ -79,6 +86,11 @@ tail_log() { echo "---- last lines of $1 ----" >&2; tail -n "${2:-15}" "$1" >&2 
 
 stop_ranks() {
   [[ -f "$PIDS" ]] || { echo "start-tp2: nothing to stop in $RUN_DIR (no pids file)"; return 0; }
+  : > "$RUN_DIR/stopping"  # the supervisors see it and do not start what is being stopped
+  for f in "$RUN_DIR"/rank*.supervisor; do
+    [[ -f "$f" ]] || continue
+    spid="$(cat "$f")"; alive "$spid" && kill -TERM "$spid" 2>/dev/null || true; rm -f "$f"
+  done
   while read -r rank pid port; do
     if alive "$pid"; then kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; fi
   done < "$PIDS"
@@ -92,27 +104,112 @@ stop_ranks() {
     if alive "$pid"; then kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true; echo "rank $rank (pid $pid) killed"; fi
   done < "$PIDS"
   echo "stopped the ranks of $RUN_DIR"
-  rm -f "$PIDS"
+  rm -f "$PIDS" "$RUN_DIR/stopping"
+}
+
+set_pid() {  # rank pid port: this rank's line of the pids file, under a lock (supervisors write it concurrently)
+  ( flock 9
+    { grep -v "^$1 " "$PIDS" 2>/dev/null || true; echo "$1 $2 $3"; } | sort -n > "$PIDS.tmp" && mv "$PIDS.tmp" "$PIDS"
+  ) 9> "$PIDS.lock"
+}
+
+restarts_of() {  # rank: "N restart(s), last: <when and why>", or nothing
+  local f="$RUN_DIR/rank$1.restarts"
+  [[ -s "$f" ]] || return 0
+  echo "$(grep -c ' exited ' "$f") restart(s); last: $(grep ' exited \| gave up' "$f" | tail -n 1)"
 }
 
 status_ranks() {
   [[ -f "$PIDS" ]] || die "no ranks recorded in $RUN_DIR (not started, or stopped)"
   local bad=0
   while read -r rank pid port; do
+    local sup="" spid=""; [[ -f "$RUN_DIR/rank$rank.supervisor" ]] && spid="$(cat "$RUN_DIR/rank$rank.supervisor")"
+    alive "${spid:-0}" && sup=" (restarted if it exits)"
     if ! alive "$pid"; then
-      echo "rank $rank: DEAD (pid $pid, port $port)"; tail_log "$RUN_DIR/rank$rank.log"; bad=1
+      if [[ -n "$sup" ]]; then echo "rank $rank: RESTARTING (pid $pid ended, port $port)"; else echo "rank $rank: DEAD (pid $pid, port $port)"; fi
+      tail_log "$RUN_DIR/rank$rank.log"; bad=1
     elif answers "$port"; then
-      echo "rank $rank: up, http://$LISTEN:$port (pid $pid), log $RUN_DIR/rank$rank.log"
+      echo "rank $rank: up, http://$LISTEN:$port (pid $pid)$sup, log $RUN_DIR/rank$rank.log"
     else
-      echo "rank $rank: running but not answering on port $port (pid $pid)"; bad=1
+      echo "rank $rank: running but not answering on port $port yet (pid $pid)"; bad=1
     fi
+    local r; r="$(restarts_of "$rank")"; [[ -n "$r" ]] && echo "        $r"
   done < "$PIDS"
   return $bad
+}
+
+supervise() {  # rank port cmd...: run one rank's ComfyUI, start it again when it exits (bounded)
+  local rank=$1 port=$2; shift 2
+  local log="$RUN_DIR/rank$rank.log" notes="$RUN_DIR/rank$rank.restarts" tries=0
+  trap '' HUP
+  trap 'exit 0' TERM
+  while :; do
+    local started; started=$(date +%s)
+    ( cd "$COMFYUI"; exec setsid "$@" >> "$log" 2>&1 < /dev/null ) &
+    local child=$!
+    set_pid "$rank" "$child" "$port"
+    local rc=0; wait "$child" || rc=$?
+    [[ -f "$RUN_DIR/stopping" ]] && exit 0
+    local why="with status $rc"; (( rc > 128 )) && why="killed by signal $((rc - 128)) ($(kill -l $((rc - 128)) 2>/dev/null || echo ?))"
+    (( $(date +%s) - started > 300 )) && tries=0  # a crash after a long healthy run is a new problem
+    tries=$((tries + 1))
+    if (( tries > TP2_MAX_RESTARTS )); then
+      echo "$(date '+%F %T') rank $rank gave up after $TP2_MAX_RESTARTS restarts in a row; see $log" >> "$notes"; exit 1
+    fi
+    { echo "$(date '+%F %T') rank $rank (pid $child) exited $why; restart $tries of $TP2_MAX_RESTARTS"
+      tail -n 5 "$log" | sed 's/^/    /'; } >> "$notes"
+    echo "==== minimax-h3-tp2: rank $rank exited $why; started again ($tries of $TP2_MAX_RESTARTS) ====" >> "$log"
+    sleep 1
+  done
+}
+
+start_supervisor() {  # rank: start its supervisor (detached; its output goes to the rank's log)
+  local r=$1 d="$RUN_DIR/rank$1"
+  mkdir -p "$d/output" "$d/temp" "$d/user"
+  local args=("$PY" main.py --listen "$LISTEN" --port $((BASE_PORT + r)) --output-directory "$d/output" --temp-directory "$d/temp"
+              --user-directory "$d/user" --database-url "sqlite:///$d/comfyui.db" --disable-auto-launch)
+  [[ -n "$BASE_DIR" ]] && args+=(--base-directory "$BASE_DIR")
+  [[ $CPU -eq 1 ]] && args+=(--cpu)
+  args+=("${EXTRA[@]}")
+  ( if [[ $CPU -eq 1 ]]; then export CUDA_VISIBLE_DEVICES=""; else export CUDA_VISIBLE_DEVICES="${GPU_LIST[$r]}"; fi
+    export TP2_RANK=$r TP2_WORLD_SIZE=$TP_SIZE MASTER_ADDR=127.0.0.1 MASTER_PORT TP2_SECRET_FILE="$SECRET_FILE" TP2_RANK_URLS="$RANK_URLS"
+    supervise "$r" $((BASE_PORT + r)) "${args[@]}" ) > /dev/null 2>&1 < /dev/null &
+  echo $! > "$RUN_DIR/rank$r.supervisor"
+}
+
+restart_rank() {
+  [[ -f "$PIDS" ]] || die "no ranks recorded in $RUN_DIR (not started, or stopped)"
+  [[ "$RANK_ARG" =~ ^[0-9]+$ ]] || die "restart needs --rank N"
+  local line; line="$(grep "^$RANK_ARG " "$PIDS" || true)"
+  [[ -n "$line" ]] || die "no rank $RANK_ARG in $RUN_DIR/pids"
+  read -r _ pid port <<< "$line"
+  local spid=""; [[ -f "$RUN_DIR/rank$RANK_ARG.supervisor" ]] && spid="$(cat "$RUN_DIR/rank$RANK_ARG.supervisor")"
+  if alive "${spid:-0}"; then
+    echo "restarting rank $RANK_ARG (pid $pid): its supervisor starts it again"
+    echo "$(date '+%F %T') rank $RANK_ARG restarted by hand (start-tp2.sh restart)" >> "$RUN_DIR/rank$RANK_ARG.restarts"
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  else
+    [[ -f "$RUN_DIR/launch.env" ]] || die "no launch settings in $RUN_DIR (started by an older start-tp2.sh): stop and start the ranks"
+    alive "$pid" && { kill -TERM -- "-$pid" 2>/dev/null || true; sleep 2; }
+    echo "restarting rank $RANK_ARG (its supervisor had stopped)"
+    start_supervisor "$RANK_ARG"
+  fi
+  local deadline=$(( $(date +%s) + TP2_START_TIMEOUT_S ))
+  sleep 1
+  until answers "$port"; do
+    [[ $(date +%s) -gt $deadline ]] && { echo "start-tp2: rank $RANK_ARG did not answer within ${TP2_START_TIMEOUT_S} s" >&2; tail_log "$RUN_DIR/rank$RANK_ARG.log" 30; exit 1; }
+    sleep 0.5
+  done
+  echo "rank $RANK_ARG: up again on port $port; the ranks form a new group at the next prompt"
 }
 
 case "$cmd" in
   stop) stop_ranks; exit 0 ;;
   status) status_ranks; exit $? ;;
+  restart)
+    # shellcheck disable=SC1091
+    [[ -f "$RUN_DIR/launch.env" ]] && source "$RUN_DIR/launch.env"
+    restart_rank; exit $? ;;
 esac
 
 # ---- start ----
@@ -154,20 +251,15 @@ RANK_URLS="$(for (( r = 0; r < TP_SIZE; r++ )); do printf 'http://%s:%d,' "$HOST
 RANK_URLS="${RANK_URLS%,}"
 
 echo "minimax-h3-tp2: starting $TP_SIZE ranks of $COMFYUI under $PY (MASTER_PORT=$MASTER_PORT)"
-: > "$PIDS"
+: > "$PIDS"; rm -f "$RUN_DIR"/rank*.restarts "$RUN_DIR/stopping"
+for (( r = 0; r < TP_SIZE; r++ )); do : > "$RUN_DIR/rank$r.log"; done
+# what `restart` needs to start a rank again the same way
+{ declare -p COMFYUI PY LISTEN BASE_PORT BASE_DIR CPU GPU_LIST EXTRA TP_SIZE MASTER_PORT SECRET_FILE RANK_URLS
+  for v in "${!TP2_@}"; do declare -p "$v"; done; } > "$RUN_DIR/launch.env"
 for (( r = TP_SIZE - 1; r >= 0; r-- )); do
-  d="$RUN_DIR/rank$r"; mkdir -p "$d/output" "$d/temp" "$d/user"
-  args=(main.py --listen "$LISTEN" --port $((BASE_PORT + r)) --output-directory "$d/output" --temp-directory "$d/temp"
-        --user-directory "$d/user" --database-url "sqlite:///$d/comfyui.db" --disable-auto-launch)
-  [[ -n "$BASE_DIR" ]] && args+=(--base-directory "$BASE_DIR")
-  [[ $CPU -eq 1 ]] && args+=(--cpu)
-  args+=("${EXTRA[@]}")
-  ( cd "$COMFYUI"
-    if [[ $CPU -eq 1 ]]; then export CUDA_VISIBLE_DEVICES=""; else export CUDA_VISIBLE_DEVICES="${GPU_LIST[$r]}"; fi
-    export TP2_RANK=$r TP2_WORLD_SIZE=$TP_SIZE MASTER_ADDR=127.0.0.1 MASTER_PORT TP2_SECRET_FILE="$SECRET_FILE" TP2_RANK_URLS="$RANK_URLS"
-    exec setsid "$PY" "${args[@]}" > "$RUN_DIR/rank$r.log" 2>&1 ) &
-  echo "$r $! $((BASE_PORT + r))" >> "$PIDS"
+  start_supervisor "$r"
 done
+for _ in $(seq 1 100); do [[ $(wc -l < "$PIDS") -ge $TP_SIZE ]] && break; sleep 0.1; done
 
 deadline=$(( $(date +%s) + TP2_START_TIMEOUT_S ))
 while read -r rank pid port; do

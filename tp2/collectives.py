@@ -4,6 +4,11 @@ Three layers, each talking only to the one below (as in vLLM): `TPGroup` (group 
 collective functions here, and the parallel layers in `layers.py`. Every collective runs under the group's
 timeout; a peer that died or never came surfaces as `PeerLostError` on the surviving rank.
 
+A group may carry `stop_check` (the session's watcher): then every wait on a CPU-side (gloo) collective polls it,
+and a peer that stopped the run (its reason) or went silent ends the wait within a poll with
+`PromptAbortedError(reason)`, instead of at the timeout. NCCL collectives are queued on the GPU stream, where
+the host does not wait; for them the watcher aborts the communicator (see tp2/session.py).
+
 Env: TP2_RANK, TP2_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TP2_TIMEOUT_S (default 300).
 Imports torch only; never `comfy`.
 """
@@ -12,13 +17,16 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .errors import PeerLostError, TP2Error
+from .errors import PeerLostError, PromptAbortedError, TP2Error
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +87,17 @@ class TPGroup:
     group: dist.ProcessGroup | None  # tensor collectives
     cpu_group: dist.ProcessGroup | None  # handshakes and small objects, never blocks a GPU stream
     timeout_s: float
+    stop_check: Callable[[], str | None] | None = None  # why the run must stop now (a peer's reason), else None
+    loss_check: Callable[[], str | None] | None = None  # after a broken collective: which rank is gone, if known
 
     @property
     def backend(self) -> str:
         return dist.get_backend(self.group) if self.group is not None else "none"
 
 
-def init_tp_group(env: TPEnv, device: torch.device | None = None, store: dist.Store | None = None) -> TPGroup:
+def init_tp_group(
+    env: TPEnv, device: torch.device | None = None, store: dist.Store | None = None, stop_check=None, loss_check=None
+) -> TPGroup:
     """Join the TP world (NCCL on CUDA, gloo on CPU); a peer that never arrives is an error after the timeout.
 
     With `store`, the group forms over it (a session's generation-prefixed store); otherwise over
@@ -107,7 +119,7 @@ def init_tp_group(env: TPEnv, device: torch.device | None = None, store: dist.St
             "MASTER_PORT and TP2_WORLD_SIZE, and check the other ranks' logs."
         ) from e
     log.info("[tp2 r%d/%d] joined TP group (%s, timeout %.0f s)", env.tp_rank, env.tp_size, backend, env.timeout_s)
-    return TPGroup(env.tp_rank, env.tp_size, device, dist.group.WORLD, cpu_group, env.timeout_s)
+    return TPGroup(env.tp_rank, env.tp_size, device, dist.group.WORLD, cpu_group, env.timeout_s, stop_check, loss_check)
 
 
 def single_rank_group(device: torch.device | None = None) -> TPGroup:
@@ -120,21 +132,62 @@ def destroy_tp_group() -> None:
         dist.destroy_process_group()
 
 
-def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError:
+REASON_GRACE_S = 2.0  # after a collective fails, how long to look for the peer's published reason
+
+
+def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbortedError:
+    """The error for a failed collective: the peer's own reason when it published one (it stopped the run and
+    closed its connections), else a peer that died."""
+    if tp.stop_check is not None:
+        deadline = time.monotonic() + REASON_GRACE_S
+        while time.monotonic() < deadline:
+            why = tp.stop_check()
+            if why:
+                return PromptAbortedError(why)
+            time.sleep(0.05)
+    gone = tp.loss_check() if tp.loss_check is not None else None
+    if gone:
+        return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {gone}")
     return PeerLostError(
         f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: a peer rank died or did not answer within "
         f"{tp.timeout_s:.0f} s ({type(e).__name__}: {e}). Check the other ranks' logs; restart the ranks that died."
     )
 
 
+def wait(work, tp: TPGroup, what: str, host_side: bool) -> None:
+    """Wait for `work`; a host-side (gloo) wait polls the group's `stop_check` so a peer's stop ends it at once.
+
+    A GPU (NCCL) work only makes the current stream wait, as before."""
+    try:
+        if not host_side or tp.stop_check is None:
+            work.wait()
+            return
+        pause = 0.0002
+        while not work.is_completed():
+            why = tp.stop_check()
+            if why:
+                raise PromptAbortedError(why)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        work.wait()  # raises if the collective failed
+    except (RuntimeError, dist.DistError) as e:
+        raise _lost(tp, what, e) from e
+
+
+def _host_side(tp: TPGroup) -> bool:
+    return tp.backend == "gloo"
+
+
 def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Forward: all-reduce(sum) in place over the TP group; identity at tp_size 1."""
     if tp.tp_size == 1:
         return t
+    what = f"all_reduce of {tuple(t.shape)} {t.dtype}"
     try:
-        dist.all_reduce(t, group=tp.group)
+        work = dist.all_reduce(t, group=tp.group, async_op=True)
     except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, f"all_reduce of {tuple(t.shape)} {t.dtype}", e) from e
+        raise _lost(tp, what, e) from e
+    wait(work, tp, what, _host_side(tp))
     return t
 
 
@@ -145,11 +198,8 @@ class Pending:
         self._work, self._finish, self._tp, self._what = work, finish, tp, what
 
     def result(self) -> torch.Tensor:
-        try:
-            if self._work is not None:
-                self._work.wait()
-        except (RuntimeError, dist.DistError) as e:
-            raise _lost(self._tp, self._what, e) from e
+        if self._work is not None:
+            wait(self._work, self._tp, self._what, _host_side(self._tp))
         return self._finish()
 
 
@@ -208,28 +258,40 @@ def all_gather_rows(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return start_all_gather_rows(t, tp).result()
 
 
+def _cpu(op, tp: TPGroup, what: str, *args, **kwargs) -> None:
+    """One collective on the CPU group, waited for with the stop check."""
+    try:
+        work = op(*args, group=tp.cpu_group, async_op=True, **kwargs)
+    except (RuntimeError, dist.DistError) as e:
+        raise _lost(tp, what, e) from e
+    wait(work, tp, what, host_side=True)
+
+
 def broadcast_object(obj: object, tp: TPGroup, src: int = 0) -> object:
     """Rank `src`'s picklable object on every rank (over the CPU group)."""
     if tp.tp_size == 1:
         return obj
-    box = [obj if tp.tp_rank == src else None]
-    try:
-        dist.broadcast_object_list(box, src=src, group=tp.cpu_group)
-    except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, "broadcast of an object", e) from e
-    return box[0]
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if tp.tp_rank == src else None
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64)
+    _cpu(dist.broadcast, tp, "broadcast of an object's size", size, src=src)
+    data = data if data is not None else torch.empty(int(size.item()), dtype=torch.uint8)
+    _cpu(dist.broadcast, tp, f"broadcast of an object ({int(size.item())} bytes)", data, src=src)
+    return obj if tp.tp_rank == src else pickle.loads(data.numpy().tobytes())
 
 
 def all_gather_object(obj: object, tp: TPGroup) -> list:
     """Every rank's picklable object, in rank order (over the CPU group)."""
     if tp.tp_size == 1:
         return [obj]
-    out: list = [None] * tp.tp_size
-    try:
-        dist.all_gather_object(out, obj, group=tp.cpu_group)
-    except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, "all_gather of objects", e) from e
-    return out
+    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(tp.tp_size)]
+    _cpu(dist.all_gather, tp, "all_gather of object sizes", sizes, torch.tensor([mine.numel()], dtype=torch.int64))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    blobs = [torch.empty(longest, dtype=torch.uint8) for _ in range(tp.tp_size)]
+    _cpu(dist.all_gather, tp, f"all_gather of objects ({longest} bytes)", blobs, padded)
+    return [pickle.loads(b[: int(n.item())].numpy().tobytes()) for b, n in zip(blobs, sizes)]
 
 
 def _flatten(obj, tensors: list[torch.Tensor]):
@@ -270,11 +332,13 @@ def broadcast_tree(obj: object, tp: TPGroup, src: int = 0) -> object:
         tensors = [torch.empty(shape, dtype=dtype, device=tp.device) for shape, dtype in metas]
     else:
         tensors = [t.to(tp.device).contiguous() for t in tensors]
+    what = f"broadcast of {len(tensors)} tensors"
     try:
-        for t in tensors:
-            dist.broadcast(t, src=src, group=tp.group)
+        works = [dist.broadcast(t, src=src, group=tp.group, async_op=True) for t in tensors]
     except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, f"broadcast of {len(tensors)} tensors", e) from e
+        raise _lost(tp, what, e) from e
+    for work in works:
+        wait(work, tp, what, _host_side(tp))
     return _unflatten(skel, tensors)
 
 

@@ -6,8 +6,16 @@ healthy": a timed-out or broken process group is unusable. So ranks agree over a
 bounded polling, nothing left half-done), and the tensor process group is created, or re-created under a new
 generation, only once every rank has said it is about to run the same thing.
 
-    session.agree(key, fields)  -> TPGroup ready for collectives, or PeerLostError / RankMismatchError
+    session.begin_run(run) / end_run()   the run (one prompt) this rank is executing; its watcher (tp2/watch.py)
+                                         tells it when a peer stopped that run or went silent
+    session.agree(key, fields)  -> TPGroup ready for collectives, or PeerLostError / RankMismatchError /
+                                   PromptAbortedError (a peer stopped the run, with its reason)
+    session.stop_run(reason)     this rank stops the run: every rank is told, and this rank gives up its group
+                                 (its peers' collectives then fail at once instead of at the timeout)
     session.mark_broken()        after a failed collective: the next agreement makes a fresh group
+
+Under NCCL the pack aborts communicators itself (`TORCH_NCCL_ASYNC_ERROR_HANDLING=0`: PyTorch's watchdog must not
+end a process because a peer failed; see `nccl_error_handling`).
 
 Imports torch only; never `comfy`.
 """
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from datetime import timedelta
 
@@ -25,6 +34,26 @@ import torch.distributed as dist
 from .collectives import TPEnv, TPGroup, init_tp_group
 from .errors import PeerLostError, PromptAbortedError
 from .handshake import compare_fields
+from .watch import Watcher
+
+ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_error_handling(environ=os.environ) -> str | None:
+    """Set PyTorch's NCCL error handling to 0 (the pack aborts communicators itself); the value it replaced, if any.
+
+    With 1 or 3 (3 is PyTorch's default) the NCCL watchdog ends the whole process when a collective times out or
+    fails, i.e. a rank would die because its peer failed."""
+    old = environ.get(ENV_NCCL_ERROR_HANDLING)
+    environ[ENV_NCCL_ERROR_HANDLING] = "0"
+    return old if old not in (None, "0") else None
+
+
+def watcher_aborts_communicator(backend: str) -> bool:
+    """Whether a stop seen by the watcher thread must abort the communicator from that thread: under NCCL the host
+    does not wait on collectives (the GPU spins in them), under gloo the prompt worker polls and leaves by itself."""
+    return backend == "nccl"
+
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +64,16 @@ _PRIVATE = "_tp2_"  # field-name prefix for the session's own bookkeeping (not c
 class TPSession:
     """This rank's membership in the TP world across prompts."""
 
-    def __init__(self, env: TPEnv, device: torch.device | None = None):
+    def __init__(self, env: TPEnv, device: torch.device | None = None, boot_id: str = "", secret: str | None = None):
         self.env = env
         self.device = device
         self._store: dist.Store | None = None
+        self._stale = False  # the store connection may be dead (rank 0 restarted): reconnect at the next use
         self.group: TPGroup | None = None
         self.generation = 0
         self.healthy = False
+        self.watcher = Watcher(env.tp_rank, env.tp_size, env.master_addr, env.master_port, boot_id, secret)
+        self.watcher.on_stop = self._stopped_by_peer
 
     @property
     def tag(self) -> str:
@@ -49,7 +81,8 @@ class TPSession:
 
     # -- the store -------------------------------------------------------------------------------------
     def _connect(self, timeout_s: float) -> dist.Store:
-        if self._store is None:
+        if self._store is None or self._stale:
+            self._stale = False
             master = self.env.tp_rank == 0
             try:
                 self._store = dist.TCPStore(
@@ -79,43 +112,103 @@ class TPSession:
 
     # -- agreement -------------------------------------------------------------------------------------
     def rendezvous(self, key: str, fields: dict[str, str], timeout_s: float, abort=None) -> list[dict[str, str]]:
-        """Publish `fields` under `key` and wait (at most `timeout_s`) for every rank's; compare them.
+        """Publish `fields` under `key` and wait for every rank's; compare them.
 
-        Raises PeerLostError naming the ranks that did not arrive, RankMismatchError naming the fields that
-        differ (every rank sees every rank's fields, so every rank raises the same), or PromptAbortedError when
-        any rank called `abort_rendezvous(key, why)` or this rank's `abort()` returns a reason while waiting.
+        A peer that is executing this run is waited for as long as it is alive; one that has not started the run
+        within `timeout_s`, or finished it without reaching `key` (its node cache served the step), is a
+        PeerLostError naming it. A stop of the run by any rank (or this rank's `abort()` returning a reason) is a
+        PromptAbortedError with that reason, seen even when every rank has arrived. RankMismatchError names the
+        fields that differ (every rank sees every rank's fields, so every rank raises the same). The keys are
+        deleted by the last rank to read them.
         """
-        keys = [f"tp2/rv/{key}/rank{r}" for r in range(self.env.tp_size)]
-        abort_key = f"tp2/rv/{key}/abort"
+        run = self.watcher.run
+        base = f"tp2/rv/{key}"
+        keys = [f"{base}/rank{r}" for r in range(self.env.tp_size)]
         mine = json.dumps(fields, sort_keys=True)
         self._store_op(timeout_s, lambda s: s.set(keys[self.env.tp_rank], mine))
         deadline = time.monotonic() + timeout_s
+        polls = 0
         while True:
             present = self._store_op(timeout_s, lambda s: [s.check([k]) for k in keys])
             if all(present):
                 break
             why = abort() if abort is not None else None
             if why:
-                self.abort_rendezvous(key, why)
-            if self._store_op(timeout_s, lambda s: s.check([abort_key])):
-                reason = self._store_op(timeout_s, lambda s: s.get(abort_key)).decode()
-                raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {reason}")
-            if time.monotonic() > deadline:
+                self.stop_run(why)
+            stop = self.watcher.stop_reason() or why
+            if stop:
                 self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
-                missing = [r for r, ok in enumerate(present) if not ok]
+                raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {stop}")
+            missing = [r for r, ok in enumerate(present) if not ok]
+            polls += 1
+            states = {r: self.watcher.peer_state(run, r) for r in missing} if run is not None and polls % 5 == 0 else {}
+            finished = [r for r, st in states.items() if st == "done"]
+            late = time.monotonic() > deadline and (run is None or any(self.watcher.peer_state(run, r) is None for r in missing))
+            if finished or late:
+                self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
+                why = self.watcher.read_stop(run) if run is not None else None
+                if why:  # the peer finished the run because it stopped it: its reason, not a guess
+                    raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}")
+                who = ", ".join(map(str, finished or missing))
+                if finished:
+                    raise PeerLostError(
+                        f"{self.tag} rank(s) {who} finished the prompt without reaching '{key}': their node cache served "
+                        "this step. Every rank clears its node cache before the next prompt; queue it again."
+                    )
                 raise PeerLostError(
-                    f"{self.tag} rank(s) {', '.join(map(str, missing))} did not reach '{key}' within {timeout_s:.0f} s: "
-                    "they were not given the same prompt (same prompt id, e.g. through scripts/tp2-submit), served it "
-                    "from their node cache, or are not running. Check their logs and queue the prompt on every rank."
+                    f"{self.tag} rank(s) {who} did not reach '{key}' within {timeout_s:.0f} s: they were not given the "
+                    "same prompt (queue prompts on rank 0, or submit the same prompt id to every rank), or are not running. "
+                    "Check their logs (scripts/start-tp2.sh status)."
                 )
             time.sleep(POLL_S)
         everyone = [json.loads(v) for v in self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])]
-        compare_fields(everyone, self.tag, f"prompt '{key}'", skip_prefix=_PRIVATE)
+        if self._store_op(timeout_s, lambda s: s.add(f"{base}/read", 1)) == self.env.tp_size:
+            self._store_op(timeout_s, lambda s: [s.delete_key(k) for k in (*keys, f"{base}/read")])
+        compare_fields(everyone, self.tag, f"prompt '{key}'", skip_prefix=_PRIVATE)  # the same verdict on every rank
+        own = abort() if abort is not None else None
+        if own:
+            self.stop_run(own)
+        why = own or self.watcher.stop_reason()
+        if why:  # a stop is honoured even when every rank has arrived
+            raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}")
         return everyone
 
-    def abort_rendezvous(self, key: str, why: str) -> None:
-        """Make every rank waiting at (or later reaching) `key` give up with `why`."""
-        self._store_op(self.env.timeout_s, lambda s: s.set(f"tp2/rv/{key}/abort", why))
+    # -- runs ------------------------------------------------------------------------------------------
+    def begin_run(self, run: str, boots: dict[int, str] | None = None) -> None:
+        """This rank starts executing run `run` (one prompt; rank 0 names it, unique per execution)."""
+        self.watcher.begin(run, boots)
+
+    def end_run(self) -> None:
+        self.watcher.end()
+
+    def stop_reason(self) -> str | None:
+        return self.watcher.stop_reason()
+
+    def stop_run(self, reason: str) -> None:
+        """This rank stops the current run: tell every rank why, then give up the group so that no peer stays in
+        a collective with this rank (gloo peers see the closed connections at once; NCCL peers' watchers abort)."""
+        self.watcher.publish_stop(reason)
+        self.abandon_group()
+
+    def abandon_group(self) -> None:
+        """Leave the current process group now (after a stop); the next agreement forms a new generation, over
+        fresh store connections (rank 0 may have restarted behind the old ones)."""
+        self.healthy = False
+        self.watcher.reconnect()
+        self._stale = self.env.tp_rank != 0
+        if self.group is not None and dist.is_initialized():
+            if self.group.backend == "nccl":
+                _abort_nccl()
+            dist.destroy_process_group()
+        self.group = None
+
+    def _stopped_by_peer(self, reason: str) -> None:
+        """The watcher's callback: a peer stopped the run, or went silent."""
+        self.healthy = False
+        group = self.group
+        if group is not None and watcher_aborts_communicator(group.backend):
+            log.warning("%s aborting the NCCL communicator: %s", self.tag, reason)
+            _abort_nccl()
 
     def agree(self, key: str, fields: dict[str, str], timeout_s: float, abort=None) -> TPGroup:
         """Rendezvous on `key`, then return a healthy process group every rank shares (made if needed)."""
@@ -131,8 +224,15 @@ class TPSession:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.group, self.healthy = None, False
+        if self.device is not None and self.device.type == "cuda":
+            replaced = nccl_error_handling()
+            if replaced:
+                log.warning("%s %s=%s replaced by 0: the pack aborts NCCL itself, so no rank ends because a peer failed",
+                            self.tag, ENV_NCCL_ERROR_HANDLING, replaced)  # fmt: skip
         store = dist.PrefixStore(f"tp2/pg/{generation}", self._connect(self.env.timeout_s))
-        self.group = init_tp_group(self.env, self.device, store=store)
+        self.group = init_tp_group(
+            self.env, self.device, store=store, stop_check=self.watcher.stop_reason, loss_check=self.watcher.explain_loss
+        )
         self.generation, self.healthy = generation, True
         log.info("%s process group generation %d formed", self.tag, generation)
 
@@ -142,7 +242,7 @@ class TPSession:
 
     def boot_ids(self) -> list[str | None] | None:
         """Every rank's current boot id (None for a rank not registered yet); None when the store is unreachable."""
-        if self._store is None:
+        if self._store is None or self.watcher.store_problem() is not None:
             return None
         keys = [f"tp2/boot/rank{r}" for r in range(self.env.tp_size)]
         try:
@@ -153,7 +253,7 @@ class TPSession:
     def cache_epoch(self, bump: bool = False) -> int | None:
         """A counter every rank can raise when ranks may have run different nodes (a failed rendezvous or
         collective); None when the store is not reachable now."""
-        if self._store is None:
+        if self._store is None or self.watcher.store_problem() is not None:
             return None
         try:
             return int(self._store_op(5.0, lambda s: s.add("tp2/cache_epoch", 1 if bump else 0)))
@@ -164,7 +264,19 @@ class TPSession:
         """A collective failed (peer died or timed out): the next `agree` builds a new group."""
         self.healthy = False
 
+    def start_watching(self) -> None:
+        """Start the watcher thread (after this rank's store is up: rank 0 hosts it)."""
+        self.watcher.start()
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.group, self.healthy, self._store = None, False, None
+
+
+def _abort_nccl() -> None:
+    """Abort every NCCL communicator of this process (pending kernels exit; the group is unusable afterwards)."""
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except (RuntimeError, ValueError, AttributeError) as e:  # already destroyed, or no NCCL group
+        log.debug("NCCL abort: %s", e)

@@ -242,7 +242,9 @@ def tiny_workflow(unet: str, cond: str, seed: int = 42, steps: int = 2, prefix: 
 
 
 def cleanup(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Remove a test's server directories (kept, logs and all, when TP2_KEEP_TEST_DIRS=1)."""
+    if os.environ.get("TP2_KEEP_TEST_DIRS") != "1":
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def safetensors_content(blob: bytes) -> bytes:

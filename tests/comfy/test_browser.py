@@ -56,7 +56,8 @@ def ranks(tmp_path_factory):
     stop_launched(launched)
 
 
-async def _queue_from_ui(url: str, workflow: dict, profile: str) -> None:
+async def _in_browser(url: str, profile: str, action) -> object:
+    """Open `url` in headless Chromium, wait for ComfyUI's frontend to boot, then `await action(page)`."""
     port = free_port()
     browser = subprocess.Popen(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -84,12 +85,38 @@ async def _queue_from_ui(url: str, workflow: dict, profile: str) -> None:
                     await asyncio.sleep(0.2)
                 else:
                     raise AssertionError("ComfyUI's frontend did not start in the browser")
-                await page.eval(f"window.app.loadGraphData({json.dumps(workflow)})")
-                assert await page.eval("window.app.graph._nodes.length") == len(workflow["nodes"])
-                await page.eval("window.app.queuePrompt(0, 1)")
+                return await action(page)
     finally:
         browser.terminate()
         browser.wait(10)
+
+
+async def _queue_from_ui(url: str, workflow: dict, profile: str) -> None:
+    async def queue(page):
+        await page.eval(f"window.app.loadGraphData({json.dumps(workflow)})")
+        assert await page.eval("window.app.graph._nodes.length") == len(workflow["nodes"])
+        await page.eval("window.app.queuePrompt(0, 1)")
+
+    await _in_browser(url, profile, queue)
+
+
+async def _banner_text(url: str, profile: str) -> str | None:
+    async def read(page):
+        for _ in range(50):
+            text = await page.eval("document.getElementById('tp2-rank-banner')?.innerText ?? null")
+            if text:
+                return text
+            await asyncio.sleep(0.2)
+        return None
+
+    return await _in_browser(url, profile, read)
+
+
+def test_follower_ui_says_it_is_a_follower_and_links_rank0(ranks):
+    follower = asyncio.run(_banner_text(ranks["urls"][1], str(ranks["tmp"] / "chromium-banner-1")))
+    assert follower and "rank 1 of 2, a follower" in follower and ranks["urls"][0] in follower, follower
+    front = asyncio.run(_banner_text(ranks["urls"][0], str(ranks["tmp"] / "chromium-banner-0")))
+    assert front and "rank 0 of 2" in front, front
 
 
 def _latents(run, rank: int) -> dict[str, bytes]:

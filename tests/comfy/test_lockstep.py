@@ -1,0 +1,280 @@
+"""Lockstep that cannot drift, on real ComfyUI servers started by scripts/start-tp2.sh (CPU, gloo, the tiny int8
+model): one queue on rank 0, a rank's failure reaches every rank in seconds with its reason, a frozen or killed
+rank is named, and each case ends with the next prompt succeeding on every rank with byte-identical outputs.
+
+Faults are injected through TP2_TEST_FAULT_FILE (nodes/faults.py; inert unless that file exists)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui, launch, stop_launched, tiny_base
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
+
+TINY_API = os.path.join(ROOT, "workflows", "api", "h3_tp2_tiny_demo.json")
+
+
+def call(url: str, path: str, body: dict | None = None, headers: dict | None = None, timeout: float = 60):
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def history(url: str, prompt_id: str) -> dict | None:
+    h = call(url, f"/history/{prompt_id}")[1].get(prompt_id)
+    return h if h and h["status"].get("status_str") in ("success", "error") else None
+
+
+def wait_done(url: str, prompt_id: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = history(url, prompt_id)
+        if h is not None:
+            return h
+        time.sleep(0.1)
+    raise TimeoutError(f"{prompt_id} not done on {url} after {timeout} s")
+
+
+def error_text(h: dict) -> str:
+    return " ".join(str(d.get("exception_message", "")) for k, d in h["status"]["messages"] if k == "execution_error")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    run = tmp_path_factory.mktemp("lockstep")
+    fault = run / "fault"
+    launched = launch(run, tiny_base(run), {"TP2_PROMPT_TIMEOUT_S": "15", "TP2_TIMEOUT_S": "120", "TP2_TEST_FAULT_FILE": str(fault)})
+    run_dir = Path(launched["run_dir"])
+    yield {"urls": launched["urls"], "run": run_dir, "secret": (run_dir / "secret").read_text().strip(), "fault": fault}
+    stop_launched(launched)
+
+
+def workflow(prefix: str, steps: int = 3, seed: int = 145) -> dict:
+    wf = json.load(open(TINY_API))
+    wf["5"]["inputs"].update(steps=steps, seed=seed)
+    wf["7"]["inputs"]["filename_prefix"] = f"latents/{prefix}_video"
+    wf["8"]["inputs"]["filename_prefix"] = f"latents/{prefix}_audio"
+    return wf
+
+
+def queue(ranks, prefix: str, steps: int = 3, seed: int = 145, **extra) -> str:
+    status, body = call(ranks["urls"][0], "/prompt", {"prompt": workflow(prefix, steps, seed), **extra})
+    assert status == 200, body
+    return body["prompt_id"]
+
+
+def outputs(ranks, rank: int, prefix: str) -> dict[str, bytes]:
+    d = ranks["run"] / f"rank{rank}" / "output" / "latents"
+    return {f.name: f.read_bytes() for f in sorted(d.glob(f"{prefix}_*"))} if d.exists() else {}
+
+
+def assert_next_prompt_identical(ranks, prefix: str) -> None:
+    """The closing check of every case: a new prompt succeeds on every rank with byte-identical outputs."""
+    pid = queue(ranks, prefix, seed=7)
+    for u in ranks["urls"]:
+        h = wait_done(u, pid)
+        assert h["status"]["status_str"] == "success", (u, error_text(h))
+    a, b = outputs(ranks, 0, prefix), outputs(ranks, 1, prefix)
+    assert len(a) == 2 and a == b
+
+
+def running_on(url: str, prompt_id: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(item[1] == prompt_id for item in call(url, "/queue")[1]["queue_running"]):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{prompt_id} never ran on {url}")
+
+
+def rank_pids(ranks) -> dict[int, int]:
+    lines = (ranks["run"] / "pids").read_text().split("\n")
+    return {int(line.split()[0]): int(line.split()[1]) for line in lines if line.strip()}
+
+
+def test_cancel_of_pending_jobs_by_id_and_batch_costs_only_those_jobs(ranks):
+    running = queue(ranks, "cancel_running", steps=60)
+    running_on(ranks["urls"][0], running)
+    by_id, kept, by_batch = queue(ranks, "cancel_by_id"), queue(ranks, "cancel_kept"), queue(ranks, "cancel_by_batch")
+    assert call(ranks["urls"][0], f"/api/jobs/{by_id}/cancel", {})[1] == {"cancelled": True}
+    assert call(ranks["urls"][0], "/api/jobs/cancel", {"job_ids": [by_batch]})[1] == {"cancelled": True}
+    for pid in (running, kept):
+        for u in ranks["urls"]:
+            h = wait_done(u, pid)
+            assert h["status"]["status_str"] == "success", (u, error_text(h))
+    for pid in (by_id, by_batch):
+        for u in ranks["urls"]:
+            assert call(u, f"/history/{pid}")[1] == {}, (u, pid)  # never ran anywhere
+    assert outputs(ranks, 0, "cancel_kept") == outputs(ranks, 1, "cancel_kept") != {}
+    assert_next_prompt_identical(ranks, "after_cancel")
+
+
+def test_free_on_rank0_then_the_same_workflow_succeeds(ranks):
+    first = queue(ranks, "freed")
+    for u in ranks["urls"]:
+        assert wait_done(u, first)["status"]["status_str"] == "success"
+    assert call(ranks["urls"][0], "/free", {"unload_models": True, "free_memory": True})[0] == 200
+    time.sleep(1.5)  # the prompt worker applies the flags when idle
+    again = queue(ranks, "freed")  # the same workflow: rank 0 recomputes, so must every rank
+    for u in ranks["urls"]:
+        h = wait_done(u, again)
+        assert h["status"]["status_str"] == "success", (u, error_text(h))
+    assert_next_prompt_identical(ranks, "after_free")
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/prompt", {"prompt": {}}),
+        ("/api/prompt", {"prompt": {}}),
+        ("/queue", {"clear": True}),
+        ("/interrupt", {}),
+        ("/api/interrupt", {}),
+        (f"/api/jobs/{uuid.uuid4()}/cancel", {}),
+        ("/api/jobs/cancel", {"job_ids": [str(uuid.uuid4())]}),
+        ("/free", {"unload_models": True}),
+        ("/history", {"clear": True}),
+    ],
+)
+def test_control_routes_on_a_follower_refuse_without_the_secret(ranks, path, body):
+    status, answer = call(ranks["urls"][1], path, body)
+    assert status == 403, (path, status, answer)
+    assert ranks["urls"][0] in answer["error"]["message"]  # says where to go
+
+
+def test_two_clients_posting_large_bodies_at_once_run_in_one_order_everywhere(ranks):
+    padding = "x" * (8 * 1024 * 1024)  # the web UI sends the whole canvas; here an extra_data key no node saves
+    ids: list[str] = []
+    lock = threading.Lock()
+
+    def client(n: int) -> None:
+        for i in range(10):
+            body = {"prompt": workflow(f"many_{n}_{i}", steps=2, seed=n * 100 + i), "extra_data": {"tp2_test_padding": padding}}
+            status, answer = call(ranks["urls"][0], "/prompt", body, timeout=120)
+            assert status == 200, answer
+            with lock:
+                ids.append(answer["prompt_id"])
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(ids) == 20
+    for u in ranks["urls"]:
+        for pid in ids:
+            h = wait_done(u, pid, timeout=180)
+            assert h["status"]["status_str"] == "success", (u, error_text(h))
+    orders = [[pid for pid in call(u, "/history")[1] if pid in ids] for u in ranks["urls"]]
+    assert orders[0] == orders[1] and len(orders[0]) == 20
+    for n in range(2):
+        for i in range(10):
+            assert outputs(ranks, 0, f"many_{n}_{i}") == outputs(ranks, 1, f"many_{n}_{i}") != {}
+
+
+@pytest.mark.parametrize(
+    "fault,expect",
+    [
+        ("1:5:error", ["rank 1 failed at step", "injected fault at model call 5"]),
+        ("1:5:oom", ["rank 1 ran out of GPU memory at step", "CUDA out of memory", "use fewer frames, a lower resolution or more ranks"]),
+    ],
+)
+def test_exception_on_rank1_mid_sampling_fails_rank0_within_seconds_with_its_reason(ranks, fault, expect):
+    ranks["fault"].write_text(fault)
+    pid = queue(ranks, "fault_" + fault.split(":")[2], steps=20)
+    h1 = wait_done(ranks["urls"][1], pid, timeout=60)
+    t1 = time.monotonic()
+    h0 = wait_done(ranks["urls"][0], pid, timeout=30)
+    assert time.monotonic() - t1 < 10
+    assert h0["status"]["status_str"] == "error" and h1["status"]["status_str"] == "error"
+    message = error_text(h0)
+    for text in expect:
+        assert text in message, message
+    assert "a peer rank died" not in message
+    assert not ranks["fault"].exists()
+    assert_next_prompt_identical(ranks, "after_" + fault.split(":")[2])
+
+
+def test_failure_on_rank0_before_the_sampler_releases_the_follower_within_seconds(ranks):
+    ranks["fault"].write_text("0:0:error")
+    pid = queue(ranks, "rank0_early")
+    h0 = wait_done(ranks["urls"][0], pid, timeout=60)
+    t0 = time.monotonic()
+    h1 = wait_done(ranks["urls"][1], pid, timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert h0["status"]["status_str"] == "error" and h1["status"]["status_str"] == "error"
+    assert "rank 0" in error_text(h1) and "injected fault" in error_text(h1), error_text(h1)
+    assert_next_prompt_identical(ranks, "after_rank0_early")
+
+
+def test_interrupt_while_a_follower_is_late_at_the_rendezvous_and_a_reused_prompt_id(ranks):
+    ranks["fault"].write_text("1:0:sleep")  # rank 1 reaches the sampler 5 s late
+    pid = queue(ranks, "late")
+    running_on(ranks["urls"][0], pid)
+    time.sleep(1.5)  # rank 0 now waits at the sampler rendezvous
+    t0 = time.monotonic()
+    call(ranks["urls"][0], "/interrupt", {})
+    waits = []
+    for u in ranks["urls"]:
+        h = wait_done(u, pid, timeout=30)
+        waits.append(time.monotonic() - t0)
+        assert h["status"]["status_str"] == "error", h["status"]
+    assert max(waits) < 10, waits
+    status, answer = call(ranks["urls"][0], "/prompt", {"prompt": workflow("reused"), "prompt_id": pid})
+    assert status == 409 and "used once" in answer["error"]["message"], answer
+    assert_next_prompt_identical(ranks, "after_late")
+
+
+def test_frozen_follower_is_named_within_30_s_and_recovers_after_sigcont(ranks):
+    follower = rank_pids(ranks)[1]
+    pid = queue(ranks, "frozen", steps=400)
+    running_on(ranks["urls"][1], pid)
+    time.sleep(1.0)
+    os.killpg(follower, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        h0 = wait_done(ranks["urls"][0], pid, timeout=60)
+        waited = time.monotonic() - t0
+    finally:
+        os.killpg(follower, signal.SIGCONT)
+    assert waited < 30, waited
+    assert h0["status"]["status_str"] == "error" and "rank 1 is not responding" in error_text(h0), error_text(h0)
+    assert wait_done(ranks["urls"][1], pid, timeout=30)["status"]["status_str"] == "error"
+    assert_next_prompt_identical(ranks, "after_frozen")
+
+
+def test_rank0_killed_mid_sampling_follower_reports_within_10_s_then_rank0_restarts(ranks):
+    pid0 = rank_pids(ranks)[0]
+    pid = queue(ranks, "kill0", steps=400)
+    running_on(ranks["urls"][1], pid)
+    time.sleep(1.0)
+    os.killpg(pid0, signal.SIGKILL)
+    t0 = time.monotonic()
+    h1 = wait_done(ranks["urls"][1], pid, timeout=60)
+    assert time.monotonic() - t0 < 10
+    assert h1["status"]["status_str"] == "error" and "rank 0 died" in error_text(h1), error_text(h1)
+    deadline = time.monotonic() + 90  # the launcher starts rank 0 again
+    while rank_pids(ranks)[0] == pid0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    while time.monotonic() < deadline:
+        try:
+            call(ranks["urls"][0], "/system_stats", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    assert_next_prompt_identical(ranks, "after_kill0")

@@ -1,0 +1,180 @@
+"""A rank's stop reaches every rank in seconds, on real gloo groups (2 and 4 ranks): a peer waiting in a collective
+or at a rendezvous leaves with the stopping rank's own reason; a silent peer is named by its heartbeat; a stop
+notice that no rank signed is never shown; rendezvous keys are gone after agreement."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from harness import run_ranks, values
+
+SECRET = "s" * 64
+
+
+def _session(secret=SECRET, heartbeat_timeout_s=None):
+    import uuid
+
+    from tp2.collectives import read_tp_env
+    from tp2.session import TPSession
+
+    s = TPSession(read_tp_env(), boot_id=uuid.uuid4().hex, secret=secret)
+    if heartbeat_timeout_s is not None:
+        s.watcher.heartbeat_timeout_s = heartbeat_timeout_s
+    s.agree("warm-up", {"x": "1"}, timeout_s=30)  # rank 0's store is up: the watchers can start
+    s.start_watching()
+    return s
+
+
+def _stop_in_a_collective(tp_rank, tp_size, stopper):
+    from tp2.collectives import all_reduce
+    from tp2.errors import PromptAbortedError
+
+    s = _session()
+    s.begin_run("run-1")
+    g = s.agree("run-1/sampler1", {"seed": "1"}, timeout_s=30)
+    all_reduce(torch.ones(2), g)  # every rank is in the group
+    message, waited = "stopped", 0.0
+    if tp_rank == stopper:
+        time.sleep(1.0)  # the others are waiting in the next all_reduce by now
+        s.stop_run(f"rank {tp_rank} ran out of GPU memory at step 4 of 8 (CUDA out of memory): use fewer frames")
+    else:
+        t0 = time.monotonic()
+        try:
+            all_reduce(torch.ones(2), g)
+            return "completed?!"
+        except PromptAbortedError as e:
+            message, waited = str(e), time.monotonic() - t0
+            s.abandon_group()
+    s.end_run()
+    s.begin_run("run-2")  # the next run forms a new group, and it works
+    g2 = s.agree("run-2/sampler1", {"seed": "2"}, timeout_s=30)
+    return message, waited, all_reduce(torch.ones(1), g2).item(), s.generation
+
+
+@pytest.mark.parametrize("tp_size,stopper", [(2, 1), (4, 2)])
+def test_a_rank_that_stops_releases_every_peer_from_its_collective_with_its_reason(tp_size, stopper):
+    out = run_ranks(_stop_in_a_collective, tp_size, stopper, timeout_s=120)
+    for r, v in enumerate(values(out)):
+        if r == stopper:
+            continue
+        message, waited, total, generation = v
+        assert f"rank {stopper} ran out of GPU memory at step 4 of 8" in message, message
+        assert waited < 5.0, waited  # not the 120 s collective timeout
+    assert all(v[2] == float(tp_size) and v[3] == 2 for v in values(out)), values(out)
+
+
+def _silent_peer(tp_rank, tp_size):
+    from tp2.collectives import all_reduce
+    from tp2.errors import PromptAbortedError
+
+    s = _session(heartbeat_timeout_s=3.0)
+    s.begin_run("run-1")
+    g = s.agree("run-1/sampler1", {"seed": "1"}, timeout_s=30)
+    if tp_rank == 1:
+        s.watcher._thread = None  # noqa: SLF001 - simulate a frozen process: its heartbeats stop...
+        s.watcher.poll = lambda now=None: None  # ...for good
+        time.sleep(12)
+        return "slept"
+    t0 = time.monotonic()
+    try:
+        all_reduce(torch.ones(2), g)
+        return "completed?!"
+    except PromptAbortedError as e:
+        return str(e), time.monotonic() - t0
+
+
+def test_a_silent_peer_is_named_by_its_heartbeat():
+    out = values(run_ranks(_silent_peer, 2, timeout_s=120))
+    message, waited = out[0]
+    assert "rank 1 is not responding (no heartbeat for" in message, message
+    assert waited < 8.0, waited
+
+
+def _unsigned_notice(tp_rank, tp_size):
+    import json
+
+    from tp2.errors import PromptAbortedError
+
+    s = _session()
+    s.begin_run("run-u")
+    if tp_rank == 0:  # an outsider writes a notice without the secret
+        s._connect(10).set("tp2/run/run-u/stop", json.dumps({"rank": 1, "reason": "Your licence has expired"}))
+    time.sleep(2.0)
+    unsigned = s.stop_reason()
+    try:
+        s.agree("run-u/sampler1", {"seed": "1"}, timeout_s=30)
+        agreed = True
+    except PromptAbortedError:
+        agreed = False
+    return unsigned, agreed
+
+
+def test_a_stop_notice_no_rank_signed_is_ignored():
+    for unsigned, agreed in values(run_ranks(_unsigned_notice, 2, timeout_s=60)):
+        assert unsigned is None and agreed
+
+
+def _keys_after(tp_rank, tp_size):
+    s = _session()
+    s.begin_run("run-k")
+    s.agree("run-k/sampler1", {"seed": "1"}, timeout_s=30)
+    time.sleep(1.0)
+    store = s._connect(10)
+    return [store.check([f"tp2/rv/run-k/sampler1/rank{r}"]) for r in range(tp_size)] + [store.check(["tp2/rv/run-k/sampler1/read"])]
+
+
+def test_rendezvous_keys_are_deleted_after_agreement():
+    for present in values(run_ranks(_keys_after, 2, timeout_s=60)):
+        assert not any(present), present
+
+
+def _stop_seen_when_all_arrived(tp_rank, tp_size):
+    from tp2.errors import PromptAbortedError
+
+    s = _session()
+    s.begin_run("run-a")
+    if tp_rank == 0:
+        s.stop_run("interrupted on rank 0")
+        time.sleep(1.5)
+    else:
+        time.sleep(1.5)  # arrives after the stop; rank 0's arrival key may or may not be there
+    t0 = time.monotonic()
+    try:
+        s.agree("run-a/sampler1", {"seed": "1"}, timeout_s=30)
+        return "agreed?!", 0
+    except PromptAbortedError as e:
+        return str(e), time.monotonic() - t0
+
+
+def test_a_rank_arriving_after_a_stop_leaves_at_once():
+    out = values(run_ranks(_stop_seen_when_all_arrived, 2, timeout_s=60))
+    assert "interrupted on rank 0" in out[1][0] and out[1][1] < 2.0, out[1]
+    assert "interrupted on rank 0" in out[0][0], out[0]
+
+
+def test_failure_messages_name_the_rank_and_say_what_to_do():
+    from tp2.watch import decode_stop, describe_failure, sign
+
+    oom = describe_failure(1, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 4, 8)
+    assert oom == (
+        "rank 1 ran out of GPU memory at step 4 of 8 (CUDA out of memory. Tried to allocate 2.00 GiB): "
+        "use fewer frames, a lower resolution or more ranks"
+    )
+    assert describe_failure(0, ValueError("bad"), None, None) == "rank 0 failed: ValueError: bad"
+    good = '{"rank": 1, "reason": "x", "mac": "%s"}' % sign(SECRET, "run", 1, "x")
+    assert decode_stop(good.encode(), "run", SECRET) == (1, "x")
+    assert decode_stop(good.encode(), "other-run", SECRET) is None  # a notice is bound to its run
+    assert decode_stop(b'{"rank": 1, "reason": "x"}', "run", SECRET) is None
+    assert decode_stop(b'{"rank": 1, "reason": "x"}', "run", None) == (1, "x")  # no secret: no front door either
+
+
+def test_nccl_decisions():
+    from tp2.session import nccl_error_handling, watcher_aborts_communicator
+
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    assert nccl_error_handling(env) == "3" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    env = {}
+    assert nccl_error_handling(env) is None and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert watcher_aborts_communicator("nccl") and not watcher_aborts_communicator("gloo")

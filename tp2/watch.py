@@ -1,0 +1,256 @@
+"""What every rank knows about the others between collectives: heartbeats, and why a run stopped.
+
+A rank that stops a run (an exception in any node, out of memory, an interrupt, a failed load, a mismatch)
+publishes a stop notice under the run's id in the rank store, with its rank and its reason; every rank's
+watcher thread reads the store every `POLL_S` and exposes the first notice (or a peer whose heartbeat went
+quiet, or restarted) as `stop_reason()`. Collectives and rendezvous poll `stop_reason()` while they wait, so a
+peer's failure reaches every rank in about a second instead of at a collective's timeout.
+
+    tp2/hb/rank{r}              "<boot id>:<count>", rewritten every POLL_S by rank r's watcher
+    tp2/boot/rank{r}            rank r's boot id (rewritten too, so a restarted store learns it again)
+    tp2/run/{run}/stop          the first stop notice of a run: JSON {rank, reason, mac}
+    tp2/run/{run}/state/rank{r} "started" or "done" (rank r finished the run, with or without an error)
+
+Stop notices are signed with the run's secret (HMAC-SHA256) when one is given: a notice that no rank signed is
+logged and never shown to the user. Imports torch only; never `comfy`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
+STORE_OP_TIMEOUT_S = 5.0
+OOM_HINT = "use fewer frames, a lower resolution or more ranks"
+
+
+def describe_failure(rank: int, exc: BaseException, step: int | None = None, steps: int | None = None) -> str:
+    """The one line every rank shows when rank `rank` stopped a run with `exc` (at sampling step `step` of `steps`)."""
+    where = f" at step {step} of {steps}" if step is not None and steps else ""
+    text = " ".join(str(exc).split())[:400] or type(exc).__name__
+    if _is_out_of_memory(exc):
+        return f"rank {rank} ran out of GPU memory{where} ({text}): {OOM_HINT}"
+    return f"rank {rank} failed{where}: {type(exc).__name__}: {text}"
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def sign(secret: str, run: str, rank: int, reason: str) -> str:
+    return hmac.new(secret.encode(), f"{run}\n{rank}\n{reason}".encode(), hashlib.sha256).hexdigest()
+
+
+def decode_stop(raw: bytes, run: str, secret: str | None) -> tuple[int, str] | None:
+    """(rank, reason) of a stop notice, or None when it is malformed or not signed by a rank."""
+    try:
+        d = json.loads(raw)
+        rank, reason = int(d["rank"]), str(d["reason"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    if secret is not None and not hmac.compare_digest(str(d.get("mac", "")), sign(secret, run, rank, reason)):
+        return None
+    return rank, reason
+
+
+class Watcher:
+    """This rank's view of its peers; a daemon thread keeps it fresh. One run at a time (the prompt worker's)."""
+
+    def __init__(self, rank: int, size: int, addr: str, port: int, boot_id: str, secret: str | None = None,
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S):  # fmt: skip
+        self.rank, self.size, self.addr, self.port, self.boot_id = rank, size, addr, port, boot_id
+        self.secret, self.heartbeat_timeout_s = secret, heartbeat_timeout_s
+        self.on_stop: Callable[[str], None] | None = None  # called once per run, from the watcher thread
+        self._lock = threading.Lock()
+        self._run: str | None = None
+        self._stop: str | None = None
+        self._stop_told = False
+        self._beats = 0
+        self._seen: dict[int, tuple[str, float]] = {}  # peer -> (last heartbeat value, when it last changed)
+        self._boots: dict[int, str] = {}  # peer -> boot id when the run began
+        self._store_failures = 0
+        self._clients = threading.local()  # one store connection per thread (the watcher's, the prompt worker's)
+        self._thread: threading.Thread | None = None
+
+    # -- the run ---------------------------------------------------------------------------------------
+    def begin(self, run: str, boots: dict[int, str] | None = None) -> None:
+        """Start watching run `run`; `boots` are peers' boot ids known to be part of it (rank 0's, from its order).
+        Other peers' are taken from their first heartbeat read during the run: a change after that is a restart."""
+        with self._lock:
+            self._run, self._stop, self._stop_told = run, None, False
+            self._boots = dict(boots or {})
+        self._set(f"tp2/run/{run}/state/rank{self.rank}", "started")
+
+    def end(self) -> None:
+        with self._lock:
+            run, self._run = self._run, None
+        if run is not None and self.store_problem() is None:
+            self._set(f"tp2/run/{run}/state/rank{self.rank}", "done")
+
+    @property
+    def run(self) -> str | None:
+        return self._run
+
+    def stop_reason(self) -> str | None:
+        """Why the current run must stop on this rank (a peer's notice, a silent or restarted peer), else None."""
+        return self._stop
+
+    def publish_stop(self, reason: str) -> None:
+        """Tell every rank that this rank stopped the current run, and why (the first notice of a run wins)."""
+        run = self._run
+        if run is None:
+            return
+        with self._lock:
+            self._stop = self._stop or reason  # this rank waits for nothing more in this run either
+        if self.store_problem() is not None:  # no store, no peer to tell (rank 0 is gone)
+            return
+        notice = {"rank": self.rank, "reason": reason}
+        if self.secret is not None:
+            notice["mac"] = sign(self.secret, run, self.rank, reason)
+        key = f"tp2/run/{run}/stop"
+        try:
+            store = self._client()
+            store.compare_set(key, "", json.dumps(notice))  # only when no rank wrote one first
+        except (RuntimeError, dist.DistError) as e:
+            log.warning("[tp2 r%d/%d] could not publish why the run stopped (%s): %s", self.rank, self.size, e, reason)
+
+    def read_stop(self, run: str) -> str | None:
+        """The run's stop notice, read now (not at the next poll): why a peer that finished the run stopped it."""
+        raw = self._get(f"tp2/run/{run}/stop")
+        notice = decode_stop(raw.encode(), run, self.secret) if raw else None
+        return notice[1] if notice is not None and notice[0] != self.rank else None
+
+    def explain_loss(self) -> str | None:
+        """After a collective broke without a stop notice: who is gone, when that can be told at once (rank 0
+        hosts the store, so a rank 0 that died leaves a closed port)."""
+        problem = self.store_problem()
+        if problem is None:
+            return None
+        return f"rank 0 died (its rank store at {self.addr}:{self.port} is gone: {problem}); scripts/start-tp2.sh restarts it, then queue the prompt again"
+
+    def store_problem(self) -> str | None:
+        """Why the rank store cannot be reached right now (a refused connection is told at once), else None."""
+        if self.rank == 0:
+            return None
+        try:
+            socket.create_connection((self.addr, self.port), timeout=1.0).close()
+            return None
+        except OSError as e:
+            return str(e)
+
+    def peer_state(self, run: str, rank: int) -> str | None:
+        return self._get(f"tp2/run/{run}/state/rank{rank}")
+
+    # -- the thread ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"tp2-watch-r{self.rank}", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - the watcher must outlive any one bad poll
+                log.warning("[tp2 r%d/%d] watcher: %s", self.rank, self.size, e)
+            time.sleep(POLL_S)
+
+    def poll(self, now: float | None = None) -> None:
+        """One round: beat, read the peers and the current run's stop notice; decide whether the run must stop."""
+        now = time.monotonic() if now is None else now
+        try:
+            store = self._client()
+            self._beats += 1
+            store.set(f"tp2/hb/rank{self.rank}", f"{self.boot_id}:{self._beats}")
+            store.set(f"tp2/boot/rank{self.rank}", self.boot_id)
+            beats = store.multi_get([f"tp2/hb/rank{r}" for r in range(self.size)]) if self._all_beating(store) else None
+            run = self._run
+            raw = store.get(f"tp2/run/{run}/stop") if run is not None and store.check([f"tp2/run/{run}/stop"]) else None
+            self._store_failures = 0
+        except (RuntimeError, dist.DistError) as e:
+            self._clients.store = None
+            self._store_failures += 1
+            if self._store_failures >= 3 and self.rank != 0:
+                self._decide(f"rank 0 is not answering (its rank store at {self.addr}:{self.port}: {str(e).splitlines()[0][:200]}): "
+                             "it died, froze or is restarting; scripts/start-tp2.sh restarts ranks that die", now)  # fmt: skip
+            return
+        if raw:
+            notice = decode_stop(raw, run, self.secret)
+            if notice is None:
+                log.warning("[tp2 r%d/%d] ignored a stop notice for run %s that no rank signed", self.rank, self.size, run)
+            elif notice[0] != self.rank:
+                self._decide(notice[1], now)
+        for r, value in enumerate(beats or []):
+            if r == self.rank:
+                continue
+            value = value.decode()
+            old = self._seen.get(r)
+            if old is None or old[0] != value:
+                self._seen[r] = (value, now)
+            boot = value.split(":")[0]
+            if run is not None:
+                self._boots.setdefault(r, boot)
+            if run is not None and self._boots[r] != boot:
+                self._decide(f"rank {r} restarted during the prompt (it died and came back): queue the prompt again", now)
+            quiet = now - self._seen[r][1]
+            if run is not None and quiet > self.heartbeat_timeout_s:
+                self._decide(f"rank {r} is not responding (no heartbeat for {quiet:.0f} s): it is frozen, stopped or overloaded; "
+                             "check its log, or restart it with scripts/start-tp2.sh restart --rank " + str(r), now)  # fmt: skip
+
+    def _all_beating(self, store) -> bool:
+        return store.check([f"tp2/hb/rank{r}" for r in range(self.size)])
+
+    def _decide(self, reason: str, now: float) -> None:
+        with self._lock:
+            if self._run is None or self._stop is not None:
+                return
+            self._stop = reason
+        log.warning("[tp2 r%d/%d] stopping run %s: %s", self.rank, self.size, self._run, reason)
+        if "not responding" in reason or "restarted during" in reason:
+            self.publish_stop(reason)  # the silent rank finds out when it wakes up
+        if self.on_stop is not None and not self._stop_told:
+            self._stop_told = True
+            self.on_stop(reason)
+
+    # -- the store -------------------------------------------------------------------------------------
+    def reconnect(self) -> None:
+        """Drop this thread's store connection (after a failure: rank 0 may have restarted behind it)."""
+        self._clients.store = None
+
+    def _client(self) -> dist.Store:
+        store = getattr(self._clients, "store", None)
+        if store is None:
+            store = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=STORE_OP_TIMEOUT_S))  # fmt: skip
+            self._clients.store = store
+        return store
+
+    def _set(self, key: str, value: str) -> None:
+        try:
+            self._client().set(key, value)
+        except (RuntimeError, dist.DistError) as e:
+            self._clients.store = None
+            log.warning("[tp2 r%d/%d] rank store unreachable (%s)", self.rank, self.size, e)
+
+    def _get(self, key: str) -> str | None:
+        try:
+            store = self._client()
+            return store.get(key).decode() if store.check([key]) else None
+        except (RuntimeError, dist.DistError):
+            self._clients.store = None
+            return None
