@@ -59,7 +59,8 @@ def _rank(tp_rank, tp_size, lengths, extra_cases):
 
     STATE.env = read_tp_env()
     STATE.session, STATE.prompt_timeout_s = TPSession(STATE.env), 30.0
-    CURRENT.prompt_id, CURRENT.fingerprint = "prompt-1", "graph"
+    CURRENT.prompt_id = CURRENT.run = "prompt-1"
+    CURRENT.fingerprint = "graph"
     messages = []
     handler = logging.Handler()
     handler.emit = lambda rec: messages.append(rec.getMessage())
@@ -93,7 +94,7 @@ def _rank(tp_rank, tp_size, lengths, extra_cases):
 
 def _extra_case(case, tp_rank, vae, vd, latent, refs, messages, CURRENT, STATE):
     """'mismatch': ranks hold different latents; 'alone': only rank 0 decodes (its peer never arrives)."""
-    CURRENT.prompt_id = f"prompt-{case}"
+    CURRENT.prompt_id = CURRENT.run = f"prompt-{case}"
     del messages[:]
     if case == "mismatch":
         try:
