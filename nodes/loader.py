@@ -16,7 +16,7 @@ import comfy.sd
 import torch
 
 from ..tp2.checkpoint import CheckpointLayout
-from ..tp2.errors import PlanError
+from ..tp2.errors import PlanError, UnknownPrefixError
 from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan, find_prefix
 from ..tp2.safetensors_io import file_fingerprint, read_header
 from ..tp2.shard import is_rank_file, load_rank_file, rank_file_name, shard_state_dict, verify_rank_file
@@ -37,6 +37,8 @@ def is_h3_file(path: str) -> bool:
         header = read_header(path)
         find_prefix(CheckpointLayout({n: (t.dtype, t.shape) for n, t in header.tensors.items()}, header.metadata, source=path))
         return True
+    except UnknownPrefixError:
+        raise  # H3, but not where we can split it: refused, never run whole on every rank
     except PlanError:
         return False
     except Exception:  # noqa: BLE001 - unreadable files are ComfyUI's to report, not ours
@@ -58,9 +60,8 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
     _assign_split_input(dm, split_input)
     patcher.model.tp2_plan = plan  # read by the LoRA hook (nodes/lora.py)
     tag_and_verify(dm, plan)
-    if STATE.sequence_parallel and plan.tp_size > 1:
-        sequence_parallel.install(dm)
-    install_lockstep(patcher, plan, source_fp)
+    sp = STATE.sequence_parallel and plan.tp_size > 1 and sequence_parallel.install(dm)
+    install_lockstep(patcher, plan, source_fp, sequence_parallel=sp)
     patcher.cached_patcher_init = (tp_load_diffusion_model, (unet_path, model_options))
     secs = time.monotonic() - t0
     STATE.models.append(
@@ -109,16 +110,30 @@ def _rank_file_for(path: str, tp_rank: int, tp_size: int) -> str | None:
 
 
 def _pop_split_input(sd: dict, plan: Plan) -> dict[str, torch.Tensor]:
-    """Full-form adaln weights are split along K; ComfyUI would build (and size-check) them at full K, so they
-    are assigned after the build instead."""
-    names = [plan.prefix + layer + ".weight" for layer, style in plan.linears.items() if style == ROWWISE_SPLIT_INPUT]
-    return {n[len(plan.prefix) :]: sd.pop(n) for n in names if plan.tp_size > 1}
+    """Full-form adaln weights (and their biases) are split along K; ComfyUI would build (and size-check) them at
+    full K, so they are assigned after the build instead."""
+    if plan.tp_size == 1:
+        return {}
+    layers = [layer for layer, style in plan.linears.items() if style == ROWWISE_SPLIT_INPUT]
+    names = [plan.prefix + layer + suffix for layer in layers for suffix in (".weight", ".bias")]
+    return {n[len(plan.prefix) :]: sd.pop(n) for n in names if n in sd}
 
 
-def _assign_split_input(dm: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    for name, w in weights.items():
-        module = dm.get_submodule(name[: -len(".weight")])
-        module.weight = torch.nn.Parameter(w.to(device=module.weight.device, dtype=module.weight.dtype), requires_grad=False)
+def _assign_split_input(dm: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Give the split-input layers (full-form adaln) this rank's K slice and its bias, in the dtype and on the device
+    ComfyUI chose for them. With mixed-precision ops (an int8 file), a layer ComfyUI was given no weight for has
+    weight None and a bias it never loaded (ComfyUI returns before loading it): then the weight takes the layer's
+    compute dtype, as ComfyUI would have given it, and goes where the model's other weights are."""
+    home = next((p.device for p in dm.parameters() if p is not None), torch.device("cpu"))
+    for name, t in tensors.items():
+        layer, attr = name.rsplit(".", 1)
+        module = dm.get_submodule(layer)
+        old = getattr(module, attr, None)
+        if old is not None:
+            device, dtype = old.device, old.dtype
+        else:
+            device, dtype = home, getattr(module, "factory_kwargs", {}).get("dtype") or t.dtype
+        setattr(module, attr, torch.nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
 
 
 def install_loader_hook() -> None:

@@ -32,7 +32,9 @@ from ..kernels.attention import select_attention
 from ..tp2 import __version__
 from ..tp2.collectives import broadcast_tree
 from ..tp2.errors import PeerLostError, PromptAbortedError
+from ..tp2.handshake import prompt_details
 from ..tp2.plan import Plan
+from ..tp2.session import detail_key
 from ..tp2.watch import describe_failure
 from . import front_door
 from .faults import inject_fault
@@ -50,6 +52,7 @@ class _Prompt:
     prompt_id: str | None = None
     run: str | None = None  # the id every rank knows this execution by
     fingerprint: str = "none"
+    details: str = "{}"  # tp2.handshake.prompt_details: what a mismatch message names
     samplers: int = 0
     model_calls: int = 0
     step: int | None = None  # sampling step of the last model evaluation, 1-based, of `steps`
@@ -109,6 +112,7 @@ def track_prompts() -> None:
             log.info("%s a rank restarted, failed or freed memory since the last prompt: clearing this rank's node cache", STATE.tag)
             self.reset()
         CURRENT.prompt_id, CURRENT.run, CURRENT.fingerprint = prompt_id, run, prompt_fingerprint(prompt)
+        CURRENT.details = prompt_details(prompt)
         CURRENT.samplers = CURRENT.model_calls = 0
         CURRENT.step = CURRENT.steps = None
         CURRENT.coordinated_stop = False
@@ -166,8 +170,9 @@ def tensor_digest(t) -> str:
     return hashlib.sha256(t.detach().float().cpu().numpy().tobytes()).hexdigest()[:12]
 
 
-def install_lockstep(patcher, plan: Plan, checkpoint_fp: str) -> None:
-    """Wire one loaded TP model: wrappers on the patcher, the refiner broadcast on the model instance."""
+def install_lockstep(patcher, plan: Plan, checkpoint_fp: str, sequence_parallel: bool = False) -> None:
+    """Wire one loaded TP model: wrappers on the patcher, the refiner broadcast on the model instance.
+    `sequence_parallel`: whether this model's blocks run the sequence-parallel forward (compared across ranks)."""
     model_fields = {
         "pack_version": __version__,
         "plan": plan.fingerprint(),
@@ -175,7 +180,7 @@ def install_lockstep(patcher, plan: Plan, checkpoint_fp: str) -> None:
         "tp_size": str(plan.tp_size),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
         "sequence_parallel": (  # the collectives (and the norm kernels) differ
-            f"{STATE.sequence_parallel}, pieces {STATE.sp_pieces}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
+            f"{sequence_parallel}, pieces {STATE.sp_pieces}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
         ),
     }
     patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, plan, model_fields))
@@ -192,6 +197,7 @@ def _outer_sample(plan, model_fields, executor, *args, **kwargs):
     sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
     patches = lora_patch_report(executor.class_obj.model_patcher, plan)  # LoRA identities and strengths
     fields = dict(model_fields, prompt=CURRENT.fingerprint, sampler=str(n), seed=str(seed), sigmas=tensor_digest(sigmas), patches=patches)
+    fields[detail_key("prompt")] = CURRENT.details  # names the node and input when the prompts differ
     key = f"{CURRENT.run or 'no-prompt'}/sampler{n}"
     inject_fault(STATE.env.tp_rank, 0)  # tests only (TP2_TEST_FAULT); inert by default
     try:

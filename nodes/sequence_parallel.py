@@ -36,7 +36,10 @@ helpers on this rank's rows, and its attention is ComfyUI's Attention.forward as
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import os
+import textwrap
 import threading
 import types
 
@@ -250,10 +253,52 @@ def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_opt
     return _gather(x) if self.tp2_sp_last else x
 
 
-def install(diffusion_model: torch.nn.Module) -> None:
-    """Give every DiT block of a loaded TP model the sequence-parallel forward (the refiner stays as it is)."""
+# The ComfyUI code the sequence-parallel path stands in for or leans on, with the digest of each function's source
+# as it was written against (kat3ri/ComfyUI, ComfyUI 0.33): sha256 of the dedented source, first 16 hex digits.
+STANDS_IN_FOR = {
+    "DiTBlock.forward": "17a96f6970df756b",  # _block_forward
+    "Attention.forward": "91973d57b4143f16",  # nodes/h3_attention.attention_forward
+    "_mod_scale_shift": "796cae2505e9742d",  # the fused norm kernels reproduce its roundings
+    "_mod_gate": "0aaa07a6860a2d3e",
+    "MiniMaxH3Model._forward": "a72c515aa53aa677",  # its block loop hands each output straight on (the pending residual)
+}
+
+
+def source_digest(obj) -> str:
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode()).hexdigest()[:16]
+
+
+def changed_comfy_code(h3, expected: dict[str, str] = STANDS_IN_FOR) -> list[str]:
+    """The functions of ComfyUI's H3 module whose source is not what the sequence-parallel path was written against."""
+    changed = []
+    for dotted, want in expected.items():
+        obj = h3
+        try:
+            for part in dotted.split("."):
+                obj = getattr(obj, part)
+            got = source_digest(obj)
+        except (AttributeError, OSError, TypeError):
+            got = "missing"
+        if got != want:
+            changed.append(f"{dotted} ({got}, written against {want})")
+    return changed
+
+
+def install(diffusion_model: torch.nn.Module) -> bool:
+    """Give every DiT block of a loaded TP model the sequence-parallel forward (the refiner stays as it is).
+
+    Returns False, with one log line, and changes nothing when ComfyUI's code that the path stands in for changed:
+    then plain TP runs (the same result, a little slower)."""
     import comfy.ldm.minimax.model as h3
 
+    changed = changed_comfy_code(h3)
+    if changed:
+        log.warning(
+            "%s sequence parallelism off for this model: ComfyUI's H3 code it stands in for changed (%s); plain TP runs",
+            STATE.tag,
+            "; ".join(changed),
+        )
+        return False
     needed = ("_mod_scale_shift", "_mod_gate", "optimized_attention")
     missing = [name for name in needed if getattr(h3, name, None) is None]
     if missing:
@@ -267,3 +312,4 @@ def install(diffusion_model: torch.nn.Module) -> None:
         accept_int8_rows(block.attn.qkv_proj)
         accept_int8_rows(block.mlp.fc1)
         block.forward = types.MethodType(lambda self, *a, **k: _block_forward(h3, self, *a, **k), block)
+    return True

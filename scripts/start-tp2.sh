@@ -221,6 +221,12 @@ if [[ -f "$PIDS" ]]; then
   while read -r rank pid port; do alive "$pid" && die "ranks of $RUN_DIR are already running (rank $rank pid $pid); run: $0 stop --run-dir $RUN_DIR"; done < "$PIDS"
   rm -f "$PIDS"
 fi
+for a in "${EXTRA[@]}"; do  # the launcher owns these: after -- they would bypass the checks below, or clash
+  case "$a" in
+    --listen|--listen=*) die "'--listen' after -- is not allowed: use start-tp2.sh --listen ADDR (with --allow-remote beyond loopback)" ;;
+    --port|--port=*) die "'--port' after -- is not allowed: use start-tp2.sh --base-port N (rank r gets N + r)" ;;
+  esac
+done
 if [[ "$LISTEN" != 127.0.0.1 && "$LISTEN" != localhost ]]; then
   [[ $ALLOW_REMOTE -eq 1 ]] || die "--listen $LISTEN exposes ComfyUI's API (no authentication) beyond this machine; add --allow-remote if you mean it"
   echo "WARNING: listening on $LISTEN: anyone who can reach these ports can queue prompts and read outputs (ComfyUI's API has no authentication)" >&2
@@ -242,10 +248,18 @@ else
   IFS=, read -r -a GPU_LIST <<< "$GPUS"
   [[ ${#GPU_LIST[@]} -eq $TP_SIZE ]] || die "--gpus lists ${#GPU_LIST[@]} GPUs for --tp-size $TP_SIZE"
 fi
-MASTER_PORT="$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+if [[ -n "${MASTER_PORT:-}" ]]; then  # the user's choice (e.g. a port their firewall allows); refused if it is taken
+  [[ "$MASTER_PORT" =~ ^[0-9]+$ && $MASTER_PORT -ge 1 && $MASTER_PORT -le 65535 ]] || die "MASTER_PORT=$MASTER_PORT is not a port number"
+  "$PY" -c 'import socket, sys; s=socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1])))' "$MASTER_PORT" 2>/dev/null \
+    || die "MASTER_PORT=$MASTER_PORT is in use on 127.0.0.1: unset it (a free port is picked) or choose another"
+else
+  MASTER_PORT="$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+fi
 # the per-run secret that authenticates rank 0's forwards (and tp2-submit) to the followers
 SECRET_FILE="$RUN_DIR/secret"
+rm -f "$SECRET_FILE"  # made fresh, readable by this user only, whatever mode an old one had
 ( umask 077; "$PY" -c 'import secrets; print(secrets.token_hex(32))' > "$SECRET_FILE" )
+chmod 600 "$SECRET_FILE"
 HOST="$LISTEN"; [[ "$HOST" == 0.0.0.0 ]] && HOST=127.0.0.1
 RANK_URLS="$(for (( r = 0; r < TP_SIZE; r++ )); do printf 'http://%s:%d,' "$HOST" $((BASE_PORT + r)); done)"
 RANK_URLS="${RANK_URLS%,}"

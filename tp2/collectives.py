@@ -15,6 +15,7 @@ Imports torch only; never `comfy`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -90,8 +91,8 @@ class TPGroup:
     stop_check: Callable[[], str | None] | None = None  # why the run must stop now (a peer's reason), else None
     loss_check: Callable[[], str | None] | None = None  # after a broken collective: which rank is gone, if known
 
-    @property
-    def backend(self) -> str:
+    @functools.cached_property
+    def backend(self) -> str:  # fixed for the group's life; read per collective
         return dist.get_backend(self.group) if self.group is not None else "none"
 
 

@@ -16,6 +16,10 @@ class PlanError(TP2Error):
     """The checkpoint cannot be split as asked (not H3, indivisible shapes, unknown tensors or quant formats)."""
 
 
+class UnknownPrefixError(PlanError):
+    """An H3 DiT under a key prefix the pack does not resolve: refused, never run unsplit on every rank."""
+
+
 class ShardMismatchError(TP2Error):
     """A pre-sharded rank file belongs to another rank, tp_size, plan or source checkpoint."""
 

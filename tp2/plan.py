@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from .checkpoint import TP_METADATA_PREFIX, CheckpointLayout, convrot_group
-from .errors import PlanError
+from .errors import PlanError, UnknownPrefixError
 
 COLWISE = "colwise"  # Y = X A, A split by output rows; no collective
 COLWISE_PACKED = "colwise_packed"  # the same, per fused part ([q|k|v], [gate|up]): each rank its slice of each
@@ -82,7 +82,9 @@ H3_REQUIRED = (
     "blocks.0.mlp.fc2.weight",
     "final_layer.video_out.weight",
 )
-KNOWN_PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.")
+# every prefix ComfyUI's loader strips from a diffusion model (comfy/model_detection.py unet_prefix_from_state_dict),
+# and bare keys
+KNOWN_PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.model.", "net.", "model.")
 
 
 def _compile(pattern: str) -> re.Pattern:
@@ -183,6 +185,13 @@ def find_prefix(layout: CheckpointLayout) -> str:
                     "or a different model. Use a complete MiniMax-H3 diffusion model file."
                 )
             return prefix
+    elsewhere = sorted({k[: -len("video_patch_proj.weight")] for k in layout.tensors if k.endswith("video_patch_proj.weight")})
+    if elsewhere:
+        raise UnknownPrefixError(
+            f"'{layout.source}' holds a MiniMax-H3 model under the key prefix '{elsewhere[0]}', which this pack does not "
+            f"know (it knows {', '.join(repr(p) for p in KNOWN_PREFIXES)}): refused rather than run whole on every rank. "
+            "Re-save the file with one of those prefixes, or report the file's origin."
+        )
     raise PlanError(
         f"'{layout.source}' is not a MiniMax-H3 diffusion model: it has no 'video_patch_proj.weight' and "
         "'audio_patch_proj.weight'. Load other models with the stock loader; TP applies to H3 only."

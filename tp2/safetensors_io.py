@@ -187,26 +187,45 @@ class PendingTensor:
     produce: Callable[[], torch.Tensor]
 
 
+DIGEST_CHARS = 16  # hex of a 64-bit BLAKE2b: per-tensor content digests in rank files
+
+
+def tensor_digest(data: torch.Tensor) -> str:
+    """The content digest of one tensor's bytes (as stored: contiguous, little-endian)."""
+    return hashlib.blake2b(memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy()), digest_size=DIGEST_CHARS // 2).hexdigest()
+
+
 def write_streaming(
     path: str,
     tensors: list[PendingTensor],
     metadata: dict[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    digests_key: str | None = None,
 ) -> None:
     """Write a safetensors file one tensor at a time (the header is computed from the layouts first).
 
-    Writes to `path + ".partial"` and renames at the end, so a crash never leaves a file that looks complete.
+    With `digests_key`, the metadata gets that key holding every tensor's `tensor_digest` as JSON: the header is
+    written with placeholders of the same length and rewritten once the data is out. Writes to `path +
+    ".partial"` and renames at the end, so a crash never leaves a file that looks complete.
     """
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for t in tensors:
-        nbytes = _prod(t.shape) * torch.empty((), dtype=t.dtype).element_size()
-        header[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+
+    def header_blob(digests: dict[str, str]) -> bytes:
+        header: dict[str, object] = {}
+        md = {str(k): str(v) for k, v in (metadata or {}).items()}
+        if digests_key is not None:
+            md[digests_key] = json.dumps(digests, separators=(",", ":"))
+        if md:
+            header["__metadata__"] = md
+        offset = 0
+        for t in tensors:
+            nbytes = _prod(t.shape) * torch.empty((), dtype=t.dtype).element_size()
+            header[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        return blob + b" " * (-len(blob) % 8)
+
+    digests = {t.name: "0" * DIGEST_CHARS for t in tensors}
+    blob = header_blob(digests)
     tmp = path + ".partial"
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
@@ -218,9 +237,17 @@ def write_streaming(
                     f"Tensor '{t.name}' was declared {t.dtype} {list(t.shape)} but produced "
                     f"{data.dtype} {list(data.shape)}: the writer's plan and its data disagree."
                 )
-            f.write(data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
+            if digests_key is not None:
+                digests[t.name] = tensor_digest(data)
+            f.write(raw.tobytes())
             if progress is not None:
                 progress(i + 1, len(tensors))
+        if digests_key is not None:
+            final = header_blob(digests)
+            assert len(final) == len(blob), "digest placeholders changed the header length"
+            f.seek(8)
+            f.write(final)
     os.replace(tmp, path)
 
 

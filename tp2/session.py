@@ -22,9 +22,11 @@ Imports torch only; never `comfy`.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -33,7 +35,7 @@ import torch.distributed as dist
 
 from .collectives import TPEnv, TPGroup, init_tp_group
 from .errors import PeerLostError, PromptAbortedError
-from .handshake import compare_fields
+from .handshake import DETAIL, compare_fields
 from .watch import Watcher
 
 ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
@@ -49,6 +51,23 @@ def nccl_error_handling(environ=os.environ) -> str | None:
     return old if old not in (None, "0") else None
 
 
+def listening_socket(addr: str, port: int) -> socket.socket:
+    """A listening socket bound to `addr`:`port` only: TCPStore's own server would listen on every interface."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted rank 0 takes its port back at once
+    s.bind((addr, port))
+    s.listen(512)
+    return s
+
+
+def is_loopback(addr: str) -> bool:
+    try:
+        return addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
 def watcher_aborts_communicator(backend: str) -> bool:
     """Whether a stop seen by the watcher thread must abort the communicator from that thread: under NCCL the host
     does not wait on collectives (the GPU spins in them), under gloo the prompt worker polls and leaves by itself."""
@@ -61,6 +80,11 @@ POLL_S = 0.05
 _PRIVATE = "_tp2_"  # field-name prefix for the session's own bookkeeping (not compared)
 
 
+def detail_key(field: str) -> str:
+    """The rendezvous field that explains `field` when ranks differ on it (JSON {label: value}; not compared itself)."""
+    return f"{_PRIVATE}{DETAIL}{field}"
+
+
 class TPSession:
     """This rank's membership in the TP world across prompts."""
 
@@ -69,9 +93,11 @@ class TPSession:
         self.device = device
         self._store: dist.Store | None = None
         self._stale = False  # the store connection may be dead (rank 0 restarted): reconnect at the next use
+        self._listener: socket.socket | None = None  # rank 0: the store's socket, bound to MASTER_ADDR only
         self.group: TPGroup | None = None
         self.generation = 0
         self.healthy = False
+        self._retired: list[tuple[float, list]] = []  # (when, [groups]) given up, kept until their waits are over
         self.watcher = Watcher(env.tp_rank, env.tp_size, env.master_addr, env.master_port, boot_id, secret)
         self.watcher.on_stop = self._stopped_by_peer
 
@@ -85,14 +111,17 @@ class TPSession:
             self._stale = False
             master = self.env.tp_rank == 0
             try:
+                if master and self._listener is None:
+                    self._listener = listening_socket(self.env.master_addr, self.env.master_port)
                 self._store = dist.TCPStore(
                     self.env.master_addr,
                     self.env.master_port,
                     is_master=master,
                     wait_for_workers=False,
                     timeout=timedelta(seconds=timeout_s),
+                    **({"master_listen_fd": self._listener.fileno()} if master else {}),
                 )
-            except (RuntimeError, dist.DistError) as e:
+            except (RuntimeError, dist.DistError, OSError) as e:
                 who = "open" if master else "reach rank 0's"
                 raise PeerLostError(
                     f"{self.tag} cannot {who} TP store at {self.env.master_addr}:{self.env.master_port} within "
@@ -196,10 +225,27 @@ class TPSession:
         self.healthy = False
         self.watcher.reconnect()
         self._stale = self.env.tp_rank != 0
-        if self.group is not None and dist.is_initialized():
-            if self.group.backend == "nccl":
-                _abort_nccl()
-            dist.destroy_process_group()
+        if self.group is not None and dist.is_initialized() and self.group.backend == "nccl":
+            _abort_nccl()
+        self._retire_group()
+
+    def _retire_group(self) -> None:
+        """Deregister the current group and keep it alive until its collectives can no longer be pending.
+
+        A collective this rank gave up on may still be waiting in the group's threads (gloo has no abort), and
+        destroying the group joins them: if the last reference went away at a random point (garbage collection,
+        with the interpreter lock held), that join would freeze this process for up to TP2_TIMEOUT_S. Retired
+        groups are released once that much time has passed, when their waits are over."""
+        now = time.monotonic()
+        keep = [(t, pgs) for t, pgs in self._retired if now - t < self.env.timeout_s + 10]
+        if self.group is not None:
+            keep.append((now, [self.group.group, self.group.cpu_group]))
+        self._retired = keep  # the expired ones are released here, their threads idle
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, ValueError, dist.DistError) as e:  # an aborted group may refuse a clean destroy
+                log.warning("%s leaving the process group: %s", self.tag, e)
         self.group = None
 
     def _stopped_by_peer(self, reason: str) -> None:
@@ -221,14 +267,15 @@ class TPSession:
         return self.group
 
     def _new_group(self, generation: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self.group, self.healthy = None, False
+        self._retire_group()
+        self.healthy = False
         if self.device is not None and self.device.type == "cuda":
             replaced = nccl_error_handling()
             if replaced:
                 log.warning("%s %s=%s replaced by 0: the pack aborts NCCL itself, so no rank ends because a peer failed",
                             self.tag, ENV_NCCL_ERROR_HANDLING, replaced)  # fmt: skip
+        if is_loopback(self.env.master_addr):  # gloo's own listeners on loopback too (its default is the hostname's address)
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store = dist.PrefixStore(f"tp2/pg/{generation}", self._connect(self.env.timeout_s))
         self.group = init_tp_group(
             self.env, self.device, store=store, stop_check=self.watcher.stop_reason, loss_check=self.watcher.explain_loss
@@ -272,6 +319,9 @@ class TPSession:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.group, self.healthy, self._store = None, False, None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
 
 def _abort_nccl() -> None:

@@ -3,7 +3,9 @@
 A rank reads only its slices (`shard_state_dict`), so it never holds the full checkpoint. The offline
 pre-sharder writes one file per rank, streaming tensor by tensor, with the TP metadata in its header; a rank
 file embeds the full checkpoint layout so that `verify_rank_file` can re-derive the plan and refuse a file
-made for another rank, tp_size, plan or source.
+made for another rank, tp_size, plan or source, and a content digest per tensor that `load_rank_file` checks
+(once per file: the check is remembered by path, size and mtime under TP2_CACHE_DIR, default
+~/.cache/minimax-h3-tp2).
 
     python -m tp2.shard CKPT --tp-size N --out-dir DIR [--tp-rank R]
 
@@ -13,6 +15,7 @@ Imports nothing from `comfy`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -25,7 +28,7 @@ from . import __version__
 from .checkpoint import CheckpointLayout
 from .errors import ShardMismatchError, TP2Error
 from .plan import RANK0, SPLIT, Plan, TensorShard, resolve_plan
-from .safetensors_io import DTYPES, PendingTensor, TensorReader, file_fingerprint, read_header, write_streaming
+from .safetensors_io import DTYPES, PendingTensor, TensorReader, file_fingerprint, read_header, tensor_digest, write_streaming
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,8 @@ META_SOURCE = "tp2.source"
 META_SOURCE_NAME = "tp2.source_name"
 META_LAYOUT = "tp2.full_layout"
 META_VERSION = "tp2.version"
+META_DIGESTS = "tp2.tensor_digests"  # {tensor: 64-bit BLAKE2b of its bytes}, checked at load (cached by path, size, mtime)
+ENV_CACHE = "TP2_CACHE_DIR"
 
 
 def local_ranges(ts: TensorShard, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
@@ -135,7 +140,7 @@ def write_rank_file(source: str, out_dir: str, tp_size: int, tp_rank: int, progr
             PendingTensor(ts.name, DTYPES[ts.dtype], ts.local_shape, lambda ts=ts: read_local_tensor(reader, ts, tp_rank, tp_size))
             for ts in plan.tensors.values()
         ]
-        write_streaming(out, pending, metadata, progress)
+        write_streaming(out, pending, metadata, progress, digests_key=META_DIGESTS)
     return out
 
 
@@ -162,6 +167,11 @@ def verify_rank_file(path: str, tp_rank: int, tp_size: int, expected_source: str
             f"'{name}' was cut from checkpoint {md[META_SOURCE]} ({md.get(META_SOURCE_NAME)}), not from the expected "
             f"{expected_source}. Re-run `python -m tp2.shard` on the checkpoint you mean to use."
         )
+    if META_DIGESTS not in md:
+        raise ShardMismatchError(
+            f"'{name}' carries no content digests (made by pack {md.get(META_VERSION)}, before they were written): its "
+            "data cannot be checked. Re-run `python -m tp2.shard` with this version of the pack."
+        )
     full_md = {k: v for k, v in md.items() if not k.startswith("tp2.")}
     layout = CheckpointLayout(
         {n: (d, tuple(s)) for n, (d, s) in json.loads(md[META_LAYOUT]).items()}, full_md, {}, md.get(META_SOURCE_NAME, name)
@@ -186,11 +196,60 @@ def verify_rank_file(path: str, tp_rank: int, tp_size: int, expected_source: str
 def load_rank_file(
     path: str, tp_rank: int, tp_size: int, expected_source: str | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], Plan]:
-    """Verify, then read a pre-sharded rank file whole."""
+    """Verify, then read a pre-sharded rank file whole, checking every tensor against the digest the sharder wrote
+    (skipped when this exact file, same size and mtime, was checked before: see `verified_before`)."""
     plan, md = verify_rank_file(path, tp_rank, tp_size, expected_source)
+    digests = json.loads(md[META_DIGESTS])
+    check = not verified_before(path, md[META_DIGESTS])
+    t0 = time.monotonic()
     with TensorReader(path) as reader:
         sd = {n: reader.read(n) for n in plan.tensors}
+    if check:
+        for n, t in sd.items():
+            if digests.get(n) != tensor_digest(t):
+                raise ShardMismatchError(
+                    f"'{os.path.basename(path)}': the data of tensor '{n}' does not match the digest `python -m tp2.shard` "
+                    "wrote: the file is damaged (disk, copy, download) or was edited. Re-run `python -m tp2.shard`."
+                )
+        remember_verified(path, md[META_DIGESTS])
+        log.info("checked %d tensors of %s against their digests in %.1f s", len(sd), os.path.basename(path), time.monotonic() - t0)
     return sd, md, plan
+
+
+def _cache_file() -> str:
+    base = os.environ.get(ENV_CACHE) or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimax-h3-tp2")
+    return os.path.join(base, "verified_rank_files.json")
+
+
+def _file_key(path: str, digests: str) -> str:
+    st = os.stat(path)
+    return json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, hashlib.sha256(digests.encode()).hexdigest()[:16]])
+
+
+def verified_before(path: str, digests: str) -> bool:
+    """Whether this file, at this size and mtime and with these digests, was checked whole before."""
+    try:
+        with open(_cache_file()) as f:
+            return _file_key(path, digests) in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def remember_verified(path: str, digests: str) -> None:
+    cache = _cache_file()
+    try:
+        with open(cache) as f:
+            known = [k for k in json.load(f) if json.loads(k)[0] != os.path.realpath(path)]
+    except (OSError, ValueError):
+        known = []
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump([*known[-200:], _file_key(path, digests)], f)
+        os.replace(tmp, cache)
+    except OSError as e:  # a read-only home: the file is simply checked again next time
+        log.warning("could not record that %s was checked (%s)", path, e)
 
 
 def is_rank_file(path: str) -> bool:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui, launch, stop_launched, tiny_base
+from comfy_harness import COMFYUI_DIR, ROOT, free_port, have_comfyui, launch, stop_launched, tiny_base
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -58,9 +59,15 @@ def error_text(h: dict) -> str:
 def ranks(tmp_path_factory):
     run = tmp_path_factory.mktemp("lockstep")
     fault = run / "fault"
-    launched = launch(run, tiny_base(run), {"TP2_PROMPT_TIMEOUT_S": "15", "TP2_TIMEOUT_S": "120", "TP2_TEST_FAULT_FILE": str(fault)})
+    (run / "ranks").mkdir()
+    (run / "ranks" / "secret").write_text("an old secret that others could read\n")
+    os.chmod(run / "ranks" / "secret", 0o644)
+    master_port = free_port()  # chosen by the user: the launcher must use it
+    env = {"TP2_PROMPT_TIMEOUT_S": "15", "TP2_TIMEOUT_S": "120", "TP2_TEST_FAULT_FILE": str(fault), "MASTER_PORT": str(master_port)}
+    launched = launch(run, tiny_base(run), env)
     run_dir = Path(launched["run_dir"])
-    yield {"urls": launched["urls"], "run": run_dir, "secret": (run_dir / "secret").read_text().strip(), "fault": fault}
+    yield {"urls": launched["urls"], "run": run_dir, "secret": (run_dir / "secret").read_text().strip(), "fault": fault,
+           "master_port": master_port}  # fmt: skip
     stop_launched(launched)
 
 
@@ -105,6 +112,16 @@ def running_on(url: str, prompt_id: str, timeout: float = 30) -> None:
 def rank_pids(ranks) -> dict[int, int]:
     lines = (ranks["run"] / "pids").read_text().split("\n")
     return {int(line.split()[0]): int(line.split()[1]) for line in lines if line.strip()}
+
+
+def test_the_users_master_port_on_loopback_only_and_a_fresh_private_secret(ranks):
+    first = queue(ranks, "port_check")
+    assert wait_done(ranks["urls"][0], first)["status"]["status_str"] == "success"
+    lines = [ln.split()[3] for ln in subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout.splitlines()[1:]]
+    listening = [a for a in lines if a.rsplit(":", 1)[-1] == str(ranks["master_port"])]
+    assert listening == [f"127.0.0.1:{ranks['master_port']}"], listening
+    secret = ranks["run"] / "secret"
+    assert oct(secret.stat().st_mode & 0o777) == "0o600" and len(ranks["secret"]) == 64
 
 
 def test_cancel_of_pending_jobs_by_id_and_batch_costs_only_those_jobs(ranks):

@@ -13,14 +13,17 @@ sequence lengths used cover an even and an odd number of rows (odd: the sequence
 
 from __future__ import annotations
 
+import os
+
 import pytest
-from comfy_harness import COMFYUI_DIR, have_comfyui, run_everywhere, servers_for, tiny_workflow
+from comfy_harness import COMFYUI_DIR, have_comfyui, run_everywhere, servers_for, start_tp, stop_at_teardown, tiny_workflow
 from conftest import TINY_COND, make_models
 from test_tp_comfy import TP_ENV, latent, ok, rel, sqnr_db
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
 COND = TINY_COND
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 INT8, FULL = "h3_tiny_int8.safetensors", "h3_tiny_full_adaln.safetensors"
 
 
@@ -87,3 +90,26 @@ def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, od
     gathered = "as int8" if unet == INT8 and int8_gather == "1" else "in bf16"  # float weights: nothing to quantise
     assert line.endswith(f"gathered {gathered}"), line
     assert ("norms fused (Triton)" in line) == fused, line
+
+
+@pytest.fixture(scope="module")
+def tp2_sp_changed_comfy(request, tmp_path_factory, models):
+    """Sequence parallel asked for, on a ComfyUI whose DiTBlock.forward changed (tests/comfy/fixtures/h3_changed_block)."""
+    root = str(tmp_path_factory.mktemp("sp_changed"))
+    for r in range(2):
+        os.makedirs(os.path.join(root, f"rank{r}", "custom_nodes"))
+        os.symlink(os.path.join(FIXTURES, "h3_changed_block"), os.path.join(root, f"rank{r}", "custom_nodes", "h3_changed_block"))
+    return stop_at_teardown(request, start_tp(root, 2, models, TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1"}), root)
+
+
+def test_changed_comfyui_code_falls_back_to_plain_tp_with_a_log_line(tp2, tp2_sp_changed_comfy):
+    wf = tiny_workflow(INT8, COND, prefix="sp_changed")
+    sp = ok(tp2_sp_changed_comfy, run_everywhere(tp2_sp_changed_comfy, wf))
+    plain = ok(tp2, run_everywhere(tp2, wf))
+    assert sp[0] == sp[1]
+    for kind in ("video", "audio"):
+        assert latent(sp[0], kind).equal(latent(plain[0], kind)), kind
+    with open(tp2_sp_changed_comfy[0].log_path, "rb") as f:
+        log = f.read().decode(errors="replace")
+    assert "sequence parallelism off for this model: ComfyUI's H3 code it stands in for changed (DiTBlock.forward (" in log
+    assert "sequence parallel:" not in log  # the sequence-parallel forward never ran

@@ -30,7 +30,8 @@ from comfy_harness import (
     tiny_workflow,
 )
 from conftest import TINY_COND, make_models
-from safetensors.torch import load
+from safetensors import safe_open
+from safetensors.torch import load, save_file
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -38,6 +39,9 @@ TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "10", "TP2_TIMEOUT_S": "30"}
 COND = TINY_COND
 FLOAT, INT8, INT8_G64 = "h3_tiny_float.safetensors", "h3_tiny_int8.safetensors", "h3_tiny_int8_g64.safetensors"
 FULL = "h3_tiny_full_adaln.safetensors"  # full form: time_embedder + adaln split along its input
+FULL_INT8 = "h3_tiny_full_adaln_int8.safetensors"  # the same, int8 ConvRot (ComfyUI leaves the split layers' weight None)
+NET_INT8 = "h3_tiny_int8_net.safetensors"  # keys under "net.", a prefix ComfyUI's loader strips
+INT8_FILES = (INT8, FULL_INT8, NET_INT8)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +54,16 @@ def comfy_git_status():
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, comfy_git_status):
-    checkpoints = {FLOAT: (), INT8: ("--int8",), INT8_G64: ("--int8", "--convrot-group", "64"), FULL: ("--adaln", "full")}
-    return make_models(str(tmp_path_factory.mktemp("models")), checkpoints)  # INT8_G64 splits at tp_size 4 too
+    checkpoints = {FLOAT: (), INT8: ("--int8",), INT8_G64: ("--int8", "--convrot-group", "64"), FULL: ("--adaln", "full"),
+                   FULL_INT8: ("--adaln", "full", "--int8")}  # fmt: skip
+    out = make_models(str(tmp_path_factory.mktemp("models")), checkpoints)  # INT8_G64 splits at tp_size 4 too
+    src = out[f"diffusion_models/{INT8}"]
+    with safe_open(src, "pt") as f:
+        tensors, metadata = {"net." + k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    net = os.path.join(os.path.dirname(src), NET_INT8)
+    save_file(tensors, net, metadata=metadata)
+    out[f"diffusion_models/{NET_INT8}"] = net
+    return out
 
 
 def _servers(request, tmp_path_factory, models, name, tp_size=None, pack=True):
@@ -102,7 +114,7 @@ def sqnr_db(ref, x) -> float:
     return float(10 * torch.log10(ref.double().pow(2).sum() / (ref.double() - x.double()).pow(2).sum()))
 
 
-@pytest.mark.parametrize("unet", [FLOAT, INT8, FULL])
+@pytest.mark.parametrize("unet", [FLOAT, INT8, FULL, FULL_INT8, NET_INT8])
 def test_tp2_ranks_byte_identical_and_match_one_server(tp2, plain, unet):
     wf = tiny_workflow(unet, COND, prefix=f"cmp_{unet[:-12]}")
     tp_files = ok(tp2, run(tp2, wf))
@@ -112,13 +124,15 @@ def test_tp2_ranks_byte_identical_and_match_one_server(tp2, plain, unet):
         a, b = latent(tp_files[0], kind), latent(ref_files, kind)
         assert a.shape == b.shape and torch.isfinite(a).all()
         print(f"{unet} {kind}: rel {rel(a, b):.2e}, SQNR {sqnr_db(b, a):.1f} dB")
-        if unet != INT8:
+        if unet not in INT8_FILES:
             assert rel(a, b) < 1e-4, (kind, rel(a, b))
         else:
             assert sqnr_db(b, a) >= 25.0, (kind, sqnr_db(b, a))
     # the DiT matters: a different seed moves the latent far beyond the thresholds
     other = latent(ok([plain], run([plain], tiny_workflow(unet, COND, seed=7, prefix=f"seed7_{unet[:-12]}")))[0], "video")
     assert rel(other, latent(ref_files, "video")) > 0.05
+    log = open(tp2[0].log_path).read()
+    assert f"loaded {unet} (shard-on-read)" in log  # split, not the whole model on every rank
 
 
 @pytest.mark.parametrize("unet", [FLOAT, INT8_G64])
@@ -182,6 +196,7 @@ def test_different_seeds_refused_on_every_rank(tp2):
         msg = error_message(h)
         assert h["status"]["status_str"] == "error" and "RankMismatchError" in msg, msg
         assert "'seed' (rank 0: 1, rank 1: 2)" in msg and "'prompt' (rank 0:" in msg
+        assert "node 5 (KSampler) input 'seed' (rank 0: 1, rank 1: 2)" in msg, msg  # names the node and input
     ok(tp2, run(tp2, tiny_workflow(FLOAT, COND, prefix="after_seeds")))
 
 

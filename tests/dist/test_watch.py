@@ -95,6 +95,7 @@ def test_a_silent_peer_is_named_by_its_heartbeat():
 def _unsigned_notice(tp_rank, tp_size):
     import json
 
+    from tp2.collectives import all_reduce
     from tp2.errors import PromptAbortedError
 
     s = _session()
@@ -104,8 +105,8 @@ def _unsigned_notice(tp_rank, tp_size):
     time.sleep(2.0)
     unsigned = s.stop_reason()
     try:
-        s.agree("run-u/sampler1", {"seed": "1"}, timeout_s=30)
-        agreed = True
+        g = s.agree("run-u/sampler1", {"seed": "1"}, timeout_s=30)
+        agreed = all_reduce(torch.ones(1), g).item() == tp_size  # also: neither rank leaves (ending the store) early
     except PromptAbortedError:
         agreed = False
     return unsigned, agreed
@@ -117,12 +118,16 @@ def test_a_stop_notice_no_rank_signed_is_ignored():
 
 
 def _keys_after(tp_rank, tp_size):
+    from tp2.collectives import all_reduce
+
     s = _session()
     s.begin_run("run-k")
-    s.agree("run-k/sampler1", {"seed": "1"}, timeout_s=30)
+    g = s.agree("run-k/sampler1", {"seed": "1"}, timeout_s=30)
     time.sleep(1.0)
     store = s._connect(10)
-    return [store.check([f"tp2/rv/run-k/sampler1/rank{r}"]) for r in range(tp_size)] + [store.check(["tp2/rv/run-k/sampler1/read"])]
+    present = [store.check([f"tp2/rv/run-k/sampler1/rank{r}"]) for r in range(tp_size)] + [store.check(["tp2/rv/run-k/sampler1/read"])]
+    all_reduce(torch.ones(1), g)  # rank 0 (the store) stays until every rank has looked
+    return present
 
 
 def test_rendezvous_keys_are_deleted_after_agreement():
@@ -178,3 +183,19 @@ def test_nccl_decisions():
     env = {}
     assert nccl_error_handling(env) is None and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
     assert watcher_aborts_communicator("nccl") and not watcher_aborts_communicator("gloo")
+
+
+def _store_sockets(tp_rank, tp_size):
+    import os
+    import subprocess
+
+    s = _session()
+    port = int(os.environ["MASTER_PORT"])
+    lines = [ln.split()[3] for ln in subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout.splitlines()[1:]]
+    return sorted(addr for addr in lines if addr.rsplit(":", 1)[-1] == str(port)), os.environ.get("GLOO_SOCKET_IFNAME"), s.generation
+
+
+def test_the_store_listens_on_loopback_only():
+    for listening, ifname, generation in values(run_ranks(_store_sockets, 2, timeout_s=60)):
+        assert listening == ["127.0.0.1:" + listening[0].rsplit(":", 1)[1]], listening  # not *:PORT
+        assert ifname == "lo" and generation == 1

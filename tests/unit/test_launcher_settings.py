@@ -39,3 +39,17 @@ def settings(tmp_path, *args, **env) -> dict[str, str]:
 def test_launcher_settings(tmp_path, args, env, expected):
     got = settings(tmp_path, *args, **env)
     assert {k: got[k] for k in expected} == expected, got
+
+
+@pytest.mark.parametrize(
+    "extra,says", [(("--listen", "0.0.0.0"), "'--listen' after -- is not allowed"), (("--port=9000",), "'--port' after --")]
+)
+def test_launcher_owns_listen_and_port(tmp_path, extra, says):
+    comfy = tmp_path / "ComfyUI"
+    comfy.mkdir()
+    (comfy / "main.py").write_text("")
+    res = subprocess.run(
+        ["bash", LAUNCHER, "--comfyui", str(comfy), "--cpu", "--run-dir", str(tmp_path / "run"), "--", *extra],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode != 0 and says in res.stderr, res.stderr

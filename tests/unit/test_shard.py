@@ -130,6 +130,44 @@ def test_rank_file_from_another_plan_refused(tiny_int8, tmp_path):
         verify_rank_file(str(tmp_path / "edited.safetensors"), 0, 2)
 
 
+def test_a_rank_file_with_changed_bytes_in_one_tensor_is_refused_naming_it(tiny_int8, tmp_path, monkeypatch):
+    monkeypatch.setenv("TP2_CACHE_DIR", str(tmp_path / "cache"))
+    r1 = write_rank_file(tiny_int8, str(tmp_path / "ranks"), 2, 1)
+    load_rank_file(r1, 1, 2)  # intact: loads, and the check is remembered
+    assert json.load(open(tmp_path / "cache" / "verified_rank_files.json"))
+    info = read_header(r1).tensors["blocks.1.mlp.fc1.weight"]
+    with open(r1, "r+b") as f:  # 4 KB overwritten inside one tensor, as in the report; size kept, mtime moves
+        f.seek(info.start + 64)
+        f.write(os.urandom(min(4096, info.end - info.start - 64)))
+    with pytest.raises(ShardMismatchError, match=r"the data of tensor 'blocks\.1\.mlp\.fc1\.weight' does not match the digest"):
+        load_rank_file(r1, 1, 2)
+
+
+def test_a_verified_rank_file_is_not_hashed_again_until_it_changes(tiny_int8, tmp_path, monkeypatch):
+    import tp2.shard as shard
+
+    monkeypatch.setenv("TP2_CACHE_DIR", str(tmp_path / "cache"))
+    r0 = write_rank_file(tiny_int8, str(tmp_path / "ranks"), 2, 0)
+    calls = []
+    real = shard.tensor_digest
+    monkeypatch.setattr(shard, "tensor_digest", lambda t: calls.append(1) or real(t))
+    load_rank_file(r0, 0, 2)
+    first = len(calls)
+    load_rank_file(r0, 0, 2)
+    assert first > 0 and len(calls) == first  # the second start reads, but does not re-hash
+    os.utime(r0, ns=(os.stat(r0).st_atime_ns, os.stat(r0).st_mtime_ns + 1_000_000_000))
+    load_rank_file(r0, 0, 2)
+    assert len(calls) == 2 * first  # touched: checked again
+
+
+def test_a_rank_file_without_digests_is_refused(tiny_int8, tmp_path):
+    r0 = write_rank_file(tiny_int8, str(tmp_path), 2, 0)
+    md = {k: v for k, v in read_header(r0).metadata.items() if k != "tp2.tensor_digests"}
+    save_file(load_file(r0), str(tmp_path / "old.safetensors"), metadata=md)
+    with pytest.raises(ShardMismatchError, match=r"carries no content digests"):
+        verify_rank_file(str(tmp_path / "old.safetensors"), 0, 2)
+
+
 def test_fingerprint_sees_different_weights_with_the_same_layout(tiny_dir):
     from conftest import make_checkpoint
 
