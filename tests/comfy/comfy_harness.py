@@ -204,6 +204,45 @@ def stop_launched(launched: dict) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
+def call(url: str, path: str, body: dict | None = None, headers: dict | None = None, timeout: float = 60):
+    """POST `body` as JSON (GET when None) to `url + path`: (status, parsed JSON answer), HTTP errors included."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def wait_done(url: str, prompt_id: str, timeout: float = 120) -> dict:
+    """The history entry of `prompt_id` on the server at `url` once it succeeded or failed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = call(url, f"/history/{prompt_id}")[1].get(prompt_id)
+        if h and h["status"].get("status_str") in ("success", "error"):
+            return h
+        time.sleep(0.1)
+    raise TimeoutError(f"{prompt_id} not done on {url} after {timeout} s")
+
+
+def wait_answers(url: str, timeout: float = 90) -> None:
+    """Until the server at `url` answers (e.g. after the launcher started a rank again)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            call(url, "/system_stats", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+def error_text(history: dict) -> str:
+    """Every execution_error message of a history entry, joined."""
+    return " ".join(str(d.get("exception_message", "")) for k, d in history["status"]["messages"] if k == "execution_error")
+
+
 def error_message(history: dict) -> str:
     for kind, data in history.get("status", {}).get("messages", []):
         if kind == "execution_error":
@@ -239,6 +278,16 @@ def tiny_workflow(unet: str, cond: str, seed: int = 42, steps: int = 2, prefix: 
         "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"latents/{prefix}_video"}},
         "8": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 1], "filename_prefix": f"latents/{prefix}_audio"}},
     }  # fmt: skip
+
+
+def demo_workflow(prefix: str, steps: int = 3, seed: int = 145) -> dict:
+    """The bundled tiny API workflow (workflows/api/h3_tp2_tiny_demo.json) with its latents saved under `prefix`."""
+    with open(os.path.join(ROOT, "workflows", "api", "h3_tp2_tiny_demo.json")) as f:
+        wf = json.load(f)
+    wf["5"]["inputs"].update(steps=steps, seed=seed)
+    wf["7"]["inputs"]["filename_prefix"] = f"latents/{prefix}_video"
+    wf["8"]["inputs"]["filename_prefix"] = f"latents/{prefix}_audio"
+    return wf
 
 
 def cleanup(path: str) -> None:

@@ -11,37 +11,27 @@ import os
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui, launch, safetensors_content, stop_launched, tiny_base
+from comfy_harness import (
+    COMFYUI_DIR,
+    ROOT,
+    call,
+    error_text,
+    have_comfyui,
+    launch,
+    safetensors_content,
+    stop_launched,
+    tiny_base,
+    wait_answers,
+    wait_done,
+)  # fmt: skip
+from comfy_harness import demo_workflow as workflow
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
-TINY_API = os.path.join(ROOT, "workflows", "api", "h3_tp2_tiny_demo.json")
 TINY_UI = os.path.join(ROOT, "workflows", "h3_tp2_tiny_demo.json")
-
-
-def call(url: str, path: str, body: dict | None = None, headers: dict | None = None, timeout: float = 30):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def wait_done(url: str, prompt_id: str, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        _, h = call(url, f"/history/{prompt_id}")
-        if prompt_id in h and h[prompt_id]["status"].get("status_str") in ("success", "error"):
-            return h[prompt_id]
-        time.sleep(0.1)
-    raise TimeoutError(f"{prompt_id} not done on {url} after {timeout} s")
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +41,6 @@ def front(tmp_path_factory):
     run_dir = Path(launched["run_dir"])
     yield {"urls": launched["urls"], "run": run_dir, "secret": (run_dir / "secret").read_text().strip()}
     stop_launched(launched)
-
-
-def workflow(prefix: str, steps: int = 3, seed: int = 145) -> dict:
-    wf = json.load(open(TINY_API))
-    wf["5"]["inputs"].update(steps=steps, seed=seed)
-    wf["7"]["inputs"]["filename_prefix"] = f"latents/{prefix}_video"
-    wf["8"]["inputs"]["filename_prefix"] = f"latents/{prefix}_audio"
-    return wf
-
-
-def error_text(history: dict) -> str:
-    return " ".join(str(d.get("exception_message", "")) for k, d in history["status"]["messages"] if k == "execution_error")
 
 
 def outputs(front, rank: int, prefix: str) -> dict[str, bytes]:
@@ -126,17 +104,6 @@ def test_interrupt_on_rank0_stops_every_rank_then_next_prompt_works(front):
         assert h["status"]["status_str"] == "error" and any(k == "execution_interrupted" for k, _ in h["status"]["messages"]), h["status"]
     status, body = call(front["urls"][0], "/prompt", {"prompt": workflow("after_interrupt")})
     assert all(wait_done(u, body["prompt_id"])["status"]["status_str"] == "success" for u in front["urls"])
-
-
-def wait_answers(url: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            call(url, "/system_stats", timeout=2)
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"{url} did not come back within {timeout} s")
 
 
 def test_follower_down_fails_fast_naming_it_then_the_launcher_restarts_it(front):

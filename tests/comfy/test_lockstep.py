@@ -6,7 +6,6 @@ Faults are injected through TP2_TEST_FAULT_FILE (nodes/faults.py; inert unless t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,43 +15,21 @@ import uuid
 from pathlib import Path
 
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, free_port, have_comfyui, launch, stop_launched, tiny_base
+from comfy_harness import (
+    COMFYUI_DIR,
+    call,
+    error_text,
+    free_port,
+    have_comfyui,
+    launch,
+    stop_launched,
+    tiny_base,
+    wait_answers,
+    wait_done,
+)  # fmt: skip
+from comfy_harness import demo_workflow as workflow
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
-
-TINY_API = os.path.join(ROOT, "workflows", "api", "h3_tp2_tiny_demo.json")
-
-
-def call(url: str, path: str, body: dict | None = None, headers: dict | None = None, timeout: float = 60):
-    import urllib.error
-    import urllib.request
-
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-def history(url: str, prompt_id: str) -> dict | None:
-    h = call(url, f"/history/{prompt_id}")[1].get(prompt_id)
-    return h if h and h["status"].get("status_str") in ("success", "error") else None
-
-
-def wait_done(url: str, prompt_id: str, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        h = history(url, prompt_id)
-        if h is not None:
-            return h
-        time.sleep(0.1)
-    raise TimeoutError(f"{prompt_id} not done on {url} after {timeout} s")
-
-
-def error_text(h: dict) -> str:
-    return " ".join(str(d.get("exception_message", "")) for k, d in h["status"]["messages"] if k == "execution_error")
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +46,6 @@ def ranks(tmp_path_factory):
     yield {"urls": launched["urls"], "run": run_dir, "secret": (run_dir / "secret").read_text().strip(), "fault": fault,
            "master_port": master_port}  # fmt: skip
     stop_launched(launched)
-
-
-def workflow(prefix: str, steps: int = 3, seed: int = 145) -> dict:
-    wf = json.load(open(TINY_API))
-    wf["5"]["inputs"].update(steps=steps, seed=seed)
-    wf["7"]["inputs"]["filename_prefix"] = f"latents/{prefix}_video"
-    wf["8"]["inputs"]["filename_prefix"] = f"latents/{prefix}_audio"
-    return wf
 
 
 def queue(ranks, prefix: str, steps: int = 3, seed: int = 145, **extra) -> str:
@@ -288,10 +257,5 @@ def test_rank0_killed_mid_sampling_follower_reports_within_10_s_then_rank0_resta
     deadline = time.monotonic() + 90  # the launcher starts rank 0 again
     while rank_pids(ranks)[0] == pid0 and time.monotonic() < deadline:
         time.sleep(0.5)
-    while time.monotonic() < deadline:
-        try:
-            call(ranks["urls"][0], "/system_stats", timeout=2)
-            break
-        except OSError:
-            time.sleep(0.5)
+    wait_answers(ranks["urls"][0])
     assert_next_prompt_identical(ranks, "after_kill0")
