@@ -12,6 +12,7 @@ sampling steps through 2 blocks + refiner measured 40.8 dB (video) / 41.1 dB (au
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 
@@ -33,6 +34,8 @@ from conftest import TINY_COND, make_models
 from safetensors import safe_open
 from safetensors.torch import load, save_file
 
+from tp2.shard import write_rank_file
+
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
 TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "10", "TP2_TIMEOUT_S": "30"}
@@ -41,7 +44,8 @@ FLOAT, INT8, INT8_G64 = "h3_tiny_float.safetensors", "h3_tiny_int8.safetensors",
 FULL = "h3_tiny_full_adaln.safetensors"  # full form: time_embedder + adaln split along its input
 FULL_INT8 = "h3_tiny_full_adaln_int8.safetensors"  # the same, int8 ConvRot (ComfyUI leaves the split layers' weight None)
 NET_INT8 = "h3_tiny_int8_net.safetensors"  # keys under "net.", a prefix ComfyUI's loader strips
-INT8_FILES = (INT8, FULL_INT8, NET_INT8)
+SHARDED_FULL_INT8 = "h3_tiny_full_adaln_int8_sharded.safetensors"  # the same as FULL_INT8, with rank files beside it
+INT8_FILES = (INT8, FULL_INT8, NET_INT8, SHARDED_FULL_INT8)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +67,12 @@ def models(tmp_path_factory, comfy_git_status):
     net = os.path.join(os.path.dirname(src), NET_INT8)
     save_file(tensors, net, metadata=metadata)
     out[f"diffusion_models/{NET_INT8}"] = net
+    sharded = os.path.join(os.path.dirname(src), SHARDED_FULL_INT8)
+    shutil.copyfile(out[f"diffusion_models/{FULL_INT8}"], sharded)
+    out[f"diffusion_models/{SHARDED_FULL_INT8}"] = sharded
+    for r in range(2):  # pre-sharded: the loader takes these when the original is selected
+        rank_file = write_rank_file(sharded, os.path.dirname(src), 2, r)
+        out[f"diffusion_models/{os.path.basename(rank_file)}"] = rank_file
     return out
 
 
@@ -114,7 +124,7 @@ def sqnr_db(ref, x) -> float:
     return float(10 * torch.log10(ref.double().pow(2).sum() / (ref.double() - x.double()).pow(2).sum()))
 
 
-@pytest.mark.parametrize("unet", [FLOAT, INT8, FULL, FULL_INT8, NET_INT8])
+@pytest.mark.parametrize("unet", [FLOAT, INT8, FULL, FULL_INT8, NET_INT8, SHARDED_FULL_INT8])
 def test_tp2_ranks_byte_identical_and_match_one_server(tp2, plain, unet):
     wf = tiny_workflow(unet, COND, prefix=f"cmp_{unet[:-12]}")
     tp_files = ok(tp2, run(tp2, wf))
@@ -132,7 +142,8 @@ def test_tp2_ranks_byte_identical_and_match_one_server(tp2, plain, unet):
     other = latent(ok([plain], run([plain], tiny_workflow(unet, COND, seed=7, prefix=f"seed7_{unet[:-12]}")))[0], "video")
     assert rel(other, latent(ref_files, "video")) > 0.05
     log = open(tp2[0].log_path).read()
-    assert f"loaded {unet} (shard-on-read)" in log  # split, not the whole model on every rank
+    how = f"from {unet[: -len('.safetensors')]}.tp2-rank0.safetensors" if unet == SHARDED_FULL_INT8 else "(shard-on-read)"
+    assert f"loaded {unet} {how}" in log  # split, not the whole model on every rank
 
 
 @pytest.mark.parametrize("unet", [FLOAT, INT8_G64])
