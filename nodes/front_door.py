@@ -23,6 +23,7 @@ import logging
 import os
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from execution import SENSITIVE_EXTRA_DATA_KEYS
 
 from .state import STATE
 
@@ -31,7 +32,6 @@ log = logging.getLogger("minimax_h3_tp2")
 HEADER = "X-TP2-Secret"
 ENV_SECRET_FILE = "TP2_SECRET_FILE"
 ENV_RANK_URLS = "TP2_RANK_URLS"
-SENSITIVE = ("auth_token_comfy_org", "api_key_comfy_org")  # ComfyUI's SENSITIVE_EXTRA_DATA_KEYS: never forwarded
 PROMPT_PATHS = ("/prompt", "/api/prompt")
 FOLLOWER_GUARDED = PROMPT_PATHS + ("/queue", "/api/queue", "/interrupt", "/api/interrupt", "/free", "/api/free", "/history", "/api/history")
 REPEATED = ("/free", "/api/free", "/history", "/api/history")  # rank 0 repeats these on every follower
@@ -83,7 +83,7 @@ class FrontDoor:
         self.seq += 1
         run = f"{prompt_id}.{STATE.boot_id[:8]}.{self.seq}"
         order = {"run": run, "seq": self.seq, "boot": STATE.boot_id, "reset": reset}
-        extra = {k: v for k, v in extra_data.items() if k not in SENSITIVE}
+        extra = {k: v for k, v in extra_data.items() if k not in SENSITIVE_EXTRA_DATA_KEYS}  # API keys stay on rank 0
         body = {"prompt": prompt, "prompt_id": prompt_id, "extra_data": extra, "number": self.seq, "tp2": order,
                 "partial_execution_targets": list(outputs)}  # fmt: skip
         problems = await self.forward("/prompt", body)

@@ -55,8 +55,7 @@ class _Prompt:
     details: str = "{}"  # tp2.handshake.prompt_details: what a mismatch message names
     samplers: int = 0
     model_calls: int = 0
-    step: int | None = None  # sampling step of the last model evaluation, 1-based, of `steps`
-    steps: int | None = None
+    transformer_options: dict | None = None  # the last model evaluation's (its sigmas give the sampling step)
     coordinated_stop: bool = False  # rank 0 told every rank to stop at this model evaluation
     cache_epoch_seen: int = 0
     boots_seen: list | None = None
@@ -114,7 +113,7 @@ def track_prompts() -> None:
         CURRENT.prompt_id, CURRENT.run, CURRENT.fingerprint = prompt_id, run, prompt_fingerprint(prompt)
         CURRENT.details = prompt_details(prompt)
         CURRENT.samplers = CURRENT.model_calls = 0
-        CURRENT.step = CURRENT.steps = None
+        CURRENT.transformer_options = None
         CURRENT.coordinated_stop = False
         session.begin_run(run, boots)
         try:
@@ -133,7 +132,7 @@ def track_prompts() -> None:
                     session.abandon_group()
                 _cache_epoch(bump=True)
             session.end_run()
-            CURRENT.prompt_id = CURRENT.run = None
+            CURRENT.prompt_id = CURRENT.run = CURRENT.transformer_options = None
 
     execute_async._tp2 = True
     execution.PromptExecutor.execute_async = execute_async
@@ -200,25 +199,27 @@ def _outer_sample(plan, model_fields, executor, *args, **kwargs):
     fields[detail_key("prompt")] = CURRENT.details  # names the node and input when the prompts differ
     key = f"{CURRENT.run or 'no-prompt'}/sampler{n}"
     inject_fault(STATE.env.tp_rank, 0)  # tests only (TP2_TEST_FAULT); inert by default
-    try:
-        session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
-    except PeerLostError:
-        _cache_epoch(bump=True)
-        raise
+    session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
     STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
     STATE.sampling_key = key
     SAMPLING.active = True
     try:
         return executor(*args, **kwargs)
-    except (PromptAbortedError, PeerLostError):  # a peer stopped or was lost: it has been told, or is gone
-        session.abandon_group()
-        raise
     except BaseException as e:
-        if not (isinstance(e, mm.InterruptProcessingException) and CURRENT.coordinated_stop):
-            session.stop_run(describe_failure(STATE.env.tp_rank, e, CURRENT.step, CURRENT.steps))  # tell every rank now
+        leave_run(e, *_step_of(CURRENT.transformer_options))
         raise
     finally:
         SAMPLING.active = False
+
+
+def leave_run(e: BaseException, step: int | None = None, steps: int | None = None) -> None:
+    """This rank's part when a TP step (sampling, the split decode) raised `e`: a peer's stop or loss is left
+    behind (that peer has told every rank, or is gone); this rank's own failure is told to every rank now (at
+    sampling step `step` of `steps`, when given). A stop rank 0 ordered at a model evaluation needs no telling."""
+    if isinstance(e, (PromptAbortedError, PeerLostError)):
+        STATE.session.abandon_group()
+    elif not (isinstance(e, mm.InterruptProcessingException) and CURRENT.coordinated_stop):
+        STATE.session.stop_run(describe_failure(STATE.env.tp_rank, e, step, steps))
 
 
 def rank0_abort() -> str | None:
@@ -237,7 +238,7 @@ def _refine_text(original, text_states):
 def _diffusion_model(executor, x, timestep, context, transformer_options, **kwargs):
     group = STATE.session.group
     CURRENT.model_calls += 1
-    CURRENT.step, CURRENT.steps = _step_of(transformer_options)
+    CURRENT.transformer_options = transformer_options  # the step is worked out from it only when a failure names it
     inject_fault(STATE.env.tp_rank, CURRENT.model_calls)  # tests only (TP2_TEST_FAULT); inert by default
     payload = kwargs.get("minimax_payload") or {}
     shared = None
@@ -265,7 +266,10 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
 
 
 def _step_of(transformer_options) -> tuple[int | None, int | None]:
-    """(1-based step, steps) of this model evaluation, from the sampler's sigmas; (None, None) when unknown."""
+    """(1-based step, steps) of the model evaluation with these options, from the sampler's sigmas; (None, None)
+    when unknown. Compares tensors (a device sync on GPUs): for failure messages, not for every step."""
+    if not transformer_options:
+        return None, None
     try:
         schedule, sigma = transformer_options["sample_sigmas"], transformer_options["sigmas"]
         hits = (schedule == sigma.reshape(-1)[0].to(schedule)).nonzero()

@@ -30,10 +30,9 @@ import comfy.model_management as mm
 
 from ..tp2 import __version__
 from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, temporal_chunks
-from ..tp2.errors import PeerLostError, PromptAbortedError, TP2Error
-from ..tp2.watch import describe_failure
+from ..tp2.errors import PeerLostError, TP2Error
 from .interrupts import SAMPLING
-from .lockstep import CURRENT, rank0_abort, tensor_digest
+from .lockstep import CURRENT, leave_run, rank0_abort, tensor_digest
 from .state import STATE, env_flag, log
 
 ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
@@ -121,13 +120,8 @@ def _decode_split(original, vae, z, output_buffer, clips, group):
                 f"{STATE.tag} the VAE decoded {decoder.served} of {len(clips)} chunks the parallel schedule made: ComfyUI's "
                 f"temporal chunking changed. Set {ENV_PARALLEL_VAE}=0 and report this with your ComfyUI version."
             )
-    except (PromptAbortedError, PeerLostError):  # a peer stopped or was lost: it has been told, or is gone
-        STATE.session.abandon_group()
-        STATE.session.cache_epoch(bump=True)
-        raise
-    except BaseException as e:
-        STATE.session.stop_run(describe_failure(STATE.env.tp_rank, e))  # tell every rank now
-        STATE.session.cache_epoch(bump=True)
+    except BaseException as e:  # the failed prompt clears every rank's node cache before the next (lockstep)
+        leave_run(e)
         raise
     finally:
         SAMPLING.active = was_sampling

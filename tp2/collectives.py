@@ -137,8 +137,8 @@ REASON_GRACE_S = 2.0  # after a collective fails, how long to look for the peer'
 
 
 def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbortedError:
-    """The error for a failed collective: the peer's own reason when it published one (it stopped the run and
-    closed its connections), else a peer that died."""
+    """The error for a failed collective: the peer's own reason when it published one (it stopped the run), else
+    the rank known to be gone, else a peer that died."""
     if tp.stop_check is not None:
         deadline = time.monotonic() + REASON_GRACE_S
         while time.monotonic() < deadline:
@@ -155,10 +155,11 @@ def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbort
     )
 
 
-def wait(work, tp: TPGroup, what: str, host_side: bool) -> None:
+def wait(work, tp: TPGroup, what: str | Callable[[], str], host_side: bool) -> None:
     """Wait for `work`; a host-side (gloo) wait polls the group's `stop_check` so a peer's stop ends it at once.
 
-    A GPU (NCCL) work only makes the current stream wait, as before."""
+    A GPU (NCCL) work only makes the current stream wait, as before. `what` names the collective in an error (a
+    callable is called only then: the hot path formats nothing)."""
     try:
         if not host_side or tp.stop_check is None:
             work.wait()
@@ -172,7 +173,7 @@ def wait(work, tp: TPGroup, what: str, host_side: bool) -> None:
             pause = min(pause * 2, 0.02)
         work.wait()  # raises if the collective failed
     except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, what, e) from e
+        raise _lost(tp, what() if callable(what) else what, e) from e
 
 
 def _host_side(tp: TPGroup) -> bool:
@@ -183,11 +184,14 @@ def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Forward: all-reduce(sum) in place over the TP group; identity at tp_size 1."""
     if tp.tp_size == 1:
         return t
-    what = f"all_reduce of {tuple(t.shape)} {t.dtype}"
+
+    def what() -> str:
+        return f"all_reduce of {tuple(t.shape)} {t.dtype}"
+
     try:
         work = dist.all_reduce(t, group=tp.group, async_op=True)
     except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, what, e) from e
+        raise _lost(tp, what(), e) from e
     wait(work, tp, what, _host_side(tp))
     return t
 

@@ -10,8 +10,8 @@ generation, only once every rank has said it is about to run the same thing.
                                          tells it when a peer stopped that run or went silent
     session.agree(key, fields)  -> TPGroup ready for collectives, or PeerLostError / RankMismatchError /
                                    PromptAbortedError (a peer stopped the run, with its reason)
-    session.stop_run(reason)     this rank stops the run: every rank is told, and this rank gives up its group
-                                 (its peers' collectives then fail at once instead of at the timeout)
+    session.stop_run(reason)     this rank stops the run: every rank is told (its watcher ends whatever wait it
+                                 is in within a poll), and this rank gives up its group
     session.mark_broken()        after a failed collective: the next agreement makes a fresh group
 
 Under NCCL the pack aborts communicators itself (`TORCH_NCCL_ASYNC_ERROR_HANDLING=0`: PyTorch's watchdog must not
@@ -170,9 +170,11 @@ class TPSession:
                 raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {stop}")
             missing = [r for r, ok in enumerate(present) if not ok]
             polls += 1
-            states = {r: self.watcher.peer_state(run, r) for r in missing} if run is not None and polls % 5 == 0 else {}
+            past = time.monotonic() > deadline
+            # where the missing peers are in this run (read every 5th poll, and each poll once the deadline passed)
+            states = {r: self.watcher.peer_state(run, r) for r in missing} if run is not None and (past or polls % 5 == 0) else {}
             finished = [r for r, st in states.items() if st == "done"]
-            late = time.monotonic() > deadline and (run is None or any(self.watcher.peer_state(run, r) is None for r in missing))
+            late = past and (run is None or any(st is None for st in states.values()))  # not started: the timeout applies
             if finished or late:
                 self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
                 why = self.watcher.read_stop(run) if run is not None else None
@@ -214,8 +216,8 @@ class TPSession:
         return self.watcher.stop_reason()
 
     def stop_run(self, reason: str) -> None:
-        """This rank stops the current run: tell every rank why, then give up the group so that no peer stays in
-        a collective with this rank (gloo peers see the closed connections at once; NCCL peers' watchers abort)."""
+        """This rank stops the current run: tell every rank why (their watchers end their waits: gloo ones poll,
+        NCCL ones abort the communicator), then give up this rank's group; the next agreement forms a new one."""
         self.watcher.publish_stop(reason)
         self.abandon_group()
 

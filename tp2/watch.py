@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,6 @@ def describe_failure(rank: int, exc: BaseException, step: int | None = None, ste
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
-    import torch
-
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
@@ -79,7 +78,6 @@ class Watcher:
         self._lock = threading.Lock()
         self._run: str | None = None
         self._stop: str | None = None
-        self._stop_told = False
         self._beats = 0
         self._seen: dict[int, tuple[str, float]] = {}  # peer -> (last heartbeat value, when it last changed)
         self._boots: dict[int, str] = {}  # peer -> boot id when the run began
@@ -92,7 +90,7 @@ class Watcher:
         """Start watching run `run`; `boots` are peers' boot ids known to be part of it (rank 0's, from its order).
         Other peers' are taken from their first heartbeat read during the run: a change after that is a restart."""
         with self._lock:
-            self._run, self._stop, self._stop_told = run, None, False
+            self._run, self._stop = run, None
             self._boots = dict(boots or {})
         self._set(f"tp2/run/{run}/state/rank{self.rank}", "started")
 
@@ -187,14 +185,14 @@ class Watcher:
             self._store_failures += 1
             if self._store_failures >= 3 and self.rank != 0:
                 self._decide(f"rank 0 is not answering (its rank store at {self.addr}:{self.port}: {str(e).splitlines()[0][:200]}): "
-                             "it died, froze or is restarting; scripts/start-tp2.sh restarts ranks that die", now)  # fmt: skip
+                             "it died, froze or is restarting; scripts/start-tp2.sh restarts ranks that die")  # fmt: skip
             return
         if raw:
             notice = decode_stop(raw, run, self.secret)
             if notice is None:
                 log.warning("[tp2 r%d/%d] ignored a stop notice for run %s that no rank signed", self.rank, self.size, run)
             elif notice[0] != self.rank:
-                self._decide(notice[1], now)
+                self._decide(notice[1])
         for r, value in enumerate(beats or []):
             if r == self.rank:
                 continue
@@ -206,25 +204,26 @@ class Watcher:
             if run is not None:
                 self._boots.setdefault(r, boot)
             if run is not None and self._boots[r] != boot:
-                self._decide(f"rank {r} restarted during the prompt (it died and came back): queue the prompt again", now)
+                self._decide(f"rank {r} restarted during the prompt (it died and came back): queue the prompt again", publish=True)
             quiet = now - self._seen[r][1]
             if run is not None and quiet > self.heartbeat_timeout_s:
                 self._decide(f"rank {r} is not responding (no heartbeat for {quiet:.0f} s): it is frozen, stopped or overloaded; "
-                             "check its log, or restart it with scripts/start-tp2.sh restart --rank " + str(r), now)  # fmt: skip
+                             "check its log, or restart it with scripts/start-tp2.sh restart --rank " + str(r), publish=True)  # fmt: skip
 
     def _all_beating(self, store) -> bool:
         return store.check([f"tp2/hb/rank{r}" for r in range(self.size)])
 
-    def _decide(self, reason: str, now: float) -> None:
+    def _decide(self, reason: str, publish: bool = False) -> None:
+        """The current run stops on this rank for `reason` (once per run); `publish`: tell the other ranks too (a
+        silent or restarted peer did not, and finds out when it comes back)."""
         with self._lock:
             if self._run is None or self._stop is not None:
                 return
             self._stop = reason
         log.warning("[tp2 r%d/%d] stopping run %s: %s", self.rank, self.size, self._run, reason)
-        if "not responding" in reason or "restarted during" in reason:
-            self.publish_stop(reason)  # the silent rank finds out when it wakes up
-        if self.on_stop is not None and not self._stop_told:
-            self._stop_told = True
+        if publish:
+            self.publish_stop(reason)
+        if self.on_stop is not None:
             self.on_stop(reason)
 
     # -- the store -------------------------------------------------------------------------------------
