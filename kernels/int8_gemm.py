@@ -56,6 +56,9 @@ def select_int8_gemm(name: str | None = None) -> Int8Gemm:
         info = registry.list_backends().get(name)
         if info is None or not info["available"]:
             raise _unavailable(name, (info or {}).get("unavailable_reason") or "backend not registered")
+        if info.get("disabled"):
+            hint = " (ComfyUI disables it unless started with --enable-triton-backend)" if name == "triton" else ""
+            raise _unavailable(name, f"comfy-kitchen's {name} backend is disabled{hint}")
         if "int8_linear" not in info["capabilities"]:
             raise _unavailable(name, "this comfy-kitchen backend has no int8_linear")
 
@@ -73,3 +76,15 @@ def select_int8_gemm(name: str | None = None) -> Int8Gemm:
     log.info("int8 GEMM: comfy-kitchen int8_linear, kernel=%s (backends able to run it here: %s)", name, ", ".join(available))
     _selected[name] = gemm
     return gemm
+
+
+def quantize_int8_convrot(w: torch.Tensor, group: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] as an int8 ConvRot checkpoint stores it: rotated int8 qdata [N, K] and fp32 row scales
+    [N, 1] (comfy-kitchen's own weight quantiser, the one the checkpoint converters use)."""
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    qt = QuantizedTensor.from_float(
+        w.float(), "TensorWiseINT8Layout", is_weight=True, per_channel=True, convrot=True, convrot_groupsize=group
+    )
+    sd = qt.state_dict("w")
+    return sd["w"].contiguous(), sd["w_scale"].float().reshape(w.shape[0], 1).contiguous()

@@ -3,6 +3,9 @@
 With TP2_TEST_FAULT_FILE=PATH, a file at PATH holding `RANK:CALL:KIND` makes rank RANK raise at model evaluation
 CALL of a prompt (1-based; 0 = at the sampler, before the ranks meet) and then deletes the file, so the fault
 fires once. KIND: `error` (a RuntimeError), `oom` (a torch.OutOfMemoryError worded like CUDA's), `sleep` (5 s late).
+
+With TP2_TEST_BREAK_INT8_RANKS=R[,R...] those ranks' int8 GEMM returns its rows in the wrong order (as a kernel with
+swapped tiles would), so their numerics check (nodes/numerics_check.py) must refuse the model.
 """
 
 from __future__ import annotations
@@ -13,7 +16,20 @@ import time
 import torch
 
 ENV_FAULT_FILE = "TP2_TEST_FAULT_FILE"
+ENV_BREAK_INT8 = "TP2_TEST_BREAK_INT8_RANKS"
 _PATH = os.environ.get(ENV_FAULT_FILE)
+
+
+def maybe_break_int8(gemm, rank: int):
+    """`gemm` itself, or on a rank listed in TP2_TEST_BREAK_INT8_RANKS a wrong one (rows rolled by 16)."""
+    if str(rank) not in os.environ.get(ENV_BREAK_INT8, "").split(","):
+        return gemm
+
+    def broken(*args, **kwargs):
+        return gemm(*args, **kwargs).roll(16, 0)
+
+    broken.kernel_name = f"{gemm.kernel_name} (broken on purpose by {ENV_BREAK_INT8})"
+    return broken
 
 
 def inject_fault(rank: int, call: int) -> None:

@@ -3,7 +3,8 @@
 `comfy.sd.load_diffusion_model(unet_path, ...)` is replaced (it is looked up by module attribute). For an H3
 safetensors file on an active rank it reads only this rank's slices (or this rank's pre-sharded file), lets
 ComfyUI build the local-width model from the shapes through its own `load_diffusion_model_state_dict` (so the
-int8 mixed-precision path is picked exactly as without the pack), then tags, verifies and wires the model.
+int8 mixed-precision path is picked exactly as without the pack), then tags, verifies and wires the model. An int8
+model is used only after this device's int8 path passed the numerics check (nodes/numerics_check.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..tp2.safetensors_io import file_fingerprint, read_header
 from ..tp2.shard import is_rank_file, load_rank_file, rank_file_name, shard_state_dict, verify_rank_file
 from . import sequence_parallel
 from .lockstep import install_lockstep
+from .numerics_check import check_int8_path
 from .parallel import tag_and_verify
 from .state import STATE, LoadedModel, log
 
@@ -60,6 +62,8 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
     _assign_split_input(dm, split_input)
     patcher.model.tp2_plan = plan  # read by the LoRA hook (nodes/lora.py)
     tag_and_verify(dm, plan)
+    if any(name.endswith(".comfy_quant") for name in plan.tensors):
+        check_int8_path(patcher.model.get_dtype_inference())  # refuses a device whose int8 path measures wrong
     sp = STATE.sequence_parallel and plan.tp_size > 1 and sequence_parallel.install(dm)
     install_lockstep(patcher, plan, source_fp, sequence_parallel=sp)
     patcher.cached_patcher_init = (tp_load_diffusion_model, (unet_path, model_options))

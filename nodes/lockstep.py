@@ -28,7 +28,6 @@ import comfy.patcher_extension as pe
 import execution
 import torch
 
-from ..kernels.attention import select_attention
 from ..tp2 import __version__
 from ..tp2.collectives import broadcast_tree
 from ..tp2.errors import PeerLostError, PromptAbortedError
@@ -37,6 +36,7 @@ from ..tp2.plan import Plan
 from ..tp2.session import detail_key
 from ..tp2.watch import describe_failure
 from . import front_door
+from .attention_choice import attention_override
 from .faults import inject_fault
 from .interrupts import SAMPLING
 from .lora import lora_patch_report
@@ -258,7 +258,7 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     kwargs = dict(kwargs, **shared["extra"])
     if "minimax_payload" in kwargs:  # rank 0's tensors and values; this rank's own (identical, rebuildable) layout
         kwargs["minimax_payload"] = dict(shared["payload"], **({"layout": payload["layout"]} if "layout" in payload else {}))
-    override = _attention_override(group.device)
+    override = attention_override(group.device)
     if override is not None:
         transformer_options = dict(transformer_options, optimized_attention_override=override)
     with role_guard():
@@ -276,40 +276,3 @@ def _step_of(transformer_options) -> tuple[int | None, int | None]:
         return (int(hits[0, 0]) + 1 if len(hits) else None), len(schedule) - 1
     except (KeyError, AttributeError, IndexError, TypeError, RuntimeError):
         return None, None
-
-
-@functools.cache
-def _attention_override(device: torch.device):
-    """ComfyUI's attention function for the backend TP2_ATTN_BACKEND resolves to on this device (None: ComfyUI's own)."""
-    import comfy.ldm.modules.attention as attn
-
-    def sdpa(func, *args, **kwargs):
-        return attn.attention_pytorch(*args, **kwargs)
-
-    def ck(func, *args, **kwargs):
-        return attn.attention_comfy_kitchen_int8(*args, **kwargs)
-
-    ck.container_function = attn.attention_comfy_kitchen_int8.container_function
-    candidates = {
-        "sdpa": (_probe(attn.attention_pytorch, device), "needs torch SDPA"),
-        "ck": (_probe(attn.attention_comfy_kitchen_int8, device), ""),
-    }
-    if candidates["ck"][0] is None:
-        candidates["ck"] = (None, "comfy-kitchen INT8 attention did not run on this device (a real call failed)")
-    choice = select_attention(candidates, device)
-    STATE.attention = choice
-    return {"sdpa": sdpa, "ck": ck}[choice]
-
-
-def _probe(fn, device):
-    """fn as fn(q, k, v, heads) if one real call on this device works, else None (trust a real call, not a flag)."""
-
-    def call(q, k, v, heads):
-        return fn(q, k, v, heads, skip_reshape=True)
-
-    q = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    try:
-        call(q, q, q, 2)
-        return call
-    except Exception:  # noqa: BLE001 - any failure means "not usable here"
-        return None

@@ -32,6 +32,7 @@ def status_text() -> str:
     lines.append(f"process group: generation {session.generation}, {'healthy' if session.healthy else 'not formed / needs re-forming'}")
     lines.append(f"last agreement: {STATE.last_agreement}")
     lines.append(f"kernels: int8 GEMM {STATE.int8_kernel}, attention {STATE.attention}")
+    lines.append(f"numerics check: {STATE.numerics}")
     lines.append(f"timeouts: collectives {env.timeout_s:.0f} s, prompt rendezvous {STATE.prompt_timeout_s:.0f} s")
     for m in STATE.models:
         lines.append(

@@ -49,6 +49,7 @@ class RankState:
     prompt_timeout_s: float = DEFAULT_PROMPT_TIMEOUT_S
     models: list[LoadedModel] = field(default_factory=list)
     last_agreement: str = "none yet"
+    numerics: str = "not run yet (runs at the first int8 H3 load)"  # tp2.numerics report of this device's int8 path
     boot_id: str = ""
     boot_registered: threading.Event = field(default_factory=threading.Event)
 

@@ -1,6 +1,6 @@
 """The pack's exceptions. Every message says what failed, on which object, with the numbers, and what to do.
 
-Imports nothing from the pack or from `comfy`.
+Imports nothing from the pack or from `comfy`. Each class reports its module as `minimax_h3_tp2` (see the end).
 """
 
 
@@ -46,3 +46,13 @@ class AdapterPlacementError(TP2Error):
 
 class ChunkingChangedError(TP2Error):
     """A chunked decode asked for a chunk other than the one this rank's parallel schedule decoded."""
+
+
+class NumericsError(TP2Error):
+    """This device's int8 path measured wrong against exact math (tp2/numerics.py): the video would be noise."""
+
+
+# ComfyUI shows an error as `<class module>.<class name>`; inside ComfyUI this module's name is the pack's folder path
+# (`/.../custom_nodes/minimax-h3-tp2.tp2.errors`). The pack's name reads better in the UI and in tp2-submit.
+for _cls in [c for c in list(globals().values()) if isinstance(c, type) and issubclass(c, TP2Error)]:
+    _cls.__module__ = "minimax_h3_tp2"

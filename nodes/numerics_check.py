@@ -1,0 +1,98 @@
+"""The loader's numerics check: this rank's int8 path, as the pack resolved it here, measured against exact math.
+
+    check_int8_path(dtype)   once per device, comfy-kitchen version and kernel choice; raises NumericsError below
+                             tp2.numerics.MIN_DB with the GPU, its compute capability, the kernels and the dB
+
+The block runs through the very callables a TP forward uses: the rank's int8 GEMM (`STATE.int8_gemm`), comfy-kitchen's
+q/k norm + rope (or the pack's Triton kernel when sequence parallelism fuses it), the attention backend the lockstep
+chose for this device, and the fused norm when it is on. The report shows in the TP2 Status node and the log.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+
+import torch
+
+from ..kernels import norm_modulate, qk_norm_rope
+from ..kernels.int8_gemm import quantize_int8_convrot
+from ..tp2.errors import NumericsError
+from ..tp2.numerics import AVOID, MIN_DB, BlockPath, NumericsReport, check_block
+from .attention_choice import attention_override
+from .state import STATE, log
+
+
+def check_int8_path(dtype: torch.dtype) -> NumericsReport:
+    """Run (or recall) the check for activations of `dtype` on this rank's device; refuse a wrong path."""
+    fused = STATE.sequence_parallel and STATE.sp_fused_norm
+    report = _checked(STATE.device, dtype, STATE.int8_kernel, STATE.env.tp_size, fused, _kitchen_version())
+    STATE.numerics = report.summary()
+    if not report.passed:
+        raise NumericsError(_refusal(report))
+    return report
+
+
+def _kitchen_version() -> str:
+    try:
+        return metadata.version("comfy-kitchen")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@functools.cache
+def _checked(device: torch.device, dtype: torch.dtype, kernel: str, tp_size: int, fused: bool, kitchen: str) -> NumericsReport:
+    path = _block_path(device, dtype, fused, kitchen)
+    report = check_block(path, device, tp_size, _device_name(device))
+    (log.info if report.passed else log.error)("%s numerics check of the int8 path: %s", STATE.tag, report.summary())
+    return report
+
+
+def _block_path(device: torch.device, dtype: torch.dtype, fused: bool, kitchen: str) -> BlockPath:
+    import comfy.quant_ops
+
+    override = attention_override(device)
+
+    def attention(q, k, v, heads):
+        return override(None, q, k, v, heads, skip_reshape=True)
+
+    def rope(q, k, table, qw, kw, eps):
+        if fused and qk_norm_rope.available(q, k, table):
+            qk_norm_rope.rms_rope_split_half_(q, k, table, qw, kw, eps)
+        else:
+            comfy.quant_ops.ck.rms_rope_split_half_(q[None], k[None], table, qw, kw, epsilon=eps, rot_dim=2 * table.shape[-3])
+
+    norm = None
+    if fused and norm_modulate.available(device, dtype):
+
+        def norm(x, w, eps, scale1, shift):
+            h = torch.empty_like(x)
+            norm_modulate.norm_modulate(x, w, eps, scale1, shift, h)
+            return h
+
+    rope_name = "pack Triton" if fused and qk_norm_rope.triton is not None and device.type == "cuda" else "comfy-kitchen"
+    names = {"int8 GEMM": STATE.int8_kernel, "attention": STATE.attention, "q/k norm + rope": rope_name, "comfy-kitchen": kitchen}
+    if norm is not None:
+        names["norm + modulation"] = "pack Triton"
+    return BlockPath(STATE.int8_gemm, quantize_int8_convrot, rope, attention, norm, dtype, STATE.reduce_dtype, names)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        import platform
+
+        return f"{device.type} ({platform.processor() or platform.machine() or 'unknown'})"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+
+
+def _refusal(report: NumericsReport) -> str:
+    parts = [p for p in report.failing if p != "block"] or ["block"]  # a part that fails explains the block
+    worst = parts[0]
+    avoid = "; ".join(f"{p}: {AVOID[p]}" for p in parts if p in AVOID) or "TP2_INT8_KERNEL=triton and TP2_ATTN_BACKEND=sdpa"
+    return (
+        f"{STATE.tag} the int8 path on {report.device} gives wrong numbers: {worst} measured "
+        f"{report.parts_db[worst]:.1f} dB against exact math (at least {MIN_DB:.0f} dB expected; healthy paths measure "
+        f"30-40 dB). The video would be noise. Full report: {report.summary()}. What avoids it: {avoid}. "
+        "Please report the GPU, the driver and the comfy-kitchen version."
+    )

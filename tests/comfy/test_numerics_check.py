@@ -1,0 +1,59 @@
+"""The numerics check on real ComfyUI servers: an int8 H3 model loads only where this rank's int8 path measures
+right against exact math. Rank 1's int8 GEMM is made wrong on purpose (TP2_TEST_BREAK_INT8_RANKS=1, rows rolled as
+swapped tiles would be): the int8 prompt is refused on every rank within seconds, rank 1 with the GPU, kernel and
+dB, rank 0 naming rank 1; a float model (no int8 path) still runs; the status node shows each rank's report."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from comfy_harness import COMFYUI_DIR, assert_success, error_message, have_comfyui, run_everywhere, servers_for, tiny_workflow
+from conftest import make_checkpoint, make_tiny_h3
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
+
+COND, INT8, FLOAT = "h3_tiny_cond.safetensors", "h3_tiny_int8.safetensors", "h3_tiny_float.safetensors"
+
+
+@pytest.fixture(scope="module")
+def broken_rank1(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("numerics_models")
+    make_checkpoint(str(d / INT8), "--int8")
+    make_checkpoint(str(d / FLOAT))
+    make_tiny_h3.main(["--conditioning", str(d / COND)])
+    models = {
+        f"diffusion_models/{INT8}": str(d / INT8),
+        f"diffusion_models/{FLOAT}": str(d / FLOAT),
+        f"h3_conditioning/{COND}": str(d / COND),
+    }
+    env = {"TP2_TEST_BREAK_INT8_RANKS": "1", "TP2_PROMPT_TIMEOUT_S": "20", "TP2_TIMEOUT_S": "30"}
+    return servers_for(request, tmp_path_factory, models, "numerics_world", tp_size=2, env=env)
+
+
+def test_a_wrong_int8_path_is_refused_on_every_rank_and_float_still_runs(broken_rank1):
+    servers = broken_rank1
+    t0 = time.monotonic()
+    hs = run_everywhere(servers, tiny_workflow(INT8, COND, prefix="numerics_int8"), 60)
+    assert time.monotonic() - t0 < 60
+    assert all(h["status"]["status_str"] == "error" for h in hs), [h["status"] for h in hs]
+    msg1 = error_message(hs[1])
+    assert "the int8 path on cpu" in msg1 and "gives wrong numbers: int8 GEMM measured" in msg1, msg1
+    assert "(broken on purpose by TP2_TEST_BREAK_INT8_RANKS)" in msg1 and "TP2_INT8_KERNEL=triton" in msg1, msg1
+    assert msg1.startswith("minimax_h3_tp2.NumericsError: ") and "custom_nodes" not in msg1, msg1  # no file paths
+    db = float(re.search(r"int8 GEMM measured (-?[\d.]+) dB", msg1).group(1))
+    assert db < 25, msg1
+    msg0 = error_message(hs[0])
+    assert "rank 1" in msg0 and "wrong numbers" in msg0, msg0
+    assert_success(servers, run_everywhere(servers, tiny_workflow(FLOAT, COND, prefix="numerics_float")))
+
+
+def test_the_status_node_shows_each_ranks_numerics_report(broken_rank1):
+    servers = broken_rank1
+    hs = run_everywhere(servers, {"1": {"class_type": "TP2Status", "inputs": {}}})
+    assert_success(servers, hs)
+    text0, text1 = (h["outputs"]["1"]["text"][0] for h in hs)
+    healthy = re.search(r"numerics check: passed on cpu .*int8 GEMM (\d+\.\d) dB", text0)
+    assert healthy and float(healthy.group(1)) >= 25, text0
+    assert "numerics check: FAILED on cpu" in text1, text1

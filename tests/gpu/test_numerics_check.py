@@ -1,0 +1,87 @@
+"""The numerics check (nodes/numerics_check.py) on a real GPU: every int8 path the pack can take here passes, a
+wrong int8 GEMM is refused, and a recalled check costs nothing. Prints each report (the figures in
+docs/PERFORMANCE.md come from `pytest tests/gpu/test_numerics_check.py -s`). Needs ComfyUI with H3 at $COMFYUI_DIR."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR", os.path.expanduser("~/ComfyUI"))
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(
+        not os.path.isfile(os.path.join(COMFYUI_DIR, "comfy", "ldm", "minimax", "model.py")), reason="needs ComfyUI with H3"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def pack():
+    sys.path.insert(0, COMFYUI_DIR)
+    pkg = types.ModuleType("tp2pack")  # the pack as a package, without its ComfyUI entry point
+    pkg.__path__ = [ROOT]
+    sys.modules.setdefault("tp2pack", pkg)
+    return types.SimpleNamespace(
+        check=importlib.import_module("tp2pack.nodes.numerics_check"),
+        state=importlib.import_module("tp2pack.nodes.state").STATE,
+        kernels=importlib.import_module("tp2pack.kernels"),
+        faults=importlib.import_module("tp2pack.nodes.faults"),
+        errors=importlib.import_module("tp2pack.tp2.errors"),
+        env=importlib.import_module("tp2pack.tp2.collectives").TPEnv,
+        attention=importlib.import_module("tp2pack.kernels.attention"),
+    )
+
+
+def _configure(pack, tp_size, kernel, attention, fused, broken=False, monkeypatch=None):
+    s = pack.state
+    s.env, s.device = pack.env(0, tp_size, "127.0.0.1", 29511, 30.0), torch.device("cuda", torch.cuda.current_device())
+    import comfy.quant_ops  # noqa: F401 - as in ComfyUI: it disables comfy-kitchen's triton backend ...
+    from comfy_kitchen import registry
+
+    (registry.enable if kernel == "triton" else registry.disable)("triton")  # ... unless --enable-triton-backend
+    gemm = pack.kernels.select_int8_gemm(kernel)
+    if broken:
+        monkeypatch.setenv("TP2_TEST_BREAK_INT8_RANKS", "0")
+        gemm = pack.faults.maybe_break_int8(gemm, 0)
+    s.int8_gemm, s.int8_kernel, s.reduce_dtype = gemm, gemm.kernel_name, torch.float32
+    s.sequence_parallel = s.sp_fused_norm = fused
+    monkeypatch.setenv("TP2_ATTN_BACKEND", attention)
+    pack.attention._chosen.clear()
+    pack.check.attention_override.cache_clear()
+    pack.check._checked.cache_clear()
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+@pytest.mark.parametrize(
+    "kernel,attention,fused", [("auto", "sdpa", False), ("auto", "ck", False), ("auto", "ck", True), ("triton", "sdpa", False)]
+)
+def test_every_int8_path_here_passes_in_well_under_a_second(pack, monkeypatch, tp_size, kernel, attention, fused):
+    _configure(pack, tp_size, kernel, attention, fused, monkeypatch=monkeypatch)
+    pack.check.check_int8_path(torch.bfloat16)  # the first call also compiles and picks kernels
+    pack.check._checked.cache_clear()
+    t0 = time.perf_counter()
+    report = pack.check.check_int8_path(torch.bfloat16)
+    secs = time.perf_counter() - t0
+    print(f"\ntp{tp_size} {kernel}/{attention}/fused={fused}: {report.summary()} [{secs:.3f} s warm]")
+    assert report.passed and secs < 1.0, report.summary()
+    t0 = time.perf_counter()
+    pack.check.check_int8_path(torch.bfloat16)  # recalled, not rerun
+    assert time.perf_counter() - t0 < 0.01
+
+
+def test_a_wrong_int8_gemm_is_refused_with_the_gpu_and_the_db(pack, monkeypatch):
+    _configure(pack, 2, "auto", "sdpa", False, broken=True, monkeypatch=monkeypatch)
+    with pytest.raises(pack.errors.NumericsError) as e:
+        pack.check.check_int8_path(torch.bfloat16)
+    msg = str(e.value)
+    print("\n" + msg)
+    assert torch.cuda.get_device_name() in msg and "compute capability" in msg and "int8 GEMM measured" in msg, msg

@@ -1,0 +1,57 @@
+"""tp2/numerics.py on the CPU with comfy-kitchen's eager kernels: a healthy int8 path passes with margin at every
+tp_size, and each kind of wrong part (GEMM rows swapped, attention on the wrong keys, a NaN) fails, named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import select_int8_gemm
+from kernels.int8_gemm import quantize_int8_convrot
+from tp2.numerics import MIN_DB, BlockPath, check_block
+
+
+def _rope(q, k, table, qw, kw, eps):
+    import comfy_kitchen as ck
+
+    ck.rms_rope_split_half_(q[None], k[None], table, qw, kw, epsilon=eps, rot_dim=2 * table.shape[-3])
+
+
+def _sdpa(q, k, v, heads):
+    return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(1, q.shape[2], -1)
+
+
+def _path(gemm=None, attention=_sdpa, dtype=torch.bfloat16):
+    return BlockPath(gemm or select_int8_gemm("eager"), quantize_int8_convrot, _rope, attention, None, dtype, torch.float32)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_healthy_int8_path_passes_with_margin(tp_size, dtype):
+    report = check_block(_path(dtype=dtype), torch.device("cpu"), tp_size, "cpu")
+    assert report.passed, report.summary()
+    assert min(report.parts_db.values()) > MIN_DB + 5, report.summary()  # 30+ dB: the threshold is not marginal
+
+
+def test_swapped_gemm_rows_fail_as_the_gemm():
+    good = select_int8_gemm("eager")
+    report = check_block(_path(gemm=lambda *a: good(*a).roll(16, 0)), torch.device("cpu"), 2, "cpu")
+    assert not report.passed and report.failing == ["int8 GEMM", "block"], report.summary()
+
+
+def test_attention_on_the_wrong_keys_fails_as_the_attention():
+    report = check_block(_path(attention=lambda q, k, v, h: _sdpa(q, k.roll(1, 2), v, h)), torch.device("cpu"), 2, "cpu")
+    assert "attention" in report.failing and "int8 GEMM" not in report.failing, report.summary()
+
+
+def test_a_nan_fails():
+    good = select_int8_gemm("eager")
+
+    def nan_gemm(*a):
+        y = good(*a)
+        y[0, 0] = float("nan")
+        return y
+
+    report = check_block(_path(gemm=nan_gemm), torch.device("cpu"), 2, "cpu")
+    assert "int8 GEMM" in report.failing and "nan dB" in report.summary(), report.summary()

@@ -1,0 +1,246 @@
+"""The GPU numerics check: one small H3-shaped block through this rank's own kernels against exact math.
+
+A kernel that runs is not a kernel that is right: some comfy-kitchen builds give noise or tiled garbage on some
+GPUs (int8 ConvRot on a 3090, SM75 T4s). Before the first H3 model on a device is used, one block with random
+weights (fixed seed) runs twice on that device:
+
+    the rank's path   int8 ConvRot weights, this rank's column-parallel slices and row-parallel K slices for
+                      every rank of the TP set (partial sums in the reduce dtype, summed as the all-reduce sums),
+                      the q/k norm + rope kernel, the attention backend and the norm kernel the rank will use
+    the reference     the same block in fp32 with the unquantised weights and plain torch ops
+
+and the signal-to-quantisation-noise ratio (dB) of each part and of the block's update is compared with MIN_DB.
+Measured (tests/unit/test_numerics.py, tests/gpu/test_numerics_check.py): a healthy path gives 33-35 dB for the
+int8 GEMM and the block (CPU eager; H200 CUDA, CUTLASS and Triton GEMMs, SDPA and comfy-kitchen INT8 attention), 37-49
+dB for the other parts; a GEMM with swapped row tiles gives -3 dB. 25 dB leaves 8 dB below healthy and far above wrong.
+
+The kernels are handed in (`BlockPath`), so this module depends on torch only and never imports `comfy`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+MIN_DB = 25.0
+HEAD_DIM, LOCAL_HEADS, HIDDEN, LOCAL_FFN, TOKENS, ROPE_PAIRS, EPS = 128, 2, 512, 512, 128, 48, 1e-6
+EXACT_DB = 99.0  # reported for results closer than this (fp32 paths are often exact)
+
+# Settings that take each part off the path when it measures wrong.
+AVOID = {
+    "int8 GEMM": "TP2_INT8_KERNEL=triton with ComfyUI's --enable-triton-backend (or TP2_INT8_KERNEL=eager, slow), another comfy-kitchen build, or a bf16 checkpoint",
+    "q/k norm + rope": "another comfy-kitchen build (or TP2_SP_FUSED_NORM=0 when it is on)",
+    "attention": "TP2_ATTN_BACKEND=sdpa",
+    "norm + modulation": "TP2_SP_FUSED_NORM=0",
+}
+
+
+@dataclass(frozen=True)
+class BlockPath:
+    """The calls this rank's H3 blocks make, as the pack resolved them on this device.
+
+    gemm(x, qdata, scale, bias, out_dtype, convrot_group, input_act) -> y   (kernels.select_int8_gemm)
+    quantize_weight(w [N, K] fp32, group) -> (qdata int8 [N, K], scale fp32 [N, 1])   int8 ConvRot, as checkpoints store it
+    qk_norm_rope(q, k, table, q_w, k_w, eps)   in place on [S, H, D] views, table [1, S, 1, P, 2, 2]
+    attention(q, k, v, heads) -> [1, S, H * D]   q, k, v: [1, H, S, D]
+    norm_modulate(x, w, eps, scale1, shift) -> h, or None for plain ops
+    """
+
+    gemm: Callable[..., torch.Tensor]
+    quantize_weight: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    qk_norm_rope: Callable[..., None]
+    attention: Callable[..., torch.Tensor]
+    norm_modulate: Callable[..., torch.Tensor] | None
+    dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    names: dict[str, str] = field(default_factory=dict)  # part -> kernel name, for the report
+
+
+@dataclass(frozen=True)
+class NumericsReport:
+    device: str
+    parts_db: dict[str, float]
+    names: dict[str, str]
+    seconds: float
+
+    @property
+    def failing(self) -> list[str]:
+        return [p for p, db in self.parts_db.items() if not db >= MIN_DB]  # NaN fails
+
+    @property
+    def passed(self) -> bool:
+        return not self.failing
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{p} {db:.1f} dB" for p, db in self.parts_db.items())
+        kernels = ", ".join(f"{p} {n}" for p, n in self.names.items())
+        return f"{'passed' if self.passed else 'FAILED'} on {self.device} ({parts}; threshold {MIN_DB:.0f} dB; {kernels}; {self.seconds:.2f} s)"
+
+
+def sqnr_db(y: torch.Tensor, ref: torch.Tensor) -> float:
+    ref64, err = ref.double(), y.double() - ref.double()
+    noise = float(err.pow(2).sum())
+    if not math.isfinite(noise):
+        return float("nan")
+    return min(EXACT_DB, 10.0 * math.log10(float(ref64.pow(2).sum()) / max(noise, 1e-300)))
+
+
+def check_block(path: BlockPath, device: torch.device, tp_size: int, device_name: str, seed: int = 0) -> NumericsReport:
+    """Each part on the same inputs as the fp32 reference, then the whole block: dB per part, on `device`."""
+    t0 = time.perf_counter()
+    w = _weights(tp_size, seed, device)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    x, table, mods = randn(TOKENS, HIDDEN), _rope_table(g).to(device), [0.1 * randn(HIDDEN) for _ in range(6)]
+    ref, ours = _ReferenceOps(w), _PathOps(path, {n: path.quantize_weight(t, 256) for n, t in w.items() if n != "norm"})
+    xd, rows = x.to(path.dtype), _rank_rows("fc1", 0, tp_size)
+    q, k, v = randn(TOKENS, LOCAL_HEADS, HEAD_DIM), randn(TOKENS, LOCAL_HEADS, HEAD_DIM), randn(1, LOCAL_HEADS, TOKENS, HEAD_DIM)
+    qk_ref, qk_ours = (q.clone(), k.clone()), (q.to(path.dtype), k.to(path.dtype))
+    nw = w["norm"][1, :HEAD_DIM]
+    with torch.no_grad():
+        ref.qk_norm_rope(*qk_ref, table, nw, nw, EPS)
+        ours.qk_norm_rope(*qk_ours, table, nw.to(path.dtype), nw.to(path.dtype), EPS)
+        qh, kh = (t.transpose(0, 1).unsqueeze(0) for t in qk_ref)
+        scale1, shift = 1 + mods[0], mods[1]
+        parts = {
+            "int8 GEMM": sqnr_db(ours.row(ours.column(xd, "fc1", rows), "fc2", 0, tp_size, "swiglu"),
+                                 ref.row(ref.column(x, "fc1", rows), "fc2", 0, tp_size, "swiglu")),
+            "q/k norm + rope": sqnr_db(torch.cat(qk_ours), torch.cat(qk_ref)),
+            "attention": sqnr_db(ours.attention(*(t.to(path.dtype) for t in (qh, kh, v)), LOCAL_HEADS), ref.attention(qh, kh, v, LOCAL_HEADS)),
+            "norm + modulation": sqnr_db(ours.norm_modulate(xd, w["norm"][0, HEAD_DIM:].to(path.dtype), EPS, scale1.to(path.dtype), shift.to(path.dtype)),
+                                         ref.norm_modulate(x, w["norm"][0, HEAD_DIM:], EPS, scale1, shift)),
+            "block": sqnr_db(_block(xd, w, table, mods, tp_size, ours), _block(x, w, table, mods, tp_size, ref)),
+        }  # fmt: skip
+    if path.norm_modulate is None:
+        parts.pop("norm + modulation")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return NumericsReport(device_name, parts, dict(path.names), time.perf_counter() - t0)
+
+
+def _weights(tp_size: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """fp32 weights of a block at tp_size x the local widths, fan-in scaled."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    inner, ffn = tp_size * LOCAL_HEADS * HEAD_DIM, tp_size * LOCAL_FFN
+
+    def lin(n, k):
+        return (torch.randn(n, k, generator=g) / math.sqrt(k)).to(device)
+
+    return {"qkv": lin(3 * inner, HIDDEN), "out": lin(HIDDEN, inner), "fc1": lin(2 * ffn, HIDDEN), "fc2": lin(HIDDEN, ffn),
+            "norm": (1 + 0.1 * torch.randn(4, HEAD_DIM + HIDDEN, generator=g)).to(device)}  # fmt: skip
+
+
+def _rope_table(g: torch.Generator) -> torch.Tensor:
+    angle = torch.rand(TOKENS, ROPE_PAIRS, generator=g) * 2 * math.pi
+    c, s = angle.cos(), angle.sin()
+    return torch.stack([torch.stack([c, -s], -1), torch.stack([s, c], -1)], -2).view(1, TOKENS, 1, ROPE_PAIRS, 2, 2)
+
+
+def _rank_rows(name: str, rank: int, tp_size: int) -> list[slice]:
+    """Rows of a column-parallel weight that rank `rank` holds (per packed part)."""
+    parts = {"qkv": 3, "fc1": 2}[name]
+    width = (LOCAL_HEADS * HEAD_DIM if name == "qkv" else LOCAL_FFN) * tp_size
+    local = width // tp_size
+    return [slice(p * width + rank * local, p * width + (rank + 1) * local) for p in range(parts)]
+
+
+def _block(x, w, table, mods, tp_size, ops) -> torch.Tensor:
+    """What one DiT block (one modulation segment) adds to the stream, attention branch then MLP branch: every
+    rank's share computed here, summed as the all-reduce sums. The updates, not the stream: x itself (and its
+    rounding in the activation dtype) would hide the block's error."""
+    shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (m.to(x.dtype) for m in mods)
+    nw = w["norm"].to(x.dtype)
+    h = ops.norm_modulate(x, nw[0, HEAD_DIM:], EPS, 1 + scale_a, shift_a)
+    attn = []
+    for r in range(tp_size):
+        qkv = ops.column(h, "qkv", _rank_rows("qkv", r, tp_size))
+        q, k, v = (t.reshape(TOKENS, LOCAL_HEADS, HEAD_DIM).contiguous() for t in qkv.chunk(3, dim=-1))
+        ops.qk_norm_rope(q, k, table, nw[1, :HEAD_DIM], nw[2, :HEAD_DIM], EPS)
+        att = ops.attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), LOCAL_HEADS).reshape(TOKENS, -1)
+        attn.append(ops.row(att, "out", r, tp_size))
+    attn_update = gate_a * _reduce(attn).to(x.dtype)
+    x = x + attn_update
+    h = ops.norm_modulate(x, nw[3, HEAD_DIM:], EPS, 1 + scale_m, shift_m)
+    mlp = [ops.row(ops.column(h, "fc1", _rank_rows("fc1", r, tp_size)), "fc2", r, tp_size, "swiglu") for r in range(tp_size)]
+    return torch.cat([attn_update, gate_m * _reduce(mlp).to(x.dtype)])
+
+
+def _reduce(parts: list[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    return total
+
+
+def _k_slice(name: str, rank: int, tp_size: int) -> slice:
+    k = LOCAL_HEADS * HEAD_DIM if name == "out" else LOCAL_FFN
+    return slice(rank * k, (rank + 1) * k)
+
+
+class _ReferenceOps:
+    """fp32 math on the unquantised weights, plain torch ops."""
+
+    def __init__(self, w: dict[str, torch.Tensor]):
+        self.w = w
+
+    @staticmethod
+    def norm_modulate(x, w, eps, scale1, shift):
+        return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
+
+    def column(self, h, name, rows):
+        return F.linear(h, torch.cat([self.w[name][r] for r in rows]))
+
+    def row(self, a, name, rank, tp_size, input_act=None):
+        if input_act == "swiglu":
+            gate, up = a.chunk(2, dim=-1)
+            a = F.silu(gate) * up
+        return F.linear(a, self.w[name][:, _k_slice(name, rank, tp_size)])
+
+    @staticmethod
+    def qk_norm_rope(q, k, table, qw, kw, eps):
+        for t, w in ((q, qw), (k, kw)):
+            n = F.rms_norm(t, (t.shape[-1],), w, eps)
+            a, b = n[..., :ROPE_PAIRS], n[..., ROPE_PAIRS : 2 * ROPE_PAIRS]
+            f = table[0]  # [S, 1, P, 2, 2]
+            t.copy_(torch.cat([f[..., 0, 0] * a + f[..., 0, 1] * b, f[..., 1, 0] * a + f[..., 1, 1] * b, n[..., 2 * ROPE_PAIRS :]], -1))
+
+    @staticmethod
+    def attention(q, k, v, heads):
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v  # [1, H, S, D]
+        return att.transpose(1, 2).reshape(1, q.shape[2], heads * q.shape[-1])
+
+
+class _PathOps:
+    """The rank's path: int8 slices through `path.gemm`, its rope, attention and norm kernels."""
+
+    def __init__(self, path: BlockPath, q8: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        self.p, self.q8 = path, q8
+
+    def norm_modulate(self, x, w, eps, scale1, shift):
+        if self.p.norm_modulate is None:
+            return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
+        return self.p.norm_modulate(x, w, eps, scale1, shift)
+
+    def column(self, h, name, rows):
+        q, s = self.q8[name]
+        return self.p.gemm(h, torch.cat([q[r] for r in rows]), torch.cat([s[r] for r in rows]), None, h.dtype, 256, None)
+
+    def row(self, a, name, rank, tp_size, input_act=None):
+        """This rank's K slice of an int8 row-parallel weight (per-row scales kept; the K slices are whole ConvRot
+        groups), its partial sum in the reduce dtype."""
+        q, s = self.q8[name]
+        return self.p.gemm(a, q[:, _k_slice(name, rank, tp_size)].contiguous(), s, None, self.p.reduce_dtype, 256, input_act)
+
+    def qk_norm_rope(self, q, k, table, qw, kw, eps):
+        self.p.qk_norm_rope(q, k, table.to(q.dtype), qw, kw, eps)
+
+    def attention(self, q, k, v, heads):
+        return self.p.attention(q, k, v, heads)
