@@ -3,7 +3,9 @@ plain server within the thresholds below, refusals that leave the servers usable
 
 Thresholds. float: 1e-4 relative (max abs diff / max abs value of the final latent): TP only reorders fp32 sums
 and uses torch SDPA where the plain CPU server uses sub-quadratic attention; both are ~1e-6 apart, and a wrong
-shard or a missing reduce moves the latent by tens of percent (strong init). int8 ConvRot: SQNR >= 25 dB on the
+shard or a missing reduce moves the latent by tens of percent (strong init). The matrix covers every checkpoint form:
+{curve, full adaln} x {float, int8 ConvRot} x {tp 2, 4} x {shard-on-read, pre-sharded}, plus `net.`-prefixed keys
+(int8 at tp 4 uses ConvRot group 64: the tiny model's local K of 128 cannot hold a group of 256). int8 ConvRot: SQNR >= 25 dB on the
 final latent: each row-parallel rank quantises its own half-row (~43 dB per layer in the block-level test); two
 sampling steps through 2 blocks + refiner measured 40.8 dB (video) / 41.1 dB (audio), and a broken layer scores
 < 10 dB. Measured float differences: ~3.5e-7.
@@ -43,9 +45,24 @@ COND = TINY_COND
 FLOAT, INT8, INT8_G64 = "h3_tiny_float.safetensors", "h3_tiny_int8.safetensors", "h3_tiny_int8_g64.safetensors"
 FULL = "h3_tiny_full_adaln.safetensors"  # full form: time_embedder + adaln split along its input
 FULL_INT8 = "h3_tiny_full_adaln_int8.safetensors"  # the same, int8 ConvRot (ComfyUI leaves the split layers' weight None)
+FULL_INT8_G64 = "h3_tiny_full_adaln_int8_g64.safetensors"  # full form, int8 with a ConvRot group that splits 4 ways
 NET_INT8 = "h3_tiny_int8_net.safetensors"  # keys under "net.", a prefix ComfyUI's loader strips
-SHARDED_FULL_INT8 = "h3_tiny_full_adaln_int8_sharded.safetensors"  # the same as FULL_INT8, with rank files beside it
-INT8_FILES = (INT8, FULL_INT8, NET_INT8, SHARDED_FULL_INT8)
+INT8_FILES = (INT8, INT8_G64, FULL_INT8, FULL_INT8_G64, NET_INT8)
+# pre-sharded: a copy of the file with rank files beside it (the loader takes those when the original is selected)
+PRE_SHARDED = {FLOAT: (2, 4), INT8: (2,), FULL: (2, 4), FULL_INT8: (2,), INT8_G64: (4,), FULL_INT8_G64: (4,)}
+
+
+def sharded(name: str) -> str:
+    return name.replace(".safetensors", "_sharded.safetensors")
+
+
+def is_int8(unet: str) -> bool:
+    return unet in INT8_FILES or unet in map(sharded, INT8_FILES)
+
+
+# every checkpoint form x tp_size x load path: {curve, full adaln} x {float, int8 ConvRot} x {shard-on-read, pre-sharded}
+MATRIX = [(2, u) for u in (FLOAT, INT8, FULL, FULL_INT8, NET_INT8)] + [(4, u) for u in (FLOAT, INT8_G64, FULL, FULL_INT8_G64)]
+MATRIX += [(tp, sharded(u)) for u, sizes in PRE_SHARDED.items() for tp in sizes]
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +76,22 @@ def comfy_git_status():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, comfy_git_status):
     checkpoints = {FLOAT: (), INT8: ("--int8",), INT8_G64: ("--int8", "--convrot-group", "64"), FULL: ("--adaln", "full"),
-                   FULL_INT8: ("--adaln", "full", "--int8")}  # fmt: skip
-    out = make_models(str(tmp_path_factory.mktemp("models")), checkpoints)  # INT8_G64 splits at tp_size 4 too
+                   FULL_INT8: ("--adaln", "full", "--int8"), FULL_INT8_G64: ("--adaln", "full", "--int8", "--convrot-group", "64")}  # fmt: skip
+    out = make_models(str(tmp_path_factory.mktemp("models")), checkpoints)  # the g64 files split at tp_size 4 too
     src = out[f"diffusion_models/{INT8}"]
+    folder = os.path.dirname(src)
     with safe_open(src, "pt") as f:
         tensors, metadata = {"net." + k: f.get_tensor(k) for k in f.keys()}, f.metadata()
-    net = os.path.join(os.path.dirname(src), NET_INT8)
-    save_file(tensors, net, metadata=metadata)
-    out[f"diffusion_models/{NET_INT8}"] = net
-    sharded = os.path.join(os.path.dirname(src), SHARDED_FULL_INT8)
-    shutil.copyfile(out[f"diffusion_models/{FULL_INT8}"], sharded)
-    out[f"diffusion_models/{SHARDED_FULL_INT8}"] = sharded
-    for r in range(2):  # pre-sharded: the loader takes these when the original is selected
-        rank_file = write_rank_file(sharded, os.path.dirname(src), 2, r)
-        out[f"diffusion_models/{os.path.basename(rank_file)}"] = rank_file
+    save_file(tensors, os.path.join(folder, NET_INT8), metadata=metadata)
+    out[f"diffusion_models/{NET_INT8}"] = os.path.join(folder, NET_INT8)
+    for name, sizes in PRE_SHARDED.items():
+        copy = os.path.join(folder, sharded(name))
+        shutil.copyfile(out[f"diffusion_models/{name}"], copy)
+        out[f"diffusion_models/{sharded(name)}"] = copy
+        for tp_size in sizes:
+            for r in range(tp_size):
+                rank_file = write_rank_file(copy, folder, tp_size, r)
+                out[f"diffusion_models/{os.path.basename(rank_file)}"] = rank_file
     return out
 
 
@@ -124,31 +143,33 @@ def sqnr_db(ref, x) -> float:
     return float(10 * torch.log10(ref.double().pow(2).sum() / (ref.double() - x.double()).pow(2).sum()))
 
 
-@pytest.mark.parametrize("unet", [FLOAT, INT8, FULL, FULL_INT8, NET_INT8, SHARDED_FULL_INT8])
-def test_tp2_ranks_byte_identical_and_match_one_server(tp2, plain, unet):
-    wf = tiny_workflow(unet, COND, prefix=f"cmp_{unet[:-12]}")
-    tp_files = ok(tp2, run(tp2, wf))
-    assert tp_files[0] == tp_files[1], "ranks wrote different bytes"
+@pytest.mark.parametrize("tp_size,unet", MATRIX)
+def test_every_checkpoint_form_splits_byte_identical_and_matches_one_server(request, plain, tp_size, unet):
+    servers = request.getfixturevalue(f"tp{tp_size}")
+    wf = tiny_workflow(unet, COND, prefix=f"tp{tp_size}_{unet[:-12]}")
+    tp_files = ok(servers, run(servers, wf))
+    assert all(f == tp_files[0] for f in tp_files[1:]), "ranks wrote different bytes"
     ref_files = ok([plain], run([plain], wf))[0]
     for kind in ("video", "audio"):
         a, b = latent(tp_files[0], kind), latent(ref_files, kind)
         assert a.shape == b.shape and torch.isfinite(a).all()
-        print(f"{unet} {kind}: rel {rel(a, b):.2e}, SQNR {sqnr_db(b, a):.1f} dB")
-        if unet not in INT8_FILES:
-            assert rel(a, b) < 1e-4, (kind, rel(a, b))
-        else:
+        print(f"tp{tp_size} {unet} {kind}: rel {rel(a, b):.2e}, SQNR {sqnr_db(b, a):.1f} dB")
+        if is_int8(unet):
             assert sqnr_db(b, a) >= 25.0, (kind, sqnr_db(b, a))
+        else:
+            assert rel(a, b) < 1e-4, (kind, rel(a, b))
     # the DiT matters: a different seed moves the latent far beyond the thresholds
     other = latent(ok([plain], run([plain], tiny_workflow(unet, COND, seed=7, prefix=f"seed7_{unet[:-12]}")))[0], "video")
     assert rel(other, latent(ref_files, "video")) > 0.05
-    log = open(tp2[0].log_path).read()
-    how = f"from {unet[: -len('.safetensors')]}.tp2-rank0.safetensors" if unet == SHARDED_FULL_INT8 else "(shard-on-read)"
+    log = open(servers[0].log_path).read()
+    pre = unet.endswith("_sharded.safetensors")
+    how = f"from {unet[: -len('.safetensors')]}.tp{tp_size}-rank0.safetensors" if pre else "(shard-on-read)"
     assert f"loaded {unet} {how}" in log  # split, not the whole model on every rank
 
 
 @pytest.mark.parametrize("unet", [FLOAT, INT8_G64])
 def test_tp4_matches_tp2(tp4, tp2, unet):
-    wf = tiny_workflow(unet, COND, prefix=f"tp4_{unet[:-12]}")
+    wf = tiny_workflow(unet, COND, prefix=f"tp4_vs_tp2_{unet[:-12]}")
     four = ok(tp4, run(tp4, wf))
     assert all(f == four[0] for f in four[1:]), "tp4 ranks wrote different bytes"
     two = ok(tp2, run(tp2, wf))
