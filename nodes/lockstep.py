@@ -29,7 +29,7 @@ import execution
 import torch
 
 from ..tp2 import __version__
-from ..tp2.collectives import broadcast_tree
+from ..tp2.collectives import broadcast_tree, carries_tensors
 from ..tp2.errors import PeerLostError, PromptAbortedError
 from ..tp2.handshake import prompt_details
 from ..tp2.plan import Plan
@@ -246,7 +246,8 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
         if mm.processing_interrupted():  # every rank stops here, at the same model evaluation
             shared = {"stop": True}
         else:
-            extra = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+            # every tensor input (e.g. denoise_mask, audio_denoise_mask, a list of reference latents) is rank 0's
+            extra = {k: v for k, v in kwargs.items() if k != "minimax_payload" and carries_tensors(v)}
             layoutless = {k: v for k, v in payload.items() if k != "layout"}
             shared = {"x": list(x), "t": timestep, "context": context, "payload": layoutless, "extra": extra}
     shared = broadcast_tree(shared, group)

@@ -320,6 +320,17 @@ def _unflatten(skel, tensors: list[torch.Tensor]):
     return skel
 
 
+def carries_tensors(value: object) -> bool:
+    """Whether `value` is a tensor or a dict/list/tuple holding one at any depth (what broadcast_tree must carry)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(carries_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(carries_tensors(v) for v in value)
+    return False
+
+
 def broadcast_tree(obj: object, tp: TPGroup, src: int = 0) -> object:
     """Rank `src`'s nested dict/list/tuple of tensors and plain values, identical on every rank.
 

@@ -199,3 +199,19 @@ def test_tiny_file_plan_matches_layout_json(tiny_int8):
     plan = resolve_plan(layout, 2)
     assert plan.tensors["blocks.1.mlp.fc2.weight"].local_shape == (256, 256)
     assert allowed_tp_sizes(layout) == [1, 2]  # out_proj K=512: tp 4 would leave 128 < one ConvRot group
+
+
+def test_a_pdd_head_bank_final_layer_stays_whole_on_every_rank(h3_int8_layout):
+    """The newest upstream H3 FinalLayer holds a bank of n output heads (video_out/audio_out with n x the rows, picked
+    by the sampler's sigma): replicated layers are taken whole, so the bank reaches every rank unchanged."""
+    tensors = dict(h3_int8_layout.tensors)
+    for head in ("video_out", "audio_out"):
+        for suffix in ("weight", "bias"):
+            name = f"final_layer.{head}.{suffix}"
+            dtype, shape = tensors[name]
+            tensors[name] = (dtype, (4 * shape[0],) + tuple(shape[1:]))
+    plan = resolve_plan(_edit(h3_int8_layout, tensors=tensors), 2)
+    for head in ("video_out", "audio_out"):
+        shard = plan.tensors[f"final_layer.{head}.weight"]
+        assert plan.linears[f"final_layer.{head}"] == REPLICATE and shard.kind == WHOLE
+        assert shard.local_shape == shard.full_shape == tensors[f"final_layer.{head}.weight"][1]
