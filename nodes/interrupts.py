@@ -16,6 +16,7 @@ import comfy.model_management as mm
 import comfy.ops
 import comfy.utils
 
+from .patches import PATCHES
 from .state import STATE, log
 
 SAMPLING = threading.local()  # .active while a TP sampler or split decode runs in this (the prompt worker's) thread
@@ -35,7 +36,6 @@ def _deferring_update_absolute(original):
             log.debug("%s interrupt deferred to the next model evaluation", STATE.tag)
             mm.interrupt_current_processing(True)  # the check cleared it; keep it for the next model evaluation
 
-    update_absolute._tp2 = True
     return update_absolute
 
 
@@ -48,13 +48,10 @@ def _deferring_run_every_op(original):
         if not getattr(SAMPLING, "active", False):
             return original()
 
-    run_every_op._tp2 = True
     return run_every_op
 
 
 def install_interrupt_deferral() -> None:
     """Interrupts during TP sampling take effect at one agreed model evaluation on every rank."""
-    if not getattr(comfy.utils.ProgressBar.update_absolute, "_tp2", False):
-        comfy.utils.ProgressBar.update_absolute = _deferring_update_absolute(comfy.utils.ProgressBar.update_absolute)
-    if not getattr(comfy.ops.run_every_op, "_tp2", False):
-        comfy.ops.run_every_op = _deferring_run_every_op(comfy.ops.run_every_op)
+    PATCHES.install(comfy.utils.ProgressBar, "update_absolute", _deferring_update_absolute)
+    PATCHES.install(comfy.ops, "run_every_op", _deferring_run_every_op)

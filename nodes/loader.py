@@ -25,6 +25,7 @@ from . import sequence_parallel
 from .lockstep import install_lockstep
 from .numerics_check import check_int8_path
 from .parallel import tag_and_verify
+from .patches import PATCHES
 from .state import STATE, LoadedModel, log
 
 _original_load_diffusion_model = comfy.sd.load_diffusion_model
@@ -141,5 +142,4 @@ def _assign_split_input(dm: torch.nn.Module, tensors: dict[str, torch.Tensor]) -
 
 
 def install_loader_hook() -> None:
-    if comfy.sd.load_diffusion_model is not tp_load_diffusion_model:
-        comfy.sd.load_diffusion_model = tp_load_diffusion_model
+    PATCHES.install(comfy.sd, "load_diffusion_model", lambda original: tp_load_diffusion_model)

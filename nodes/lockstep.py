@@ -41,6 +41,7 @@ from .faults import inject_fault
 from .interrupts import SAMPLING
 from .lora import lora_patch_report
 from .parallel import role_guard
+from .patches import PATCHES
 from .state import STATE, log
 
 KEY = "minimax_h3_tp2"
@@ -90,10 +91,10 @@ def _caches_may_differ() -> bool:
 
 
 def track_prompts() -> None:
-    original = execution.PromptExecutor.execute_async
-    if getattr(original, "_tp2", False):
-        return
+    PATCHES.install(execution.PromptExecutor, "execute_async", _tracking_execute_async)
 
+
+def _tracking_execute_async(original):
     @functools.wraps(original)
     async def execute_async(self, prompt, prompt_id, extra_data={}, execute_outputs=[]):  # noqa: B006 - ComfyUI's signature
         session, door = STATE.session, front_door.FRONT_DOOR
@@ -134,8 +135,7 @@ def track_prompts() -> None:
             session.end_run()
             CURRENT.prompt_id = CURRENT.run = CURRENT.transformer_options = None
 
-    execute_async._tp2 = True
-    execution.PromptExecutor.execute_async = execute_async
+    return execute_async
 
 
 def _failure(executor) -> str | None:

@@ -23,6 +23,7 @@ import comfy.weight_adapter as weight_adapter
 from ..tp2.errors import AdapterPlacementError
 from ..tp2.lora import is_sharded, slice_like_weight, slice_lora_factors, state_dict_digest
 from ..tp2.plan import Plan, TensorShard
+from .patches import PATCHES
 from .state import STATE, log
 
 MODEL_PREFIX = "diffusion_model."
@@ -146,7 +147,6 @@ def _wrap_load_lora(original):
         )
         return new_model, new_clip
 
-    load_lora_for_models._tp2 = True
     return load_lora_for_models
 
 
@@ -160,13 +160,11 @@ def _wrap_bypass(original):
             )
         return original(model, clip, lora, strength_model, strength_clip, *args, **kwargs)
 
-    load_bypass_lora_for_models._tp2 = True
     return load_bypass_lora_for_models
 
 
 def install_lora_hooks() -> None:
     """Both loaders are looked up as `comfy.sd.<name>` at call time by ComfyUI's nodes."""
-    if not getattr(comfy.sd.load_lora_for_models, "_tp2", False):
-        comfy.sd.load_lora_for_models = _wrap_load_lora(comfy.sd.load_lora_for_models)
-    if hasattr(comfy.sd, "load_bypass_lora_for_models") and not getattr(comfy.sd.load_bypass_lora_for_models, "_tp2", False):
-        comfy.sd.load_bypass_lora_for_models = _wrap_bypass(comfy.sd.load_bypass_lora_for_models)
+    PATCHES.install(comfy.sd, "load_lora_for_models", _wrap_load_lora)
+    if hasattr(comfy.sd, "load_bypass_lora_for_models"):
+        PATCHES.install(comfy.sd, "load_bypass_lora_for_models", _wrap_bypass)

@@ -10,6 +10,7 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
+from .patches import PATCHES
 from .state import STATE
 
 CATEGORY = "MiniMax-H3 TP"
@@ -33,6 +34,7 @@ def status_text() -> str:
     lines.append(f"last agreement: {STATE.last_agreement}")
     lines.append(f"kernels: int8 GEMM {STATE.int8_kernel}, attention {STATE.attention}")
     lines.append(f"numerics check: {STATE.numerics}")
+    lines.append(f"patched: {', '.join(PATCHES.names()) or 'nothing'}")
     lines.append(f"timeouts: collectives {env.timeout_s:.0f} s, prompt rendezvous {STATE.prompt_timeout_s:.0f} s")
     for m in STATE.models:
         lines.append(

@@ -27,6 +27,7 @@ from ..tp2.errors import MissingRoleError, PlanError
 from ..tp2.layers import ROLE_ATTR, Int8Weight, LinearWeight, local_linear, require_role
 from ..tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
 from ..tp2.sequence_layout import reduce_scatter_sequence
+from .patches import PATCHES
 from .state import STATE
 
 ROLE_OF_STYLE = {COLWISE: "colwise", COLWISE_PACKED: "colwise", ROWWISE: "rowwise", ROWWISE_SPLIT_INPUT: "rowwise", REPLICATE: "replicate"}
@@ -243,5 +244,4 @@ def role_guard():
 
 def install_linear_input_act_patch() -> None:
     """comfy.ops.linear_input_act is looked up at call time by H3's MLP, so patching the module attribute suffices."""
-    if comfy.ops.linear_input_act is not tp_linear_input_act:
-        comfy.ops.linear_input_act = tp_linear_input_act
+    PATCHES.install(comfy.ops, "linear_input_act", lambda original: tp_linear_input_act)

@@ -33,6 +33,7 @@ from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
 from .interrupts import SAMPLING
 from .lockstep import CURRENT, leave_run, rank0_abort, tensor_digest
+from .patches import PATCHES
 from .state import STATE, env_flag, log
 
 ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
@@ -65,17 +66,15 @@ def install_parallel_vae_decode() -> None:
         return
     import comfy.ldm.minimax.vae as h3_vae
 
-    cls = h3_vae.MiniMaxH3VideoVAE
-    original = cls.decode_temporal
-    if getattr(original, "_tp2", False):
-        return
+    PATCHES.install(h3_vae.MiniMaxH3VideoVAE, "decode_temporal", _splitting_decode_temporal)
 
+
+def _splitting_decode_temporal(original):
     @functools.wraps(original)
     def decode_temporal(self, z, output_buffer=None):
         return _decode_temporal(original, self, z, output_buffer)
 
-    decode_temporal._tp2 = True
-    cls.decode_temporal = decode_temporal
+    return decode_temporal
 
 
 def _decode_temporal(original, vae, z, output_buffer):

@@ -57,3 +57,4 @@ def test_the_status_node_shows_each_ranks_numerics_report(broken_rank1):
     healthy = re.search(r"numerics check: passed on cpu .*int8 GEMM (\d+\.\d) dB", text0)
     assert healthy and float(healthy.group(1)) >= 25, text0
     assert "numerics check: FAILED on cpu" in text1, text1
+    assert "patched: comfy.sd.load_diffusion_model, " in text0 and "execution.PromptExecutor.execute_async" in text0, text0

@@ -1,0 +1,76 @@
+"""The pack's registry of ComfyUI patches (nodes/patches.py) against a real ComfyUI checkout, in a fresh process:
+every install function puts its patch in the registry once, the registry lists them, and removing them all puts
+ComfyUI's originals back, object for object."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
+
+EXPECTED = [
+    "comfy.sd.load_diffusion_model",
+    "comfy.sd.load_lora_for_models",
+    "comfy.sd.load_bypass_lora_for_models",
+    "comfy.ops.linear_input_act",
+    "comfy.utils.ProgressBar.update_absolute",
+    "comfy.ops.run_every_op",
+    "execution.PromptExecutor.execute_async",
+    "comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal",
+]
+
+SCRIPT = r"""
+import importlib, json, sys, types
+sys.path.insert(0, COMFYUI)
+sys.argv = ["main.py", "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()
+import comfy.sd, comfy.ops, comfy.utils, execution
+import comfy.ldm.minimax.vae as vae
+targets = {"comfy.sd.load_diffusion_model": (comfy.sd, "load_diffusion_model"),
+           "comfy.sd.load_lora_for_models": (comfy.sd, "load_lora_for_models"),
+           "comfy.sd.load_bypass_lora_for_models": (comfy.sd, "load_bypass_lora_for_models"),
+           "comfy.ops.linear_input_act": (comfy.ops, "linear_input_act"),
+           "comfy.utils.ProgressBar.update_absolute": (comfy.utils.ProgressBar, "update_absolute"),
+           "comfy.ops.run_every_op": (comfy.ops, "run_every_op"),
+           "execution.PromptExecutor.execute_async": (execution.PromptExecutor, "execute_async"),
+           "comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal": (vae.MiniMaxH3VideoVAE, "decode_temporal")}
+originals = {n: getattr(o, a) for n, (o, a) in targets.items()}
+pack = types.ModuleType("tp2pack"); pack.__path__ = [ROOT]; sys.modules["tp2pack"] = pack
+state = importlib.import_module("tp2pack.nodes.state").STATE
+state.env = importlib.import_module("tp2pack.tp2.collectives").TPEnv(0, 2, "127.0.0.1", 29511, 30.0)
+mods = {m: importlib.import_module("tp2pack.nodes." + m) for m in ("loader", "lora", "parallel", "interrupts", "lockstep", "vae_decode")}
+from tp2pack.nodes.patches import PATCHES
+def install():
+    mods["loader"].install_loader_hook(); mods["lora"].install_lora_hooks(); mods["parallel"].install_linear_input_act_patch()
+    mods["interrupts"].install_interrupt_deferral(); mods["lockstep"].track_prompts(); mods["vae_decode"].install_parallel_vae_decode()
+install()
+first = {n: getattr(o, a) for n, (o, a) in targets.items()}
+install()  # a second activation changes nothing
+out = {"names": PATCHES.names(), "repr": repr(PATCHES),
+       "replaced": [n for n in targets if first[n] is not originals[n]],
+       "stable": all(getattr(o, a) is first[n] for n, (o, a) in targets.items())}
+PATCHES.remove_all()
+out["restored"] = [n for n, (o, a) in targets.items() if getattr(o, a) is originals[n]]
+out["left"] = PATCHES.names()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_every_patch_is_registered_once_listed_and_removable():
+    code = f"COMFYUI, ROOT = {COMFYUI_DIR!r}, {ROOT!r}\n" + SCRIPT
+    res = subprocess.run([sys.executable, "-c", code], cwd=COMFYUI_DIR, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, TP2_PARALLEL_VAE="1"))  # fmt: skip
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert res.returncode == 0 and line, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads(line[len("RESULT ") :])
+    assert sorted(out["names"]) == sorted(EXPECTED), out["names"]
+    assert sorted(out["replaced"]) == sorted(EXPECTED) and out["stable"], out
+    assert sorted(out["restored"]) == sorted(EXPECTED) and out["left"] == [], out
+    assert out["repr"].startswith("PatchRegistry(comfy.sd.load_diffusion_model"), out["repr"]
