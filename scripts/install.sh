@@ -4,11 +4,15 @@
 #
 #   scripts/install.sh [--comfyui DIR] [--venv DIR] [--no-link] [--dev]
 #
-#   --comfyui DIR  the ComfyUI to use (default: $COMFYUI_DIR, else ~/ComfyUI; cloned at the pinned release
-#                  when absent and the network allows)
+#   --comfyui DIR  the ComfyUI to use (default: $COMFYUI_DIR, else the one remembered in <pack>/.comfyui-dir,
+#                  else ~/ComfyUI; cloned at the pinned release when absent and the network allows). The ComfyUI
+#                  used is remembered in <pack>/.comfyui-dir: start-tp2.sh, demo.sh and the tests use it when
+#                  given no --comfyui and no $COMFYUI_DIR (scripts/lib/comfyui_dir.sh has the rule)
 #   --venv DIR     where the virtualenv goes (default: $TP2_VENV, else <pack>/.venv)
 #   --no-link      do not link the pack into DIR/custom_nodes
 #   --dev          also install the test tools (pytest, ruff, psutil; Debian's chromium for the browser test)
+#
+# What is already there (torch, each requirement at a version that satisfies it, the link) is said so and left.
 #
 # Env: TP2_TORCH_SPEC overrides the torch packages (default: "torch==2.14.1 torchvision==0.29.1"; torchaudio
 # 2.11.1 is added without deps, as ComfyUI 0.33 needs it only for imports on the H3 path).
@@ -17,7 +21,7 @@ set -euo pipefail
 PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 COMFYUI_RELEASE="v0.33.0"
 COMFYUI_GIT="https://github.com/comfyanonymous/ComfyUI.git"
-COMFYUI="${COMFYUI_DIR:-$HOME/ComfyUI}"
+COMFYUI_ARG=""
 VENV="${TP2_VENV:-$PACK_DIR/.venv}"
 LINK=1
 DEV=0
@@ -25,23 +29,27 @@ TORCH_SPEC="${TP2_TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --comfyui) COMFYUI="$2"; shift 2 ;;
+    --comfyui) COMFYUI_ARG="$2"; shift 2 ;;
     --venv) VENV="$2"; shift 2 ;;
     --no-link) LINK=0; shift ;;
     --dev) DEV=1; shift ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo pipefail/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
     *) echo "install.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
 
 say() { printf '[install] %s\n' "$*"; }
+# shellcheck source=lib/comfyui_dir.sh
+source "$PACK_DIR/scripts/lib/comfyui_dir.sh"
+resolve_comfyui "$COMFYUI_ARG"
+say "ComfyUI: $COMFYUI ($COMFYUI_FROM)"
 PY="${PYTHON:-python3}"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
   say "creating virtualenv $VENV"
   "$PY" -m venv "$VENV"
 else
-  say "virtualenv $VENV exists"
+  say "virtualenv $VENV: already there"
 fi
 VPY="$VENV/bin/python"
 PIP=(pip_quiet install --disable-pip-version-check -q)
@@ -50,7 +58,7 @@ pip_quiet() {  # pip, minus the noise of local index mirrors that some machines 
 }
 
 if "$VPY" -c "import torch, torchvision, torchaudio" 2>/dev/null; then
-  say "torch $("$VPY" -c 'import torch; print(torch.__version__)') already installed"
+  say "torch $("$VPY" -c 'import torch; print(torch.__version__)'): already there"
 else
   say "installing $TORCH_SPEC (+ torchaudio 2.11.1)"
   # shellcheck disable=SC2086
@@ -66,18 +74,62 @@ if [[ ! -f "$COMFYUI/main.py" ]]; then
     say "could not clone ComfyUI (no network?): the pack's core installs, the ComfyUI parts need --comfyui DIR"
   fi
 fi
-
-if [[ -f "$COMFYUI/requirements.txt" ]]; then
-  say "installing ComfyUI's requirements ($COMFYUI/requirements.txt)"
-  "${PIP[@]}" -r "$COMFYUI/requirements.txt"
+if [[ -f "$COMFYUI/main.py" ]]; then  # remembered for start-tp2.sh, demo.sh and the tests
+  COMFYUI="$(cd "$COMFYUI" && pwd)"
+  if [[ "$(head -n 1 "$COMFYUI_REMEMBERED_FILE" 2>/dev/null || true)" == "$COMFYUI" ]]; then
+    say "ComfyUI remembered in $COMFYUI_REMEMBERED_FILE: already there"
+  else
+    remember_comfyui "$COMFYUI"
+    say "remembered $COMFYUI in $COMFYUI_REMEMBERED_FILE (start-tp2.sh, demo.sh and the tests use it unless given --comfyui or \$COMFYUI_DIR)"
+  fi
 fi
 
-say "installing the pack's dependencies"
-"${PIP[@]}" "safetensors>=0.4" "numpy>=1.25" "aiohttp>=3.9" "comfy-kitchen>=0.2.31"
+missing() {  # requirement lines (arguments, or -r FILE): print the ones this virtualenv does not satisfy
+  "$VPY" - "$@" <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    from packaging.requirements import InvalidRequirement, Requirement
+except ImportError:  # pip always carries a copy
+    from pip._vendor.packaging.requirements import InvalidRequirement, Requirement
+lines = open(sys.argv[2]).read().splitlines() if sys.argv[1:2] == ["-r"] else sys.argv[1:]
+for line in lines:
+    line = line.split("#", 1)[0].strip()
+    if not line:
+        continue
+    try:
+        req = Requirement(line)
+    except InvalidRequirement:  # an option or a URL: pip decides
+        print(line)
+        continue
+    if req.marker is not None and not req.marker.evaluate():
+        continue
+    try:
+        if not req.specifier.contains(version(req.name), prereleases=True):
+            print(line)
+    except PackageNotFoundError:
+        print(line)
+EOF
+}
+need() {  # WHAT PIP-ARGS...: install them unless every requirement is satisfied already, and say which it was
+  local what=$1 todo; shift
+  todo="$(missing "$@" | paste -sd ' ' -)" || todo="(could not check: $VPY failed)"
+  if [[ -z "$todo" ]]; then say "$what: already there"; return 0; fi
+  say "installing $what (missing or too old: $todo)"
+  "${PIP[@]}" "$@"
+}
+
+if [[ -f "$COMFYUI/requirements.txt" ]]; then
+  need "ComfyUI's requirements ($COMFYUI/requirements.txt)" -r "$COMFYUI/requirements.txt"
+fi
+
+need "the pack's dependencies" "safetensors>=0.4" "numpy>=1.25" "aiohttp>=3.9" "comfy-kitchen>=0.2.31"
 if [[ $DEV -eq 1 ]]; then
-  say "installing test tools"
-  "${PIP[@]}" "pytest>=8" "ruff>=0.6" "psutil>=5.9"
-  if ! command -v chromium >/dev/null 2>&1; then  # the headless-browser test of the web UI path
+  need "test tools" "pytest>=8" "ruff>=0.6" "psutil>=5.9"
+  if command -v chromium >/dev/null 2>&1; then
+    say "chromium (the browser test): already there"
+  else  # the headless-browser test of the web UI path
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
       say "installing Debian's chromium for the browser test"
       (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \

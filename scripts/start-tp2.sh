@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Start, stop or inspect one ComfyUI per GPU, joined into one tensor-parallel world by minimax-h3-tp2.
 #
-#   scripts/start-tp2.sh --comfyui DIR [--tp-size N] [--gpus 0,1 | --cpu] [--fast] [--base-port 18188] [--run-dir DIR]
-#                        [--base-dir DIR] [--listen ADDR --allow-remote] [-- extra ComfyUI args]
+#   scripts/start-tp2.sh [--comfyui DIR] [--tp-size N] [--gpus 0,1 | --cpu] [--fast] [--ckpt NAME] [--base-port 18188]
+#                        [--run-dir DIR] [--base-dir DIR] [--listen ADDR --allow-remote] [-- extra ComfyUI args]
 #   scripts/start-tp2.sh stop    --run-dir DIR
 #   scripts/start-tp2.sh status  --run-dir DIR
 #   scripts/start-tp2.sh restart --run-dir DIR --rank N
@@ -14,6 +14,10 @@
 # A rank whose process exits is started again (at most TP2_MAX_RESTARTS times in a row; RUN_DIR/rank<r>.restarts
 # says when and why, and `status` shows it); the ranks form a new group at the next prompt. `restart --rank N`
 # restarts one rank by hand.
+# --comfyui DIR: else $COMFYUI_DIR, else the ComfyUI scripts/install.sh remembered, else ~/ComfyUI (it says which).
+# Before any rank starts, tp_size is checked (as `python -m tp2.inspect` does) against --ckpt NAME (a file in
+# models/diffusion_models or models/unet, or a path), else against every MiniMax-H3 file in those folders; a
+# tp_size that no such file can be split into is refused with the sizes that work.
 # --base-dir passes ComfyUI's --base-directory (models and custom_nodes from there; the demo uses it).
 # --fast starts with the fastest measured settings (bf16 reduce, sequence parallelism, fused Triton kernels; about
 # 1.9x one GPU at 832x480 on 2x H200, docs/PERFORMANCE.md) instead of the exact defaults; a variable set in the
@@ -46,11 +50,12 @@ die() { echo "start-tp2: $*" >&2; exit 1; }
 cmd=start
 if [[ $# -gt 0 && ( "$1" == stop || "$1" == status || "$1" == restart || "$1" == _supervise ) ]]; then cmd=$1; shift; fi
 RANK_ARG=""
-COMFYUI="${COMFYUI_DIR:-}"; TP_SIZE=2; GPUS=""; CPU=0; BASE_PORT=18188; RUN_DIR="$PWD/tp2-run"; BASE_DIR=""
+COMFYUI_ARG=""; CKPT=""; TP_SIZE=2; GPUS=""; CPU=0; BASE_PORT=18188; RUN_DIR="$PWD/tp2-run"; BASE_DIR=""
 LISTEN=127.0.0.1; ALLOW_REMOTE=0; EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --comfyui) COMFYUI="$2"; shift 2 ;;
+    --comfyui) COMFYUI_ARG="$2"; shift 2 ;;
+    --ckpt) CKPT="$2"; shift 2 ;;
     --tp-size) TP_SIZE="$2"; shift 2 ;;
     --gpus) GPUS="$2"; shift 2 ;;
     --cpu) CPU=1; shift ;;
@@ -62,12 +67,18 @@ while [[ $# -gt 0 ]]; do
     --allow-remote) ALLOW_REMOTE=1; shift ;;
     --rank) RANK_ARG="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo pipefail/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
 done
-RUN_DIR="$(mkdir -p "$RUN_DIR" && cd "$RUN_DIR" && pwd)"
+if [[ "$cmd" == start ]]; then
+  RUN_DIR="$(mkdir -p "$RUN_DIR" && cd "$RUN_DIR" && pwd)"
+elif [[ -d "$RUN_DIR" ]]; then  # stop, status, restart: read a run dir, never make one
+  RUN_DIR="$(cd "$RUN_DIR" && pwd)"
+fi
 PIDS="$RUN_DIR/pids"
+# a pack script as a command that works from here
+pack_cmd() { if [[ "$PWD" == "$PACK_DIR" ]]; then echo "scripts/$1"; else echo "$PACK_DIR/scripts/$1"; fi; }
 
 alive() {  # running, and not a zombie waiting for a parent that is gone
   local st; st="$(ps -o stat= -p "$1" 2>/dev/null || true)"
@@ -84,8 +95,30 @@ PY="${PYTHON:-}"
 
 tail_log() { echo "---- last lines of $1 ----" >&2; tail -n "${2:-15}" "$1" >&2 || true; }
 
+check_tp_size() {  # before any rank starts: refuse a tp_size that the H3 checkpoint(s) here cannot be split into
+  local models="${BASE_DIR:-$COMFYUI}/models" files=() explicit=0 f rc=0
+  if [[ -n "$CKPT" ]]; then
+    explicit=1
+    for f in "$CKPT" "$models/diffusion_models/$CKPT" "$models/unet/$CKPT"; do [[ -f "$f" ]] && { files=("$f"); break; }; done
+    [[ ${#files[@]} -eq 1 ]] || die "--ckpt $CKPT: no such file, nor in $models/diffusion_models or $models/unet"
+  else  # every file ComfyUI would list for a diffusion model loader, less the pre-sharded rank files
+    while IFS= read -r -d '' f; do files+=("$f"); done < <(find -L "$models/diffusion_models" "$models/unet" -type f \
+      -name '*.safetensors' ! -name '*.tp2-rank*.safetensors' -print0 2>/dev/null || true)
+    if [[ ${#files[@]} -eq 0 ]]; then
+      echo "tp_size $TP_SIZE: no checkpoint in $models/diffusion_models to check it against (--ckpt NAME checks one elsewhere)"
+      return 0
+    fi
+  fi
+  PYTHONPATH="$PACK_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$PACK_DIR/scripts/lib/check_tp_size.py" "$TP_SIZE" "$explicit" "${files[@]}" || rc=$?
+  case $rc in
+    0) ;;
+    2) die "tp_size $TP_SIZE refused before starting any rank: $([[ $explicit -eq 1 ]] && echo "$CKPT cannot be split that way" || echo "no MiniMax-H3 checkpoint in $models/diffusion_models can be split that way"); use a tp_size named above" ;;
+    *) echo "start-tp2: WARNING: could not check tp_size $TP_SIZE against the checkpoints ($PY failed, above); starting anyway" >&2 ;;
+  esac
+}
+
 stop_ranks() {
-  [[ -f "$PIDS" ]] || { echo "start-tp2: nothing to stop in $RUN_DIR (no pids file)"; return 0; }
+  [[ -f "$PIDS" ]] || { echo "start-tp2: nothing to stop in $RUN_DIR ($([[ -d "$RUN_DIR" ]] && echo "no pids file" || echo "no such folder"))"; return 0; }
   : > "$RUN_DIR/stopping"  # the supervisors see it and do not start what is being stopped
   for f in "$RUN_DIR"/rank*.supervisor; do
     [[ -f "$f" ]] || continue
@@ -120,6 +153,7 @@ restarts_of() {  # rank: "N restart(s), last: <when and why>", or nothing
 }
 
 status_ranks() {
+  [[ -d "$RUN_DIR" ]] || die "no run folder $RUN_DIR (not started here; give the start's --run-dir DIR)"
   [[ -f "$PIDS" ]] || die "no ranks recorded in $RUN_DIR (not started, or stopped)"
   local bad=0
   while read -r rank pid port; do
@@ -178,6 +212,7 @@ start_supervisor() {  # rank: start its supervisor (detached; its output goes to
 }
 
 restart_rank() {
+  [[ -d "$RUN_DIR" ]] || die "no run folder $RUN_DIR (not started here; give the start's --run-dir DIR)"
   [[ -f "$PIDS" ]] || die "no ranks recorded in $RUN_DIR (not started, or stopped)"
   [[ "$RANK_ARG" =~ ^[0-9]+$ ]] || die "restart needs --rank N"
   local line; line="$(grep "^$RANK_ARG " "$PIDS" || true)"
@@ -213,12 +248,16 @@ case "$cmd" in
 esac
 
 # ---- start ----
-[[ -n "$COMFYUI" && -f "$COMFYUI/main.py" ]] || die "no ComfyUI at '${COMFYUI:-}' (give --comfyui DIR; scripts/install.sh can clone one)"
+# shellcheck source=lib/comfyui_dir.sh
+source "$PACK_DIR/scripts/lib/comfyui_dir.sh"
+resolve_comfyui "$COMFYUI_ARG"
+echo "ComfyUI: $COMFYUI ($COMFYUI_FROM)"
+[[ -f "$COMFYUI/main.py" ]] || die "no ComfyUI at '$COMFYUI' ($COMFYUI_FROM): give --comfyui DIR, or run $(pack_cmd install.sh) --comfyui DIR (it clones ComfyUI into DIR when there is none)"
 COMFYUI="$(cd "$COMFYUI" && pwd)"
 echo "minimax-h3-tp2 settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_SP_PIECES=$TP2_SP_PIECES TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S"
 [[ "$TP_SIZE" =~ ^[1-9][0-9]*$ ]] || die "--tp-size must be a positive integer, got '$TP_SIZE'"
 if [[ -f "$PIDS" ]]; then
-  while read -r rank pid port; do alive "$pid" && die "ranks of $RUN_DIR are already running (rank $rank pid $pid); run: $0 stop --run-dir $RUN_DIR"; done < "$PIDS"
+  while read -r rank pid port; do alive "$pid" && die "ranks of $RUN_DIR are already running (rank $rank pid $pid); run: $(pack_cmd start-tp2.sh) stop --run-dir $RUN_DIR"; done < "$PIDS"
   rm -f "$PIDS"
 fi
 for a in "${EXTRA[@]}"; do  # the launcher owns these: after -- they would bypass the checks below, or clash
@@ -235,13 +274,16 @@ nodes_dir="${BASE_DIR:-$COMFYUI}/custom_nodes"
 [[ -d "$nodes_dir" ]] || die "no custom_nodes folder at $nodes_dir"
 found=0
 for d in "$nodes_dir"/*; do [[ "$(readlink -f "$d")" == "$PACK_DIR" ]] && found=1; done
-[[ $found -eq 1 ]] || die "the pack is not in $nodes_dir; run: scripts/install.sh --comfyui $COMFYUI (or link $PACK_DIR there)"
+[[ $found -eq 1 ]] || die "the pack is not in $nodes_dir; run: $(pack_cmd install.sh) --comfyui $COMFYUI (or link $PACK_DIR there)"
+check_tp_size
 
 if [[ $CPU -eq 1 ]]; then
   IFS=, read -r -a GPU_LIST <<< "$(seq -s, 0 $((TP_SIZE - 1)))"
 else
   if [[ -z "$GPUS" ]]; then
-    n=$(nvidia-smi -L 2>/dev/null | wc -l || echo 0)
+    command -v nvidia-smi >/dev/null 2>&1 \
+      || die "tp_size $TP_SIZE needs $TP_SIZE GPUs, and there is no nvidia-smi here (no NVIDIA driver?): use --gpus LIST, or --cpu for a CPU test run"
+    n="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
     [[ $n -ge $TP_SIZE ]] || die "tp_size $TP_SIZE needs $TP_SIZE GPUs, nvidia-smi shows $n (use --gpus LIST, or --cpu for a CPU test run)"
     GPUS="$(seq -s, 0 $((TP_SIZE - 1)))"
   fi
@@ -293,6 +335,8 @@ sort -n "$PIDS" -o "$PIDS"
 while read -r rank pid port; do
   echo "  rank $rank: http://$LISTEN:$port  $([[ $CPU -eq 1 ]] && echo cpu || echo "GPU ${GPU_LIST[$rank]}")  log $RUN_DIR/rank$rank.log"
 done < "$PIDS"
-echo "ready. open rank 0 in a browser and queue as usual (it runs on every rank), or submit and verify:"
-echo "       scripts/tp2-submit WORKFLOW.json --run-dir $RUN_DIR"
-echo "stop:           $0 stop --run-dir $RUN_DIR"
+echo "ready. open rank 0 in a browser and queue as usual (it runs on every rank), or submit an API-format workflow"
+echo "(e.g. $( [[ "$PWD" == "$PACK_DIR" ]] || echo "$PACK_DIR/")workflows/api/h3_tp2_t2v_832x480.json) and verify that every rank made the same bytes:"
+echo "       $(pack_cmd tp2-submit) WORKFLOW.json --run-dir $RUN_DIR"
+echo "status:         $(pack_cmd start-tp2.sh) status --run-dir $RUN_DIR"
+echo "stop:           $(pack_cmd start-tp2.sh) stop --run-dir $RUN_DIR"

@@ -1,15 +1,42 @@
-"""Shared fixtures: synthetic H3 checkpoints made by scripts/make_tiny_h3.py (the same generator users run)."""
+"""Shared fixtures: synthetic H3 checkpoints made by scripts/make_tiny_h3.py (the same generator users run),
+which ComfyUI the tests use (COMFYUI_DIR, by the scripts' own rule in scripts/lib/comfyui_dir.sh), and the time
+bound of the launcher's tp_size refusal (used by the unit and the ComfyUI launcher tests)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "tests", "unit", "data")
+
+
+def resolve_comfyui() -> tuple[str, str]:
+    """(directory, where it came from): $COMFYUI_DIR, else the ComfyUI scripts/install.sh remembered in
+    .comfyui-dir, else ~/ComfyUI; asked of scripts/lib/comfyui_dir.sh, so the tests and the scripts never differ."""
+    lines = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "lib", "comfyui_dir.sh"), "--print"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    return lines[0], lines[1]
+
+
+COMFYUI_DIR, COMFYUI_FROM = resolve_comfyui()
+
+
+def assert_refused_quickly(took: float) -> None:
+    """The launcher refuses a tp_size within 5 s (issue 18): on 2 idle cores the check takes about 3.5 s, nearly all of it Python importing
+    torch (tp2's checkpoint reader needs it). On a machine that other work slows down, the bound is that import, timed
+    now, plus 1.5 s: a rank start (20 s and more) or a second check would still fail it."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import tp2.plan"], cwd=ROOT, check=True, timeout=120)
+    python_start = time.monotonic() - t0
+    assert took < max(5.0, python_start + 1.5), f"the refusal took {took:.1f} s (importing tp2.plan alone: {python_start:.1f} s)"
 
 
 def _load_generator():
@@ -81,7 +108,7 @@ def h3_full_layout():
 
 def pytest_terminal_summary(terminalreporter):
     """Say plainly whether the ComfyUI suite ran, and against which checkout."""
-    comfy_dir = os.environ.get("COMFYUI_DIR", os.path.expanduser("~/ComfyUI"))
+    comfy_dir = f"{COMFYUI_DIR} ({COMFYUI_FROM})"
     counts = {}
     for outcome in ("passed", "failed", "skipped", "error"):
         counts[outcome] = sum(1 for r in terminalreporter.stats.get(outcome, []) if "tests/comfy/" in getattr(r, "nodeid", ""))
@@ -89,7 +116,7 @@ def pytest_terminal_summary(terminalreporter):
     if ran:
         line = f"ComfyUI suite: RAN {ran} tests against {comfy_dir} ({counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors)"
     elif counts["skipped"]:
-        line = f"ComfyUI suite: SKIPPED ({counts['skipped']} tests): no ComfyUI checkout at {comfy_dir} (set COMFYUI_DIR)"
+        line = f"ComfyUI suite: SKIPPED ({counts['skipped']} tests): no ComfyUI checkout at {comfy_dir}: set COMFYUI_DIR, or scripts/install.sh --comfyui DIR"
     else:
         line = "ComfyUI suite: not selected in this run"
     terminalreporter.write_line(line, bold=True)

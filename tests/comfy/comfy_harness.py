@@ -2,6 +2,8 @@
 with this pack linked, input/output/temp/user, sqlite db), on loopback ports; and a small HTTP client.
 
 The ComfyUI checkout itself is never written to: everything a server writes lives under its base directory.
+Which checkout: COMFYUI_DIR from conftest (the scripts' rule: $COMFYUI_DIR, else the one scripts/install.sh
+remembered, else ~/ComfyUI).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import urllib.error
 import urllib.request
 import uuid
 
+from conftest import COMFYUI_DIR
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR", os.path.expanduser("~/ComfyUI"))
 
 
 def have_comfyui() -> bool:

@@ -1,6 +1,7 @@
 """The product path on real ComfyUI: scripts/start-tp2.sh starts two CPU ranks, scripts/tp2-submit drives them,
 `stop` leaves nothing behind; the bundled workflows are valid against the live /object_info (with the pack
-loaded) and their UI and API forms agree; the demo command runs end to end."""
+loaded) and their UI and API forms agree; a tp_size the checkpoint cannot split is refused before any rank starts;
+the demo command runs end to end and leaves the tiny workflow's files in its ComfyUI."""
 
 from __future__ import annotations
 
@@ -63,6 +64,28 @@ def ranks(tmp_path_factory):
     assert stop.returncode == 0, stop.stderr
 
 
+def test_tp_size_the_checkpoint_cannot_split_is_refused_before_any_rank(tmp_path):
+    """The launcher as the README runs it, with --tp-size 3 and the tiny int8 model (it splits 1 or 2 ways) in the
+    ComfyUI's diffusion_models: refused within 5 s with the sizes that work, and no rank started (a rank start takes
+    about 20 s on 2 cores; no pids file, no rank log). It runs before the `ranks` fixture starts its servers: the
+    5 s include importing torch (about 3 s on 2 idle cores), which a ComfyUI booting alongside would slow down."""
+    from conftest import assert_refused_quickly
+
+    base = tiny_base(tmp_path)
+    run_dir = tmp_path / "ranks"
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [os.path.join(SCRIPTS, "start-tp2.sh"), "--comfyui", COMFYUI_DIR, "--tp-size", "3", "--cpu", "--run-dir", str(run_dir),
+         "--base-dir", base, "--base-port", str(free_port())],
+        env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "tp_size 3 refused before starting any rank" in res.stderr and "Use tp_size 1 or 2." in res.stderr, res.stderr
+    assert_refused_quickly(took)
+    assert not (run_dir / "pids").exists() and not list(run_dir.glob("rank*")), os.listdir(run_dir)
+
+
 def submit(ranks, *args, timeout=180):
     cmd = [sys.executable, os.path.join(SCRIPTS, "tp2-submit"), *args, "--ports", ",".join(map(str, ranks["ports"])), "--quiet"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -79,6 +102,35 @@ def test_submit_tiny_workflow_identical_hashes(ranks, tmp_path):
     hashes = _hashes(res.stdout)
     assert len(hashes) == 4 and hashes[0] == hashes[1] and hashes[2] == hashes[3]
     assert os.path.exists(tmp_path / "rank1" / "latents")
+
+
+def _python_without_aiohttp() -> str | None:
+    base = os.path.join(sys.base_prefix, "bin", "python3")  # the interpreter this test's venv was made from
+    has = subprocess.run([base, "-c", "import aiohttp"], capture_output=True).returncode == 0
+    return None if has else base
+
+
+def test_printed_submit_hint_works_as_printed(ranks, tmp_path):
+    """The launcher's hint, run by a shell whose `python3` has no aiohttp (what the README's users have): tp2-submit
+    runs itself again under the pack's .venv, and both ranks agree. Then the printed `status` line."""
+    base = _python_without_aiohttp()
+    if base is None:
+        pytest.skip(f"{sys.base_prefix}/bin/python3 has aiohttp: nothing would need the venv")
+    if not os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")):
+        pytest.skip("no .venv in the pack (scripts/install.sh makes it)")
+    hint = next(ln.strip() for ln in ranks["stdout"].splitlines() if "tp2-submit WORKFLOW.json --run-dir" in ln)
+    status = next(ln.split(":", 1)[1].strip() for ln in ranks["stdout"].splitlines() if ln.startswith("status:"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    os.symlink(base, bin_dir / "python3")
+    env = {k: v for k, v in os.environ.items() if k not in ("TP2_VENV", "TP2_SUBMIT_IN_VENV")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    cmd = hint.replace("WORKFLOW.json", TINY) + f" --out {tmp_path / 'out'} --quiet"
+    res = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, cmd + "\n" + res.stdout + res.stderr
+    assert res.stdout.count("identical") == 2, res.stdout
+    up = subprocess.run(status, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert up.returncode == 0 and up.stdout.count(": up, http://") == 2, up.stdout + up.stderr
 
 
 def test_set_changes_the_seed_on_every_rank(ranks, tmp_path):
@@ -185,16 +237,33 @@ def test_rank_killed_mid_run_fails_fast_naming_the_rank(ranks, tmp_path):
     assert "rank 1:" in status.stdout and "killed by signal 9 (KILL)" in status.stdout, status.stdout  # restarted by the launcher
 
 
+def _comfyui_with_own_models(path) -> str:
+    """This ComfyUI's code (every entry linked) with a models/ folder of its own, so the demo's files land there."""
+    os.makedirs(path / "models")
+    for entry in os.listdir(COMFYUI_DIR):
+        if entry != "models":
+            os.symlink(os.path.join(COMFYUI_DIR, entry), path / entry)
+    return str(path)
+
+
 def test_demo_command_end_to_end(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable, TP2_DEMO_PORT=str(free_port()))
+    """`scripts/demo.sh --cpu --base-port N --comfyui DIR`: both ranks agree, on the given ports (--base-port wins over
+    TP2_DEMO_PORT), with DIR's ComfyUI, whose models/ keeps the two tiny files where the bundled tiny workflow
+    (workflows/api/h3_tp2_tiny_demo.json) names them; nothing left running."""
+    comfy, port = _comfyui_with_own_models(tmp_path / "ComfyUI"), free_port()
+    env = dict(os.environ, PYTHON=sys.executable, TP2_DEMO_PORT="1")
     res = subprocess.run(
-        ["bash", os.path.join(SCRIPTS, "demo.sh"), "--cpu", "--run-dir", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        ["bash", os.path.join(SCRIPTS, "demo.sh"), "--cpu", "--run-dir", str(tmp_path / "demo"), "--base-port", str(port), "--comfyui", comfy],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.startswith(f"ComfyUI: {comfy} (--comfyui)\n"), res.stdout[:500]
     assert res.stdout.count("latents[0]: identical") == 2 and "4/4 verified" in res.stdout
+    assert f"rank 0: http://127.0.0.1:{port} " in res.stdout and f"rank 1: http://127.0.0.1:{port + 1} " in res.stdout
+    tiny = json.load(open(TINY))
+    names = {n["class_type"]: n["inputs"] for n in tiny.values()}
+    for folder, name in (("diffusion_models", names["UNETLoader"]["unet_name"]), ("h3_conditioning", names["LoadH3Conditioning"]["file"])):
+        left_file = os.path.join(comfy, "models", folder, name)
+        assert os.path.isfile(left_file) and not os.path.islink(left_file) and os.path.getsize(left_file) > 1000, left_file
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
     assert not left.strip(), f"processes of the demo left running: {left}"

@@ -1,15 +1,20 @@
-"""scripts/start-tp2.sh's settings, read before any rank starts: the exact defaults, `--fast` for the fastest measured
-ones, and an environment variable winning over both. The launcher prints its settings right after finding
-ComfyUI's main.py; the stand-in ComfyUI folder here has no custom_nodes, so it stops there with an error."""
+"""scripts/start-tp2.sh's checks, all made before any rank starts: the settings (the exact defaults, `--fast` for the
+fastest measured ones, an environment variable winning over both; printed right after finding ComfyUI's main.py:
+the stand-in ComfyUI folder has no custom_nodes, so it stops there with an error), the tp_size against the H3
+checkpoints (`--ckpt NAME`, or every H3 file in models/diffusion_models), the GPU count without nvidia-smi, and
+`status`/`stop`/`restart` leaving no run folder behind."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import time
 
 import pytest
 
-LAUNCHER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts", "start-tp2.sh")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCHER = os.path.join(ROOT, "scripts", "start-tp2.sh")
 
 
 def settings(tmp_path, *args, **env) -> dict[str, str]:
@@ -53,3 +58,91 @@ def test_launcher_owns_listen_and_port(tmp_path, extra, says):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert res.returncode != 0 and says in res.stderr, res.stderr
+
+
+def _path_without(program: str) -> str:
+    return os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not os.path.exists(os.path.join(d, program)))
+
+
+def _comfyui_with_pack(tmp_path, checkpoints=()):
+    """A stand-in ComfyUI (empty main.py) with this pack linked in and tiny checkpoints in models/diffusion_models."""
+    from conftest import make_checkpoint
+
+    comfy = tmp_path / "ComfyUI"
+    (comfy / "custom_nodes").mkdir(parents=True)
+    (comfy / "main.py").write_text("")
+    os.symlink(ROOT, comfy / "custom_nodes" / "minimax-h3-tp2")
+    (comfy / "models" / "diffusion_models").mkdir(parents=True)
+    for name, args in checkpoints:
+        make_checkpoint(str(comfy / "models" / "diffusion_models" / name), *args)
+    return comfy
+
+
+def _launch(tmp_path, comfy, *args, path=None):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TP2_")}
+    env = clean | {"PYTHON": sys.executable} | ({"PATH": path} if path else {})
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", LAUNCHER, "--comfyui", str(comfy), "--run-dir", str(tmp_path / "run"), *args],
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    return res, time.monotonic() - t0
+
+
+def test_no_nvidia_smi_is_a_clean_refusal(tmp_path):
+    """Without --cpu on a machine without nvidia-smi: the hint, not a bash error first."""
+    res, _ = _launch(tmp_path, _comfyui_with_pack(tmp_path), "--tp-size", "2", path=_path_without("nvidia-smi"))
+    assert res.returncode == 1
+    assert res.stderr == (
+        "start-tp2: tp_size 2 needs 2 GPUs, and there is no nvidia-smi here (no NVIDIA driver?): use --gpus LIST, "
+        "or --cpu for a CPU test run\n"
+    ), res.stderr
+
+
+def test_tp_size_the_checkpoint_cannot_split_is_refused_before_any_rank(tmp_path):
+    """The tiny int8 model (4 heads, 256-column ConvRot groups) splits 1 or 2 ways; 3 is refused by the scan of
+    models/diffusion_models, within 5 s (conftest.assert_refused_quickly), and no rank was started: no pids file, no
+    rank log. A non-H3 file next to it is not judged."""
+    comfy = _comfyui_with_pack(tmp_path, [("h3_tiny_int8.safetensors", ("--int8",))])
+    (comfy / "models" / "diffusion_models" / "other_model.safetensors").write_bytes(b"\0" * 64)
+    res, took = _launch(tmp_path, comfy, "--cpu", "--tp-size", "3")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert (
+        "h3_tiny_int8.safetensors: Cannot split 'blocks.*.attn.qkv_proj' heads (4) across tp_size=3: not divisible. Use tp_size 1 or 2."
+        in res.stderr
+    )
+    assert "tp_size 3 refused before starting any rank" in res.stderr and "other_model" not in res.stderr, res.stderr
+    from conftest import assert_refused_quickly
+
+    assert_refused_quickly(took)
+    assert not (tmp_path / "run" / "pids").exists() and not list((tmp_path / "run").glob("rank*")), os.listdir(tmp_path / "run")
+
+
+def test_tp_size_check_passes_a_size_that_fits_and_names_the_file(tmp_path):
+    """tp_size 2 fits: the launcher goes on to the next check (here: no GPUs, no nvidia-smi on PATH)."""
+    comfy = _comfyui_with_pack(tmp_path, [("h3_tiny_int8.safetensors", ("--int8",))])
+    res, _ = _launch(tmp_path, comfy, "--tp-size", "2", path=_path_without("nvidia-smi"))
+    assert "tp_size 2: fits h3_tiny_int8.safetensors" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 1 and "there is no nvidia-smi here" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize(
+    "ckpt,says",
+    [
+        ("missing.safetensors", "--ckpt missing.safetensors: no such file, nor in"),
+        ("other_model.safetensors", "other_model.safetensors: '"),  # named explicitly: a file that is no H3 model is refused
+        ("h3_tiny_int8.safetensors", "Use tp_size 1 or 2."),
+    ],
+    ids=["missing", "not_h3", "cannot_split"],
+)
+def test_ckpt_names_the_file_to_check(tmp_path, ckpt, says):
+    comfy = _comfyui_with_pack(tmp_path, [("h3_tiny_int8.safetensors", ("--int8",))])
+    (comfy / "models" / "diffusion_models" / "other_model.safetensors").write_bytes(b"\0" * 64)
+    res, _ = _launch(tmp_path, comfy, "--cpu", "--tp-size", "3", "--ckpt", ckpt)
+    assert res.returncode == 1 and says in res.stderr, res.stderr
+    assert not (tmp_path / "run" / "pids").exists()
+
+
+@pytest.mark.parametrize("cmd,rc,says", [("status", 1, "no run folder"), ("stop", 0, "nothing to stop"), ("restart", 1, "no run folder")])
+def test_status_stop_restart_do_not_make_a_run_dir(tmp_path, cmd, rc, says):
+    res = subprocess.run(["bash", LAUNCHER, cmd, "--rank", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert res.returncode == rc and says in res.stdout + res.stderr, res.stdout + res.stderr
+    assert not (tmp_path / "tp2-run").exists()
