@@ -17,6 +17,8 @@ import comfy.quant_ops
 import torch
 
 from ..kernels import qk_norm_rope
+from ..tp2.layers import Reduction
+from .parallel import rowwise_call
 
 
 def _quantises_views(h3, transformer_options) -> bool:
@@ -30,8 +32,10 @@ def _quantises_views(h3, transformer_options) -> bool:
     return h3.optimized_attention is ck
 
 
-def attention_forward(h3, attn, x, rope_freqs=None, transformer_options={}, fused=False) -> torch.Tensor:  # noqa: B006 - ComfyUI's signature
-    """ComfyUI's `h3.Attention.forward(attn, x, ...)`, with the two changes above. `h3` is comfy.ldm.minimax.model."""
+def attention_forward(h3, attn, x, rope_freqs, transformer_options: dict, fused=False, out_reduce: Reduction | None = None) -> torch.Tensor:
+    """ComfyUI's `h3.Attention.forward(attn, x, ...)`, with the two changes above. With `out_reduce`, the row-parallel
+    out_proj reduces as it says (tp2.layers.row_parallel); without, out_proj runs its own forward. `h3` is
+    comfy.ldm.minimax.model."""
     s = x.shape[0]
     q, k, v = attn.qkv_proj(x).split(attn.heads * attn.head_dim, dim=-1)
     v = v.view(s, attn.heads, attn.head_dim)
@@ -57,4 +61,5 @@ def attention_forward(h3, attn, x, rope_freqs=None, transformer_options={}, fuse
     k = comfy_attention.AttentionTensorContainer(k.transpose(0, 1).unsqueeze(0))
     v = comfy_attention.AttentionTensorContainer(v.transpose(0, 1).unsqueeze(0))
     out = h3.optimized_attention(q, k, v, attn.heads, mask=None, skip_reshape=True, transformer_options=transformer_options)
-    return attn.out_proj(out.squeeze(0))
+    out = out.squeeze(0)
+    return attn.out_proj(out) if out_reduce is None else rowwise_call(attn.out_proj, out, reduce=out_reduce)

@@ -10,7 +10,6 @@ model is used only after this device's int8 path passed the numerics check (node
 from __future__ import annotations
 
 import os
-import re
 import time
 
 import comfy.sd
@@ -19,8 +18,8 @@ import torch
 from ..tp2.checkpoint import CheckpointLayout
 from ..tp2.errors import PlanError, UnknownPrefixError
 from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan, find_prefix
-from ..tp2.safetensors_io import file_fingerprint, read_header
-from ..tp2.shard import is_rank_file, load_rank_file, rank_file_name, shard_state_dict, verify_rank_file
+from ..tp2.safetensors_io import read_header
+from ..tp2.shard import open_rank_shard
 from . import sequence_parallel
 from .lockstep import install_lockstep
 from .numerics_check import check_int8_path
@@ -29,7 +28,6 @@ from .patches import PATCHES
 from .state import STATE, LoadedModel, log
 
 _original_load_diffusion_model = comfy.sd.load_diffusion_model
-_RANK_SUFFIX = re.compile(r"\.tp(\d+)-rank(\d+)\.safetensors$")
 
 
 def is_h3_file(path: str) -> bool:
@@ -52,7 +50,8 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
     if not STATE.active or not is_h3_file(unet_path):
         return _original_load_diffusion_model(unet_path, model_options=model_options, disable_dynamic=disable_dynamic)
     t0 = time.monotonic()
-    sd, metadata, plan, source_fp, rank_file = read_rank_state_dict(unet_path)
+    shard = open_rank_shard(unet_path, STATE.env.tp_rank, STATE.env.tp_size)
+    sd, metadata, plan, source_fp, rank_file = shard.state_dict, shard.metadata, shard.plan, shard.source_fingerprint, shard.rank_file
     split_input = _pop_split_input(sd, plan)
     patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=metadata, disable_dynamic=disable_dynamic)
     if patcher is None:
@@ -81,37 +80,6 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
         plan.summary(),
     )
     return patcher
-
-
-def read_rank_state_dict(unet_path: str):
-    """This rank's state dict: from its pre-sharded file when one exists (or was chosen), else shard-on-read."""
-    env = STATE.env
-    rank_path = _rank_file_for(unet_path, env.tp_rank, env.tp_size)
-    if rank_path is None:
-        sd, metadata, plan = shard_state_dict(unet_path, env.tp_size, env.tp_rank)
-        return sd, metadata, plan, file_fingerprint(read_header(unet_path)), None
-    expected = None if is_rank_file(unet_path) else file_fingerprint(read_header(unet_path))
-    sd, metadata, plan = load_rank_file(rank_path, env.tp_rank, env.tp_size, expected_source=expected)
-    source_fp = metadata["tp2.source"]
-    return sd, {k: v for k, v in metadata.items() if not k.startswith("tp2.")}, plan, source_fp, rank_path
-
-
-def _rank_file_for(path: str, tp_rank: int, tp_size: int) -> str | None:
-    """The rank file to use: the chosen one's sibling for this rank, or `<stem>.tpN-rankR` next to a full file."""
-    if is_rank_file(path):
-        m = _RANK_SUFFIX.search(path)
-        if not m:
-            verify_rank_file(path, tp_rank, tp_size)  # raises with the file's own rank/size if it is not ours
-            return path
-        sibling = path[: m.start()] + f".tp{tp_size}-rank{tp_rank}.safetensors"
-        if not os.path.exists(sibling):
-            raise PlanError(
-                f"'{os.path.basename(path)}' is a pre-sharded rank file; this rank ({tp_rank} of {tp_size}) needs "
-                f"'{os.path.basename(sibling)}' next to it. Run `python -m tp2.shard CKPT --tp-size {tp_size}` for all ranks."
-            )
-        return sibling
-    sibling = os.path.join(os.path.dirname(path), rank_file_name(path, tp_size, tp_rank))
-    return sibling if os.path.exists(sibling) else None
 
 
 def _pop_split_input(sd: dict, plan: Plan) -> dict[str, torch.Tensor]:

@@ -28,10 +28,9 @@ import comfy.patcher_extension as pe
 import execution
 import torch
 
-from ..tp2 import __version__
 from ..tp2.collectives import broadcast_tree, carries_tensors
 from ..tp2.errors import PeerLostError, PromptAbortedError
-from ..tp2.handshake import prompt_details
+from ..tp2.handshake import model_fingerprint, prompt_details
 from ..tp2.plan import Plan
 from ..tp2.session import detail_key
 from ..tp2.watch import describe_failure
@@ -42,6 +41,7 @@ from .interrupts import SAMPLING
 from .lora import lora_patch_report
 from .parallel import role_guard
 from .patches import PATCHES
+from .sequence_parallel import SP_FORWARD, SequenceParallelForward
 from .state import STATE, log
 
 KEY = "minimax_h3_tp2"
@@ -173,10 +173,7 @@ def install_lockstep(patcher, plan: Plan, checkpoint_fp: str, sequence_parallel:
     """Wire one loaded TP model: wrappers on the patcher, the refiner broadcast on the model instance.
     `sequence_parallel`: whether this model's blocks run the sequence-parallel forward (compared across ranks)."""
     model_fields = {
-        "pack_version": __version__,
-        "plan": plan.fingerprint(),
-        "checkpoint": checkpoint_fp,
-        "tp_size": str(plan.tp_size),
+        **model_fingerprint(plan.fingerprint(), checkpoint_fp, plan.tp_size),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
         "sequence_parallel": (  # the collectives (and the norm kernels) differ
             f"{sequence_parallel}, pieces {STATE.sp_pieces}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
@@ -259,9 +256,11 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     kwargs = dict(kwargs, **shared["extra"])
     if "minimax_payload" in kwargs:  # rank 0's tensors and values; this rank's own (identical, rebuildable) layout
         kwargs["minimax_payload"] = dict(shared["payload"], **({"layout": payload["layout"]} if "layout" in payload else {}))
+    # this evaluation's own options: the attention backend, and a fresh sequence-parallel state for its blocks
+    transformer_options = dict(transformer_options, **{SP_FORWARD: SequenceParallelForward()})
     override = attention_override(group.device)
     if override is not None:
-        transformer_options = dict(transformer_options, optimized_attention_override=override)
+        transformer_options["optimized_attention_override"] = override
     with role_guard():
         return executor(shared["x"], shared["t"], shared["context"], transformer_options, **kwargs)
 

@@ -1,7 +1,7 @@
 """TP roles on ComfyUI's H3 modules and the row-parallel call that replaces their forward.
 
     tag_and_verify(diffusion_model, plan)  every linear gets its plan role; widths and the int8 layout are checked
-    rowwise_call(linear, x, input_act)      local GEMM -> fp32 partial sum -> all-reduce(sum) -> x.dtype
+    rowwise_call(linear, x, input_act, reduce)   the ComfyUI adapter of tp2.layers.row_parallel: cast the weight, call it
     tp_linear_input_act                     replaces comfy.ops.linear_input_act (the fc2 path that skips module hooks)
     role_guard()                            while a TP forward runs, any ComfyUI linear without a role raises
     int8_input_split(linear, x)             how `linear`'s input can be quantised before it travels (or None)
@@ -22,25 +22,23 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
 from ..kernels.int8_split import SplitInt8Linear, split_int8_linear
-from ..tp2.collectives import all_reduce
 from ..tp2.errors import MissingRoleError, PlanError
-from ..tp2.layers import ROLE_ATTR, Int8Weight, LinearWeight, local_linear, require_role
+from ..tp2.layers import ALL_REDUCE, ROLE_ATTR, Int8Weight, LinearWeight, Reduction, require_role, row_parallel, split_input_slice
 from ..tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
-from ..tp2.sequence_layout import reduce_scatter_sequence
 from .patches import PATCHES
 from .state import STATE
 
 ROLE_OF_STYLE = {COLWISE: "colwise", COLWISE_PACKED: "colwise", ROWWISE: "rowwise", ROWWISE_SPLIT_INPUT: "rowwise", REPLICATE: "replicate"}
 _original_linear_input_act = comfy.ops.linear_input_act
 _in_tp_forward = threading.local()
-_scatter = threading.local()  # .layout: the RowLayout (or DEFER) while a sequence-parallel block runs attn/mlp
 
 
 def _is_comfy_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, comfy.ops.CastWeightBiasOp) and type(module).__name__ == "Linear"
 
 
-def _group():
+def tp_group():
+    """The process group of the TP sampling run in progress (MissingRoleError outside one)."""
     session = STATE.session
     if session is None or session.group is None:
         raise MissingRoleError(
@@ -49,43 +47,16 @@ def _group():
     return session.group
 
 
-def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-    """Y = sum_r act(X)_r A_r: this rank's GEMM out in the reduce dtype (fp32 by default), one all-reduce(sum),
-    then cast to x's dtype."""
+def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None = None, reduce: Reduction = ALL_REDUCE) -> torch.Tensor:
+    """ComfyUI's row-parallel linear: its cast weight through tp2.layers.row_parallel (this rank's GEMM, partial
+    sums in the reduce dtype, then `reduce`: all-reduce by default; sequence parallelism passes its RowLayout)."""
     if getattr(linear, "tp_split_input", False):
-        k = linear.tp_local_in
-        x = x.narrow(-1, STATE.env.tp_rank * k, k)
+        x = split_input_slice(x, linear.tp_local_in, STATE.env.tp_rank)
     weight, bias, offload_stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True, compute_dtype=x.dtype, want_requant=True)
     try:
-        local = _local_weight(weight)
-
-        def partial(rows: torch.Tensor) -> torch.Tensor:
-            return local_linear(rows, local, bias, STATE.reduce_dtype, STATE.int8_gemm, input_act)
-
-        layout = getattr(_scatter, "layout", None)
-        if layout is DEFER:  # the caller reduces (sequence parallelism's MLP in pieces)
-            return partial(x)
-        if layout is not None:  # sequence parallel: sum piece by piece, this rank keeping its rows
-            p = layout.piece_rows
-            return reduce_scatter_sequence(lambda c: partial(x[c * p : c * p + layout.valid_rows(c)]), layout, _group()).to(x.dtype)
-        return all_reduce(partial(x), _group()).to(x.dtype)
+        return row_parallel(x, _local_weight(weight), bias, tp_group(), STATE.int8_gemm, STATE.reduce_dtype, input_act, reduce)
     finally:
         comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
-
-
-DEFER = "defer"  # scatter_rowwise_outputs(DEFER): row-parallel linears return their partial sums, unreduced
-
-
-@contextlib.contextmanager
-def scatter_rowwise_outputs(layout):
-    """While active, row-parallel outputs over the whole (unpadded) sequence are reduce-scattered to this rank's rows
-    of `layout` (a tp2.sequence_layout.RowLayout), piece by piece, instead of all-reduced; with DEFER they are
-    returned as this rank's partial sums in the reduce dtype for the caller to reduce."""
-    _scatter.layout = layout
-    try:
-        yield
-    finally:
-        _scatter.layout = None
 
 
 def _local_weight(weight) -> LinearWeight:

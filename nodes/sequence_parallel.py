@@ -30,8 +30,13 @@ one piece bit for bit; with pieces the GEMMs see fewer rows per call: bit for bi
 in a CPU BLAS).
 
 The block forward below follows ComfyUI's DiTBlock.forward step for step and calls ComfyUI's own modulation
-helpers on this rank's rows, and its attention is ComfyUI's Attention.forward as nodes/h3_attention.py has it;
-`install` checks that what they use exists and refuses otherwise.
+helpers on this rank's rows; its attention is ComfyUI's Attention.forward as nodes/h3_attention.py has it, and its
+MLP is ComfyUI's MLP.forward with the reduction named. Each row-parallel call is told its reduction (tp2.layers
+.row_parallel): the RowLayout to reduce-scatter to, or PARTIAL for the MLP in pieces. One model evaluation's state
+(the layout, this rank's segments, the int8-gather vote, the pending residual) is a SequenceParallelForward that
+the pack's model call puts in transformer_options (nodes/lockstep.py) and each block reads: no ambient state.
+The gathers are in nodes/sp_gathers.py, the fused norms in nodes/sp_norms.py. `install` checks that the ComfyUI
+code this stands in for is what it was written against and falls back to plain TP otherwise.
 """
 
 from __future__ import annotations
@@ -40,27 +45,26 @@ import hashlib
 import inspect
 import os
 import textwrap
-import threading
 import types
+from dataclasses import dataclass
 
-import comfy.model_management
 import torch
 
-from ..kernels import norm_modulate
-from ..tp2.collectives import all_reduce
 from ..tp2.errors import PlanError
-from ..tp2.sequence_layout import RowLayout, gather_row_scales, reduce_scatter_sequence, start_gather_sequence
+from ..tp2.layers import PARTIAL, Reduction
+from ..tp2.sequence_layout import RowLayout, reduce_scatter_sequence
 from .h3_attention import attention_forward
-from .parallel import DEFER, Int8Rows, _group, accept_int8_rows, int8_input_split, scatter_rowwise_outputs
+from .parallel import accept_int8_rows, rowwise_call, tp_group
+from .sp_gathers import GatherInFlight, gather, vote_int8_gathers
+from .sp_norms import fused_norm_ok, norm_modulated
 from .state import STATE, env_flag, log
 
 ENV_SEQUENCE_PARALLEL = "TP2_SEQUENCE_PARALLEL"
 ENV_PIECES = "TP2_SP_PIECES"
 ENV_INT8_GATHER = "TP2_SP_INT8_GATHER"
 ENV_FUSED_NORM = "TP2_SP_FUSED_NORM"
-_votes: dict = {}  # this sampling run's int8-gather votes, by local shape
-_rows = threading.local()  # this forward's RowLayout (.layout), local segments (.segments), int8 gathers agreed (.int8),
-#                            the previous block's gated MLP residual not yet added to its output (.pending)
+SP_FORWARD = "tp2_sequence_parallel"  # transformer_options key of the model evaluation's SequenceParallelForward
+_logged: tuple | None = None  # the last (layout, int8, fused) logged: one line per sequence length
 
 
 def sequence_parallel_from_env() -> bool:
@@ -75,33 +79,6 @@ def fused_norm_from_env() -> bool:
     return env_flag(ENV_FUSED_NORM, False, "norm + modulation (+ gated residual) as one kernel on CUDA", "ComfyUI's own ops")
 
 
-def _fused_norm_ok(block, x: torch.Tensor, segments) -> bool:
-    """Whether this block's norms can run fused here: CUDA with Triton, plain norm weights (no weight function, e.g.
-    a LoRA patch applied on the fly), and segments that tile this rank's rows from the first one on."""
-    if not (STATE.sp_fused_norm and norm_modulate.available(x.device, x.dtype)):
-        return False
-    if any(n.weight is None or n.weight_function or n.bias_function for n in (block.norm1, block.norm2)):
-        return False
-    return all(a == (segments[i - 1][1] if i else 0) for i, (a, _b, _row) in enumerate(segments))
-
-
-def _norm_modulated(x, norm, shift, scale, segments, gate=None, y=None) -> torch.Tensor:
-    """rms_norm(x) * (1 + scale) + shift per segment, in one kernel each (after x += gate * y, in place, if given).
-    Rows after the last segment (the zero pad rows) get the plain norm of zero rows, as in ComfyUI's ops: zeros."""
-    h = torch.empty_like(x)
-    w = comfy.model_management.cast_to(norm.weight, dtype=x.dtype, device=x.device)
-    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
-    scale1, shift = 1.0 + scale.to(x.dtype), shift.to(x.dtype)  # every modulation row at once, as ComfyUI makes each
-    gate = gate.to(x.dtype) if gate is not None else None
-    for a, b, row in segments:
-        if gate is None:
-            norm_modulate.norm_modulate(x[a:b], w, eps, scale1[row], shift[row], h[a:b])
-        else:
-            norm_modulate.gate_norm_modulate(x[a:b], y[a:b], gate[row], w, eps, scale1[row], shift[row], h[a:b])
-    h[segments[-1][1] if segments else 0 :].zero_()
-    return h
-
-
 def pieces_from_env() -> int:
     """How many pieces the sequence is dealt out in, for pipelining the reduce-scatters (1: no overlap)."""
     if os.environ.get("TP2_SP_MLP_CHUNKS"):
@@ -112,78 +89,6 @@ def pieces_from_env() -> int:
     return int(raw)
 
 
-def _split(x: torch.Tensor, mod_segments, block) -> torch.Tensor:
-    """Record this forward's layout, local segments and whether int8 gathers are on; return this rank's rows of
-    the full stream `x` (zero rows where padded)."""
-    layout = RowLayout.plan(x.shape[0], STATE.env.tp_size, STATE.env.tp_rank, STATE.sp_pieces)
-    _rows.layout, _rows.segments = layout, layout.local_segments(mod_segments)
-    local = layout.take(x)
-    _rows.int8 = STATE.sp_int8_gather and _all_ranks_can_split(block, local)
-    fused = _fused_norm_ok(block, local, _rows.segments)
-    if getattr(_rows, "logged", None) != (layout, _rows.int8, fused):  # once per sequence length
-        log.info(
-            "%s sequence parallel: %d rows, this rank holds %d rows (%d pieces, padded to %d); norms %s; int8 linears' inputs gathered %s",
-            STATE.tag, layout.full, layout.local_rows, layout.pieces, layout.padded, "fused (Triton)" if fused else "by ComfyUI's ops",
-            "as int8" if _rows.int8 else "in bf16",
-        )  # fmt: skip
-        _rows.logged = (layout, _rows.int8, fused)
-    return local
-
-
-def _all_ranks_can_split(block, local: torch.Tensor) -> bool:
-    """Whether every rank can quantise before gathering (decided per device, so agreed over the group: a rank
-    gathering int8 while its peer gathers bf16 would pair mismatched collectives). Voted at the first forward of
-    each sampling run and sequence shape (the ranks agreed on the run, so they vote at the same forward), not at
-    every step: the vote makes the CPU wait for the GPU."""
-    run = (STATE.sampling_key, STATE.session.generation)
-    if _votes.get("run") != run:
-        _votes.clear()
-        _votes["run"] = run
-    key = (tuple(local.shape), local.dtype)
-    if key not in _votes:
-        can = all(int8_input_split(lin, local) is not None for lin in (block.attn.qkv_proj, block.mlp.fc1))
-        against = all_reduce(torch.tensor([0.0 if can else 1.0], device=local.device), _group())
-        _votes[key] = float(against.item()) == 0.0
-    return _votes[key]
-
-
-class _GatherInFlight:
-    """All ranks' rows of one activation on their way, in sequence order: bf16 rows, or int8 rows and scales."""
-
-    def __init__(self, local: torch.Tensor, linear, layout: RowLayout):
-        self.dtype, self.layout, group = local.dtype, layout, _group()
-        self.split = int8_input_split(linear, local) if _rows.int8 and linear is not None else None
-        if self.split is None:
-            self.rows = start_gather_sequence(local, layout, group)
-        else:
-            q, scale = self.split.quantize(local)
-            self.rows = start_gather_sequence(q, layout, group)
-            self.scales = gather_row_scales(scale, layout, group)
-
-    def result(self, start: int, stop: int):
-        """Sequence rows [start, stop) (waiting only for the pieces that hold them): a tensor, or Int8Rows that the
-        int8 linear multiplies as they are."""
-        rows = self.rows.result(stop)[start:stop]
-        return rows if self.split is None else Int8Rows(rows, self.scales[start:stop], self.dtype, self.split)
-
-
-def _gather(local: torch.Tensor, linear=None):
-    """Every rank's rows of `local` in sequence order (pad rows dropped), quantised on the way when they feed the
-    int8 `linear`."""
-    layout = _rows.layout
-    return _GatherInFlight(local, linear, layout).result(0, layout.full)
-
-
-def _mlp_in_pieces(mlp, h: torch.Tensor) -> torch.Tensor:
-    """The MLP on every rank's rows, piece by piece: all pieces' all-gathers are queued at once, piece c's MLP runs
-    when its rows are in, and its reduce-scatter is in flight while piece c+1 computes. Returns this rank's rows."""
-    layout = _rows.layout
-    p = layout.piece_rows
-    gathered = _GatherInFlight(h, mlp.fc1, layout)
-    with scatter_rowwise_outputs(DEFER):
-        return reduce_scatter_sequence(lambda c: mlp(gathered.result(c * p, c * p + layout.valid_rows(c))), layout, _group()).to(h.dtype)
-
-
 class _PendingResidual:
     """A block's `x += gate * mlp`, left for the next block to do inside its first norm (one pass fewer over x)."""
 
@@ -191,11 +96,55 @@ class _PendingResidual:
         self.x, self.gate, self.mlp = x, gate, mlp
 
 
-def _take_pending(x: torch.Tensor, first: bool) -> _PendingResidual | None:
-    pending, _rows.pending = getattr(_rows, "pending", None), None
-    if first or pending is None:  # at the first block: a stale one is from a forward that raised; its x is gone
-        return None
-    if pending.x is not x:
+@dataclass
+class SequenceParallelForward:
+    """One model evaluation's sequence-parallel state, handed from block to block in transformer_options: the row
+    layout and this rank's segments (set by the first block), the int8-gather vote, and a block's MLP residual left
+    for the next block (with the fused norms)."""
+
+    layout: RowLayout | None = None
+    segments: list | None = None
+    int8: bool = False
+    pending: _PendingResidual | None = None
+
+
+def _split(sp: SequenceParallelForward, x: torch.Tensor, mod_segments, block) -> torch.Tensor:
+    """Record this evaluation's layout, local segments and whether int8 gathers are on; return this rank's rows of
+    the full stream `x` (zero rows where padded)."""
+    global _logged
+    layout = RowLayout.plan(x.shape[0], STATE.env.tp_size, STATE.env.tp_rank, STATE.sp_pieces)
+    sp.layout, sp.segments = layout, layout.local_segments(mod_segments)
+    local = layout.take(x)
+    sp.int8 = STATE.sp_int8_gather and vote_int8_gathers(block, local)
+    fused = fused_norm_ok(block, local, sp.segments)
+    if _logged != (layout, sp.int8, fused):
+        log.info(
+            "%s sequence parallel: %d rows, this rank holds %d rows (%d pieces, padded to %d); norms %s; int8 linears' inputs gathered %s",
+            STATE.tag, layout.full, layout.local_rows, layout.pieces, layout.padded, "fused (Triton)" if fused else "by ComfyUI's ops",
+            "as int8" if sp.int8 else "in bf16",
+        )  # fmt: skip
+        _logged = (layout, sp.int8, fused)
+    return local
+
+
+def _mlp(mlp, rows, reduce: Reduction) -> torch.Tensor:
+    """ComfyUI's MLP.forward (fc2(swiglu(fc1(x))), fc2 row-parallel) with fc2's reduction named."""
+    return rowwise_call(mlp.fc2, mlp.fc1(rows), "swiglu", reduce)
+
+
+def _mlp_in_pieces(sp: SequenceParallelForward, mlp, h: torch.Tensor) -> torch.Tensor:
+    """The MLP on every rank's rows, piece by piece: all pieces' all-gathers are queued at once, piece c's MLP runs
+    when its rows are in, and its reduce-scatter is in flight while piece c+1 computes. Returns this rank's rows."""
+    layout = sp.layout
+    p = layout.piece_rows
+    gathered = GatherInFlight(sp, h, mlp.fc1)
+    piece = lambda c: _mlp(mlp, gathered.result(c * p, c * p + layout.valid_rows(c)), PARTIAL)  # noqa: E731
+    return reduce_scatter_sequence(piece, layout, tp_group()).to(h.dtype)
+
+
+def _take_pending(sp: SequenceParallelForward, x: torch.Tensor) -> _PendingResidual | None:
+    pending, sp.pending = sp.pending, None
+    if pending is not None and pending.x is not x:
         raise PlanError(
             f"{STATE.tag} a sequence-parallel block got another stream ({tuple(x.shape)}) than the previous block returned "
             f"({tuple(pending.x.shape)}, its MLP residual still to add): something ran between the blocks (a block patch?). "
@@ -212,45 +161,47 @@ def _may_defer(block, transformer_options) -> bool:
 
 def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
     mod_scale_shift, mod_gate = h3._mod_scale_shift, h3._mod_gate
-    pending = _take_pending(x, self.tp2_sp_first)
-    if self.tp2_sp_first:
-        x = _split(x, mod_segments, self)
-    layout, segments = _rows.layout, _rows.segments
-    if x.shape[0] != layout.local_rows:
+    sp = transformer_options.get(SP_FORWARD)
+    if sp is None:
         raise PlanError(
-            f"{STATE.tag} sequence-parallel block got {x.shape[0]} rows, expected this rank's {layout.local_rows} of "
-            f"{layout.full}: the blocks did not run in order (a block patch?). Unset TP2_SEQUENCE_PARALLEL on every rank."
+            f"{STATE.tag} a sequence-parallel DiT block ran outside the pack's model call (no {SP_FORWARD} in its "
+            "transformer_options): another node pack calls the blocks itself. Unset TP2_SEQUENCE_PARALLEL on every rank."
+        )
+    if self.tp2_sp_first:
+        sp.pending = None
+        x = _split(sp, x, mod_segments, self)
+    pending = _take_pending(sp, x)
+    layout, segments = sp.layout, sp.segments
+    if layout is None or x.shape[0] != layout.local_rows:
+        raise PlanError(
+            f"{STATE.tag} sequence-parallel block got {x.shape[0]} rows, expected this rank's share of the sequence: "
+            "the blocks did not run in order (a block patch?). Unset TP2_SEQUENCE_PARALLEL on every rank."
         )
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
-    fused = _fused_norm_ok(self, x, segments)
+    fused = fused_norm_ok(self, x, segments)
     if fused and pending is not None:  # the previous block's x += gate * mlp and this norm in one pass
-        h = _norm_modulated(x, self.norm1, shift_msa, scale_msa, segments, pending.gate, pending.mlp)
+        h = norm_modulated(x, self.norm1, shift_msa, scale_msa, segments, pending.gate, pending.mlp)
     elif fused:
-        h = _norm_modulated(x, self.norm1, shift_msa, scale_msa, segments)
+        h = norm_modulated(x, self.norm1, shift_msa, scale_msa, segments)
     else:
         if pending is not None:
             x = mod_gate(x, pending.gate, pending.mlp, segments)
         h = mod_scale_shift(self.norm1(x), shift_msa, scale_msa, segments)
     del pending
-    with scatter_rowwise_outputs(layout):
-        attn = attention_forward(
-            h3, self.attn, _gather(h, self.attn.qkv_proj), rope_freqs=rope_freqs, transformer_options=transformer_options, fused=fused
-        )
+    attn = attention_forward(
+        h3, self.attn, gather(sp, h, self.attn.qkv_proj), rope_freqs, transformer_options, fused=fused, out_reduce=layout
+    )
     if fused:  # x += gate * attn and the second norm in one pass
-        h = _norm_modulated(x, self.norm2, shift_mlp, scale_mlp, segments, gate_msa, attn)
+        h = norm_modulated(x, self.norm2, shift_mlp, scale_mlp, segments, gate_msa, attn)
     else:
         x = mod_gate(x, gate_msa, attn, segments)
         h = mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, segments)
-    if layout.pieces > 1:
-        mlp = _mlp_in_pieces(self.mlp, h)
-    else:
-        with scatter_rowwise_outputs(layout):
-            mlp = self.mlp(_gather(h, self.mlp.fc1))
+    mlp = _mlp_in_pieces(sp, self.mlp, h) if layout.pieces > 1 else _mlp(self.mlp, gather(sp, h, self.mlp.fc1), layout)
     if fused and _may_defer(self, transformer_options):
-        _rows.pending = _PendingResidual(x, gate_mlp, mlp)
+        sp.pending = _PendingResidual(x, gate_mlp, mlp)
         return x
     x = mod_gate(x, gate_mlp, mlp, segments)
-    return _gather(x) if self.tp2_sp_last else x
+    return gather(sp, x) if self.tp2_sp_last else x
 
 
 # The ComfyUI code the sequence-parallel path stands in for or leans on, with the digest of each function's source
@@ -260,6 +211,7 @@ STANDS_IN_FOR = {
     "Attention.forward": "91973d57b4143f16",  # nodes/h3_attention.attention_forward
     "_mod_scale_shift": "796cae2505e9742d",  # the fused norm kernels reproduce its roundings
     "_mod_gate": "0aaa07a6860a2d3e",
+    "MLP.forward": "6dc02869745c7552",  # _mlp: fc2(swiglu(fc1(x))) with the reduction named
     "MiniMaxH3Model._forward": "a72c515aa53aa677",  # its block loop hands each output straight on (the pending residual)
 }
 

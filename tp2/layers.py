@@ -22,9 +22,13 @@ from .checkpoint import convrot_group
 from .collectives import TPGroup, all_reduce
 from .errors import MissingRoleError
 from .plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
+from .sequence_layout import RowLayout, reduce_scatter_sequence
 
 ROLE_ATTR = "tp_role"
 ROLES = ("colwise", "rowwise", "replicate")
+ALL_REDUCE = "all-reduce"  # row_parallel(reduce=...): every rank gets the whole sum
+PARTIAL = "partial"  # row_parallel(reduce=...): this rank's partial sum, unreduced, in the reduce dtype
+Reduction = str | RowLayout  # ALL_REDUCE, PARTIAL, or the RowLayout to reduce-scatter to
 
 
 @dataclass
@@ -102,7 +106,8 @@ class ColumnParallelLinear(_TPLinear):
 
 
 class RowParallelLinear(_TPLinear):
-    """Y = sum_r X_r A_r, A split by input columns K. forward: all-reduce(sum) in fp32 (or `reduce_dtype`), then cast.
+    """Y = sum_r X_r A_r, A split by input columns K. forward: all-reduce(sum) in fp32 (or `reduce_dtype`), then cast;
+    or the reduction passed to forward (see row_parallel).
 
     Each rank quantises its own half-row of activations (int8), so the sum is exact math on a different
     quantisation grid than one GPU. The bias lives on rank 0 (zeros elsewhere) and is therefore added once.
@@ -115,12 +120,43 @@ class RowParallelLinear(_TPLinear):
         super().__init__(weight, bias, tp, gemm)
         self.split_input, self.reduce_dtype = split_input, reduce_dtype
 
-    def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_act: str | None = None, reduce: Reduction = ALL_REDUCE) -> torch.Tensor:
         if self.split_input:
-            k = weight_k(self.weight)
-            x = x.narrow(-1, self.tp.tp_rank * k, k)
-        y = local_linear(x, self.weight, self.bias, self.reduce_dtype, self.gemm, input_act)
-        return all_reduce(y, self.tp).to(x.dtype)
+            x = split_input_slice(x, weight_k(self.weight), self.tp.tp_rank)
+        return row_parallel(x, self.weight, self.bias, self.tp, self.gemm, self.reduce_dtype, input_act, reduce)
+
+
+def split_input_slice(x: torch.Tensor, k: int, tp_rank: int) -> torch.Tensor:
+    """This rank's K slice of a replicated input (a split-input row-parallel layer)."""
+    return x.narrow(-1, tp_rank * k, k)
+
+
+def row_parallel(
+    x: torch.Tensor,
+    weight: LinearWeight,
+    bias: torch.Tensor | None,
+    tp: TPGroup,
+    gemm: Callable[..., torch.Tensor] | None,
+    reduce_dtype: torch.dtype,
+    input_act: str | None = None,
+    reduce: Reduction = ALL_REDUCE,
+) -> torch.Tensor:
+    """Y = sum_r act(X)_r A_r from this rank's GEMM on its K slice, out in `reduce_dtype`, then `reduce`:
+    ALL_REDUCE -> Y on every rank; a RowLayout -> this rank's rows of Y, reduce-scattered piece by piece over the
+    sequence rows of `x` (each piece's collective in flight while the next computes); PARTIAL -> the partial sum.
+    Reduced results are cast to x's dtype. Contract: forward: the reduction named; every rank calls it alike."""
+
+    def partial(rows: torch.Tensor) -> torch.Tensor:
+        return local_linear(rows, weight, bias, reduce_dtype, gemm, input_act)
+
+    if isinstance(reduce, RowLayout):
+        p = reduce.piece_rows
+        return reduce_scatter_sequence(lambda c: partial(x[c * p : c * p + reduce.valid_rows(c)]), reduce, tp).to(x.dtype)
+    if reduce == PARTIAL:
+        return partial(x)
+    if reduce != ALL_REDUCE:
+        raise ValueError(f"unknown reduction {reduce!r} (ALL_REDUCE, PARTIAL or a RowLayout)")
+    return all_reduce(partial(x), tp).to(x.dtype)
 
 
 def weight_k(weight: LinearWeight) -> int:

@@ -10,7 +10,7 @@ weights (fixed seed) runs twice on that device:
     the reference     the same block in fp32 with the unquantised weights and plain torch ops
 
 and the signal-to-quantisation-noise ratio (dB) of each part and of the block's update is compared with MIN_DB.
-Measured (tests/unit/test_numerics.py, tests/gpu/test_numerics_check.py): a healthy path gives 33-35 dB for the
+Measured (tests/unit/test_numerics.py, tests/gpu/test_numerics_check_gpu.py): a healthy path gives 33-35 dB for the
 int8 GEMM and the block (CPU eager; H200 CUDA, CUTLASS and Triton GEMMs, SDPA and comfy-kitchen INT8 attention), 37-49
 dB for the other parts; a GEMM with swapped row tiles gives -3 dB. 25 dB leaves 8 dB below healthy and far above wrong.
 

@@ -10,6 +10,7 @@ Imports torch only; never `comfy`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -71,7 +72,17 @@ class SafetensorsHeader:
 
 
 def read_header(path: str) -> SafetensorsHeader:
-    """Parse the JSON header of `path`; reads no tensor data."""
+    """The parsed JSON header of `path` (no tensor data read), parsed once per file version: a file replaced or
+    rewritten (another inode, size or mtime) is parsed again. Treat the result as read-only."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CheckpointFormatError(f"Cannot read checkpoint '{path}': {e}.") from e
+    return _parsed_header(path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_header(path: str, _inode: int, _size: int, _mtime_ns: int) -> SafetensorsHeader:
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:

@@ -19,19 +19,22 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from . import __version__
 from .checkpoint import CheckpointLayout
-from .errors import ShardMismatchError, TP2Error
+from .errors import PlanError, ShardMismatchError, TP2Error
 from .plan import RANK0, SPLIT, Plan, TensorShard, resolve_plan
 from .safetensors_io import DTYPES, PendingTensor, TensorReader, file_fingerprint, read_header, tensor_digest, write_streaming
 
 log = logging.getLogger(__name__)
 
+META_PREFIX = "tp2."  # every metadata key the sharder adds starts with it
 META_RANK = "tp2.tp_rank"
 META_SIZE = "tp2.tp_size"
 META_PLAN = "tp2.plan"
@@ -111,8 +114,64 @@ def shard_state_dict(path: str, tp_size: int, tp_rank: int) -> tuple[dict[str, t
 
 
 def rank_file_name(source: str, tp_size: int, tp_rank: int) -> str:
+    """The one naming rule for rank files: `<stem>.tp<N>-rank<R>.safetensors` next to the checkpoint."""
     stem = os.path.splitext(os.path.basename(source))[0]
     return f"{stem}.tp{tp_size}-rank{tp_rank}.safetensors"
+
+
+_RANK_NAME = re.compile(r"\.tp(\d+)-rank(\d+)\.safetensors$")
+
+
+def rank_file_sibling(path: str, tp_size: int, tp_rank: int) -> str | None:
+    """For a rank file named by `rank_file_name`, the path of rank `tp_rank` of `tp_size` beside it; else None."""
+    m = _RANK_NAME.search(path)
+    return None if m is None else path[: m.start()] + f".tp{tp_size}-rank{tp_rank}.safetensors"
+
+
+def without_pack_metadata(md: dict[str, str]) -> dict[str, str]:
+    """The checkpoint's own metadata: a rank file's without the keys the sharder added."""
+    return {k: v for k, v in md.items() if not k.startswith(META_PREFIX)}
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """What a rank loads: its state dict, the checkpoint's own metadata, the plan, the source checkpoint's
+    fingerprint, and the pre-sharded file it came from (None: read from the full checkpoint)."""
+
+    state_dict: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    plan: Plan
+    source_fingerprint: str
+    rank_file: str | None
+
+
+def open_rank_shard(path: str, tp_rank: int, tp_size: int) -> RankShard:
+    """This rank's shard of checkpoint `path`: from its pre-sharded file when one exists beside it (or `path` is one),
+    checked against its digests and against `path`'s fingerprint; else read from `path` (shard-on-read)."""
+    rank_path = _rank_file_for(path, tp_rank, tp_size)
+    if rank_path is None:
+        sd, metadata, plan = shard_state_dict(path, tp_size, tp_rank)
+        return RankShard(sd, metadata, plan, file_fingerprint(read_header(path)), None)
+    expected = None if is_rank_file(path) else file_fingerprint(read_header(path))
+    sd, metadata, plan = load_rank_file(rank_path, tp_rank, tp_size, expected_source=expected)
+    return RankShard(sd, without_pack_metadata(metadata), plan, metadata[META_SOURCE], rank_path)
+
+
+def _rank_file_for(path: str, tp_rank: int, tp_size: int) -> str | None:
+    """The rank file to use: the chosen one's sibling for this rank, or `<stem>.tpN-rankR` next to a full file."""
+    if is_rank_file(path):
+        sibling = rank_file_sibling(path, tp_size, tp_rank)
+        if sibling is None:
+            verify_rank_file(path, tp_rank, tp_size)  # raises with the file's own rank/size if it is not ours
+            return path
+        if not os.path.exists(sibling):
+            raise PlanError(
+                f"'{os.path.basename(path)}' is a pre-sharded rank file; this rank ({tp_rank} of {tp_size}) needs "
+                f"'{os.path.basename(sibling)}' next to it. Run `python -m tp2.shard CKPT --tp-size {tp_size}` for all ranks."
+            )
+        return sibling
+    sibling = os.path.join(os.path.dirname(path), rank_file_name(path, tp_size, tp_rank))
+    return sibling if os.path.exists(sibling) else None
 
 
 def write_rank_file(source: str, out_dir: str, tp_size: int, tp_rank: int, progress=None) -> str:
@@ -172,7 +231,7 @@ def verify_rank_file(path: str, tp_rank: int, tp_size: int, expected_source: str
             f"'{name}' carries no content digests (made by pack {md.get(META_VERSION)}, before they were written): its "
             "data cannot be checked. Re-run `python -m tp2.shard` with this version of the pack."
         )
-    full_md = {k: v for k, v in md.items() if not k.startswith("tp2.")}
+    full_md = without_pack_metadata(md)
     layout = CheckpointLayout(
         {n: (d, tuple(s)) for n, (d, s) in json.loads(md[META_LAYOUT]).items()}, full_md, {}, md.get(META_SOURCE_NAME, name)
     )

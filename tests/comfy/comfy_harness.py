@@ -261,7 +261,30 @@ def output_files(server: Server, history: dict) -> dict[str, bytes]:
             rel = os.path.join(item.get("subfolder", ""), item["filename"])
             with open(os.path.join(server.base, "output", rel), "rb") as f:
                 out[rel] = f.read()
+            _record_digest(server, rel, out[rel])
     return out
+
+
+def _record_digest(server: Server, rel: str, blob: bytes) -> None:
+    """With TP2_RECORD_DIGESTS=FILE, append each output's content digest (tensors by name, so a latent's per-process
+    header order does not count): digests recorded before a refactor must not move after it."""
+    path = os.environ.get("TP2_RECORD_DIGESTS")
+    if not path:
+        return
+    import hashlib
+
+    import torch
+    from safetensors.torch import load
+
+    h = hashlib.sha256()
+    if rel.endswith(".latent"):
+        for name, t in sorted(load(blob).items()):
+            h.update(name.encode() + str(t.dtype).encode() + t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        h.update(blob)
+    where = f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]} {os.path.basename(server.base)} {rel}"
+    with open(path, "a") as f:
+        f.write(json.dumps({"where": where, "sha256": h.hexdigest()}) + "\n")
 
 
 def new_id() -> str:

@@ -73,7 +73,7 @@ def test_attention_forward_matches_comfyui(comfy_and_ours, backend, fused):
     options = _backend(attention, backend)
     assert ours._quantises_views(h3, options) == (backend == "ck")
     want, again = (attn(x, rope_freqs=rope, transformer_options=options) for _ in range(2))
-    got = ours.attention_forward(h3, attn, x, rope_freqs=rope, transformer_options=options, fused=fused)
+    got = ours.attention_forward(h3, attn, x, rope, options, fused=fused)
     repeatable = torch.equal(want, again)
     print(f"{backend}, fused {fused}: ComfyUI's attention run twice: {'equal' if repeatable else f'{sqnr_db(again, want):.1f} dB apart'}; "
           f"ours vs ComfyUI's {'equal' if torch.equal(got, want) else f'{sqnr_db(got, want):.1f} dB'}")  # fmt: skip

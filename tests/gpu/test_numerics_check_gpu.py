@@ -1,6 +1,6 @@
 """The numerics check (nodes/numerics_check.py) on a real GPU: every int8 path the pack can take here passes, a
 wrong int8 GEMM is refused, and a recalled check costs nothing. Prints each report (the figures in
-docs/PERFORMANCE.md come from `pytest tests/gpu/test_numerics_check.py -s`). Needs ComfyUI with H3 at $COMFYUI_DIR."""
+docs/PERFORMANCE.md come from `pytest tests/gpu/test_numerics_check_gpu.py -s`). Needs ComfyUI with H3 at $COMFYUI_DIR."""
 
 from __future__ import annotations
 

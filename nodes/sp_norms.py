@@ -1,0 +1,41 @@
+"""The sequence-parallel blocks' fused norms (TP2_SP_FUSED_NORM=1, CUDA with Triton): norm + modulation, with the
+gated residual before it, as one kernel per modulation segment (kernels/norm_modulate.py).
+
+    fused_norm_ok(block, x, segments)     whether this block's norms can run fused here
+    norm_modulated(x, norm, shift, scale, segments, gate=None, y=None)   h (after x += gate * y in place, if given)
+"""
+
+from __future__ import annotations
+
+import comfy.model_management
+import torch
+
+from ..kernels import norm_modulate
+from .state import STATE
+
+
+def fused_norm_ok(block, x: torch.Tensor, segments) -> bool:
+    """Whether this block's norms can run fused here: CUDA with Triton, plain norm weights (no weight function, e.g.
+    a LoRA patch applied on the fly), and segments that tile this rank's rows from the first one on."""
+    if not (STATE.sp_fused_norm and norm_modulate.available(x.device, x.dtype)):
+        return False
+    if any(n.weight is None or n.weight_function or n.bias_function for n in (block.norm1, block.norm2)):
+        return False
+    return all(a == (segments[i - 1][1] if i else 0) for i, (a, _b, _row) in enumerate(segments))
+
+
+def norm_modulated(x, norm, shift, scale, segments, gate=None, y=None) -> torch.Tensor:
+    """rms_norm(x) * (1 + scale) + shift per segment, in one kernel each (after x += gate * y, in place, if given).
+    Rows after the last segment (the zero pad rows) get the plain norm of zero rows, as in ComfyUI's ops: zeros."""
+    h = torch.empty_like(x)
+    w = comfy.model_management.cast_to(norm.weight, dtype=x.dtype, device=x.device)
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    scale1, shift = 1.0 + scale.to(x.dtype), shift.to(x.dtype)  # every modulation row at once, as ComfyUI makes each
+    gate = gate.to(x.dtype) if gate is not None else None
+    for a, b, row in segments:
+        if gate is None:
+            norm_modulate.norm_modulate(x[a:b], w, eps, scale1[row], shift[row], h[a:b])
+        else:
+            norm_modulate.gate_norm_modulate(x[a:b], y[a:b], gate[row], w, eps, scale1[row], shift[row], h[a:b])
+    h[segments[-1][1] if segments else 0 :].zero_()
+    return h
