@@ -8,7 +8,6 @@ representative problem and keeps the fastest; a forced backend that cannot run h
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
@@ -48,7 +47,7 @@ def select_attention(
 
     Logs the choice once per device. `probe_shape` = (heads, tokens, head_dim) of the timing problem.
     """
-    name = (name or os.environ.get(ENV_ATTN_BACKEND, "auto")).strip().lower()
+    name = (name or "auto").strip().lower()
     if name not in ATTN_BACKENDS:
         raise AttentionUnavailableError(f"{ENV_ATTN_BACKEND}={name} is not a backend: choose one of {', '.join(ATTN_BACKENDS)}.")
     key = (name, str(device))

@@ -8,7 +8,6 @@ raised at selection time, not at the first forward. Imports torch and comfy_kitc
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 
 import torch
@@ -43,9 +42,9 @@ def _unavailable(name: str, why: str) -> KernelUnavailableError:
     )
 
 
-def select_int8_gemm(name: str | None = None) -> Int8Gemm:
-    """The int8 GEMM callable for `name` (default: $TP2_INT8_KERNEL or auto), validated and logged once."""
-    name = (name or os.environ.get(ENV_INT8_KERNEL, "auto")).strip().lower()
+def select_int8_gemm(name: str = "auto") -> Int8Gemm:
+    """The int8 GEMM callable for `name` (the pack passes TP2_INT8_KERNEL's value), validated and logged once."""
+    name = name.strip().lower()
     if name in _selected:
         return _selected[name]
     if name not in INT8_KERNELS:

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from ..kernels.attention import select_attention
+from ..tp2 import settings
 from .state import STATE
 
 
@@ -32,7 +33,7 @@ def attention_override(device: torch.device):
     }
     if candidates["ck"][0] is None:
         candidates["ck"] = (None, "comfy-kitchen INT8 attention did not run on this device (a real call failed)")
-    choice = select_attention(candidates, device)
+    choice = select_attention(candidates, device, settings.value("TP2_ATTN_BACKEND"))
     STATE.attention = choice
     return {"sdpa": sdpa, "ck": ck}[choice]
 

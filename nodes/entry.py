@@ -11,6 +11,7 @@ import torch
 from comfy_api.latest import ComfyExtension
 
 from ..kernels import select_int8_gemm
+from ..tp2 import settings
 from ..tp2.collectives import read_tp_env, reduce_dtype_from_env
 from ..tp2.session import TPSession
 from .faults import maybe_break_int8
@@ -41,7 +42,7 @@ def activate() -> None:
     device = device if device.type == "cuda" else torch.device("cpu")
     STATE.env, STATE.device = env, device
     STATE.prompt_timeout_s = prompt_timeout_from_env()
-    STATE.int8_gemm = maybe_break_int8(select_int8_gemm(), env.tp_rank)
+    STATE.int8_gemm = maybe_break_int8(select_int8_gemm(settings.value("TP2_INT8_KERNEL")), env.tp_rank)
     STATE.int8_kernel = STATE.int8_gemm.kernel_name
     STATE.reduce_dtype = reduce_dtype_from_env()
     STATE.sequence_parallel = sequence_parallel_from_env()

@@ -15,14 +15,16 @@ import time
 
 import torch
 
+from ..tp2 import settings
+
 ENV_FAULT_FILE = "TP2_TEST_FAULT_FILE"
 ENV_BREAK_INT8 = "TP2_TEST_BREAK_INT8_RANKS"
-_PATH = os.environ.get(ENV_FAULT_FILE)
+_PATH = settings.value(ENV_FAULT_FILE)
 
 
 def maybe_break_int8(gemm, rank: int):
     """`gemm` itself, or on a rank listed in TP2_TEST_BREAK_INT8_RANKS a wrong one (rows rolled by 16)."""
-    if str(rank) not in os.environ.get(ENV_BREAK_INT8, "").split(","):
+    if str(rank) not in settings.value(ENV_BREAK_INT8):
         return gemm
 
     def broken(*args, **kwargs):

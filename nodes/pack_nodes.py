@@ -24,6 +24,17 @@ def register_conditioning_folder() -> None:
         folder_paths.folder_names_and_paths[CONDITIONING_FOLDER] = ([path], {".safetensors"})
 
 
+def unique_models() -> list[tuple[object, int]]:
+    """The H3 models this rank built, each listed once with how often it was loaded (the loader records every
+    load: a cache clear or "Unload models" loads the same file again). Most recent load last."""
+    latest: dict[tuple, tuple] = {}
+    for m in STATE.models:
+        key = (m.source, m.plan_fingerprint, m.checkpoint_fingerprint, m.from_rank_file)
+        loads = latest.pop(key, (None, 0))[1]  # popped and put back: the most recent load ends the list
+        latest[key] = (m, loads + 1)
+    return list(latest.values())
+
+
 def status_text() -> str:
     if not STATE.active:
         return "TP inactive: TP2_RANK / TP2_WORLD_SIZE are not set, ComfyUI runs as usual."
@@ -36,9 +47,10 @@ def status_text() -> str:
     lines.append(f"numerics check: {STATE.numerics}")
     lines.append(f"patched: {', '.join(PATCHES.names()) or 'nothing'}")
     lines.append(f"timeouts: collectives {env.timeout_s:.0f} s, prompt rendezvous {STATE.prompt_timeout_s:.0f} s")
-    for m in STATE.models:
+    for m, loads in unique_models():
+        times = f", loaded {loads} times" if loads > 1 else ""
         lines.append(
-            f"model {m.source}: {m.plan_summary}; checkpoint {m.checkpoint_fingerprint}; {'rank file' if m.from_rank_file else 'shard-on-read'}, {m.load_seconds:.1f} s"
+            f"model {m.source}: {m.plan_summary}; checkpoint {m.checkpoint_fingerprint}; {'rank file' if m.from_rank_file else 'shard-on-read'}, {m.load_seconds:.1f} s{times}"
         )
     return "\n".join(lines)
 
@@ -50,15 +62,20 @@ class TP2Status(io.ComfyNode):
             node_id="TP2Status",
             display_name="TP2 Status (MiniMax-H3)",
             category=CATEGORY,
-            description="This rank's tensor-parallel state: rank, tp_size, plan, kernels, last rank agreement.",
-            inputs=[],
+            description="This rank's tensor-parallel state: rank, tp_size, plan, kernels, last rank agreement. Connect "
+            "anything (e.g. the sampler's output) to 'after' so it runs after that node and reports its agreement.",
+            inputs=[io.AnyType.Input("after", optional=True, tooltip="any output; this node then runs after the node that makes it")],
             outputs=[io.String.Output(display_name="status")],
             is_output_node=True,
             not_idempotent=True,
         )
 
     @classmethod
-    def execute(cls) -> io.NodeOutput:
+    def fingerprint_inputs(cls, **kwargs):
+        return float("nan")  # never equal to itself: the state changes between prompts, so it never comes from the cache
+
+    @classmethod
+    def execute(cls, after=None) -> io.NodeOutput:
         text = status_text()
         return io.NodeOutput(text, ui={"text": [text]})
 

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import os
 import textwrap
 import types
 from dataclasses import dataclass
 
 import torch
 
+from ..tp2 import settings
 from ..tp2.errors import PlanError
 from ..tp2.layers import PARTIAL, Reduction
 from ..tp2.sequence_layout import RowLayout, reduce_scatter_sequence
@@ -68,25 +68,20 @@ _logged: tuple | None = None  # the last (layout, int8, fused) logged: one line 
 
 
 def sequence_parallel_from_env() -> bool:
-    return env_flag(ENV_SEQUENCE_PARALLEL, False, "DiT blocks split the token rows over the ranks", "plain tensor parallelism")
+    return env_flag(ENV_SEQUENCE_PARALLEL)
 
 
 def int8_gather_from_env() -> bool:
-    return env_flag(ENV_INT8_GATHER, True, "int8 linears' inputs are gathered quantised", "they are gathered in bf16")
+    return env_flag(ENV_INT8_GATHER)
 
 
 def fused_norm_from_env() -> bool:
-    return env_flag(ENV_FUSED_NORM, False, "norm + modulation (+ gated residual) as one kernel on CUDA", "ComfyUI's own ops")
+    return env_flag(ENV_FUSED_NORM)
 
 
 def pieces_from_env() -> int:
     """How many pieces the sequence is dealt out in, for pipelining the reduce-scatters (1: no overlap)."""
-    if os.environ.get("TP2_SP_MLP_CHUNKS"):
-        raise ValueError("TP2_SP_MLP_CHUNKS was renamed TP2_SP_PIECES (it now pipelines out_proj too): set that instead.")
-    raw = os.environ.get(ENV_PIECES, "1").strip()
-    if not raw.isdigit() or not 1 <= int(raw) <= 16:
-        raise ValueError(f"{ENV_PIECES}={raw!r}: use a whole number from 1 (no overlap) to 16.")
-    return int(raw)
+    return settings.value(ENV_PIECES)
 
 
 class _PendingResidual:

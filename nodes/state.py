@@ -7,17 +7,15 @@ Read by the loader, the lockstep wrappers and the status node. `STATE.env is Non
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 
+from ..tp2 import settings
 from ..tp2.collectives import TPEnv
 
 log = logging.getLogger("minimax_h3_tp2")
 
-ENV_PROMPT_TIMEOUT = "TP2_PROMPT_TIMEOUT_S"
-ENV_ATTN_BACKEND = "TP2_ATTN_BACKEND"
-DEFAULT_PROMPT_TIMEOUT_S = 45.0
+DEFAULT_PROMPT_TIMEOUT_S = float(settings.SETTINGS["TP2_PROMPT_TIMEOUT_S"].default)
 
 
 @dataclass
@@ -65,22 +63,10 @@ class RankState:
 STATE = RankState()
 
 
-def env_flag(name: str, default: bool, on_means: str, off_means: str) -> bool:
-    """A 0/1 switch from the environment; anything else is refused with what each value does."""
-    raw = os.environ.get(name, "1" if default else "0").strip().lower()
-    if raw not in ("0", "1", "off", "on", "false", "true"):
-        raise ValueError(f"{name}={raw!r} must be 1 ({on_means}) or 0 ({off_means}).")
-    return raw in ("1", "on", "true")
+def env_flag(name: str) -> bool:
+    """A 0/1 switch of tp2/settings.py (refused with what it does when it is neither)."""
+    return settings.value(name)
 
 
 def prompt_timeout_from_env() -> float:
-    raw = os.environ.get(ENV_PROMPT_TIMEOUT, str(DEFAULT_PROMPT_TIMEOUT_S))
-    try:
-        value = float(raw)
-    except ValueError as e:
-        raise ValueError(
-            f"{ENV_PROMPT_TIMEOUT}={raw!r} must be a number of seconds (how long a rank waits for its peers to reach a prompt)."
-        ) from e
-    if value <= 0:
-        raise ValueError(f"{ENV_PROMPT_TIMEOUT}={value} must be positive.")
-    return value
+    return settings.value("TP2_PROMPT_TIMEOUT_S")

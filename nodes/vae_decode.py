@@ -23,12 +23,11 @@ measured: a 1-D decoder over a few seconds of audio, expected far cheaper than t
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import comfy.model_management as mm
 
-from ..tp2 import __version__
+from ..tp2 import __version__, settings
 from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
 from .interrupts import SAMPLING
@@ -50,7 +49,7 @@ DECODES = _Decodes()
 
 
 def parallel_vae_enabled() -> bool:
-    return env_flag(ENV_PARALLEL_VAE, True, "split the H3 video decode over the ranks", "each rank decodes alone")
+    return env_flag(ENV_PARALLEL_VAE)
 
 
 def install_parallel_vae_decode() -> None:
@@ -60,7 +59,7 @@ def install_parallel_vae_decode() -> None:
             "%s video VAE decode not split (%s=%s, tp_size %d)",
             STATE.tag,
             ENV_PARALLEL_VAE,
-            os.environ.get(ENV_PARALLEL_VAE, "1"),
+            settings.raw(ENV_PARALLEL_VAE),
             STATE.env.tp_size,
         )
         return

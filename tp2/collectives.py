@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import pickle
 import time
 from collections.abc import Callable
@@ -27,55 +26,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import PeerLostError, PromptAbortedError, TP2Error
+from . import settings
+from .errors import PeerLostError, PromptAbortedError
+from .settings import TPEnv, read_tp_env  # noqa: F401 - part of this module's API
 
 log = logging.getLogger(__name__)
 
-ENV_RANK = "TP2_RANK"
-ENV_WORLD_SIZE = "TP2_WORLD_SIZE"
-ENV_TIMEOUT = "TP2_TIMEOUT_S"
-ENV_REDUCE_DTYPE = "TP2_REDUCE_DTYPE"
-DEFAULT_TIMEOUT_S = 300.0
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def reduce_dtype_from_env(environ: dict[str, str] | None = None) -> torch.dtype:
+def reduce_dtype_from_env(environ=None) -> torch.dtype:
     """The dtype row-parallel partial sums are reduced in: fp32 (default, no extra rounding) or bf16 (half the bytes)."""
-    raw = (os.environ if environ is None else environ).get(ENV_REDUCE_DTYPE, "fp32").strip().lower()
-    if raw not in REDUCE_DTYPES:
-        raise TP2Error(f"{ENV_REDUCE_DTYPE}={raw!r} is not one of {', '.join(REDUCE_DTYPES)}. Unset it for fp32.")
-    return REDUCE_DTYPES[raw]
-
-
-@dataclass(frozen=True)
-class TPEnv:
-    """What the environment says about this rank (read before anything distributed starts)."""
-
-    tp_rank: int
-    tp_size: int
-    master_addr: str
-    master_port: int
-    timeout_s: float
-
-
-def read_tp_env(environ: dict[str, str] | None = None) -> TPEnv | None:
-    """The TP settings from env, or None when TP2_RANK and TP2_WORLD_SIZE are both unset (pack inactive)."""
-    env = os.environ if environ is None else environ
-    if ENV_RANK not in env and ENV_WORLD_SIZE not in env:
-        return None
-    try:
-        tp_rank, tp_size = int(env[ENV_RANK]), int(env[ENV_WORLD_SIZE])
-        port = int(env.get("MASTER_PORT", "29511"))
-        timeout_s = float(env.get(ENV_TIMEOUT, DEFAULT_TIMEOUT_S))
-    except KeyError as e:
-        raise TP2Error(f"{e.args[0]} is not set but the other TP variable is. Set both TP2_RANK and TP2_WORLD_SIZE, or neither.") from e
-    except ValueError as e:
-        raise TP2Error(f"TP environment variables must be numbers ({e}). Example: TP2_RANK=0 TP2_WORLD_SIZE=2 MASTER_PORT=29511.") from e
-    if not 0 <= tp_rank < tp_size:
-        raise TP2Error(f"TP2_RANK={tp_rank} must be in 0..{tp_size - 1} for TP2_WORLD_SIZE={tp_size}.")
-    if timeout_s <= 0:
-        raise TP2Error(f"TP2_TIMEOUT_S={timeout_s} must be positive (seconds a rank waits for its peers).")
-    return TPEnv(tp_rank, tp_size, env.get("MASTER_ADDR", "127.0.0.1"), port, timeout_s)
+    return REDUCE_DTYPES[settings.value("TP2_REDUCE_DTYPE", environ)]
 
 
 @dataclass
@@ -125,7 +87,7 @@ def init_tp_group(
 
 def single_rank_group(device: torch.device | None = None) -> TPGroup:
     """A world of one (TP1): every collective is the identity."""
-    return TPGroup(0, 1, device or torch.device("cpu"), None, None, DEFAULT_TIMEOUT_S)
+    return TPGroup(0, 1, device or torch.device("cpu"), None, None, float(settings.raw("TP2_TIMEOUT_S", {})))
 
 
 def destroy_tp_group() -> None:

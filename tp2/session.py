@@ -25,7 +25,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import os
 import socket
 import time
 from datetime import timedelta
@@ -36,19 +35,14 @@ import torch.distributed as dist
 from .collectives import TPEnv, TPGroup, init_tp_group
 from .errors import PeerLostError, PromptAbortedError
 from .handshake import DETAIL, compare_fields
+from .settings import NCCL_ERROR_HANDLING, set_for_libraries
 from .watch import Watcher
 
-ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
-
-def nccl_error_handling(environ=os.environ) -> str | None:
-    """Set PyTorch's NCCL error handling to 0 (the pack aborts communicators itself); the value it replaced, if any.
-
-    With 1 or 3 (3 is PyTorch's default) the NCCL watchdog ends the whole process when a collective times out or
-    fails, i.e. a rank would die because its peer failed."""
-    old = environ.get(ENV_NCCL_ERROR_HANDLING)
-    environ[ENV_NCCL_ERROR_HANDLING] = "0"
-    return old if old not in (None, "0") else None
+def nccl_error_handling(environ: dict | None = None) -> str | None:
+    """Set PyTorch's NCCL error handling to 0 (the pack aborts communicators itself); the value it replaced, if any
+    (tp2.settings.set_for_libraries says why)."""
+    return set_for_libraries(cuda=True, loopback=False, environ=environ)
 
 
 def listening_socket(addr: str, port: int) -> socket.socket:
@@ -271,13 +265,11 @@ class TPSession:
     def _new_group(self, generation: int) -> None:
         self._retire_group()
         self.healthy = False
-        if self.device is not None and self.device.type == "cuda":
-            replaced = nccl_error_handling()
-            if replaced:
-                log.warning("%s %s=%s replaced by 0: the pack aborts NCCL itself, so no rank ends because a peer failed",
-                            self.tag, ENV_NCCL_ERROR_HANDLING, replaced)  # fmt: skip
-        if is_loopback(self.env.master_addr):  # gloo's own listeners on loopback too (its default is the hostname's address)
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        cuda = self.device is not None and self.device.type == "cuda"
+        replaced = set_for_libraries(cuda=cuda, loopback=is_loopback(self.env.master_addr))
+        if replaced:
+            log.warning("%s %s=%s replaced by 0: the pack aborts NCCL itself, so no rank ends because a peer failed",
+                        self.tag, NCCL_ERROR_HANDLING, replaced)  # fmt: skip
         store = dist.PrefixStore(f"tp2/pg/{generation}", self._connect(self.env.timeout_s))
         self.group = init_tp_group(
             self.env, self.device, store=store, stop_check=self.watcher.stop_reason, loss_check=self.watcher.explain_loss

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import __version__
+from . import __version__, settings
 from .checkpoint import CheckpointLayout
 from .errors import PlanError, ShardMismatchError, TP2Error
 from .plan import RANK0, SPLIT, Plan, TensorShard, resolve_plan
@@ -43,7 +43,6 @@ META_SOURCE_NAME = "tp2.source_name"
 META_LAYOUT = "tp2.full_layout"
 META_VERSION = "tp2.version"
 META_DIGESTS = "tp2.tensor_digests"  # {tensor: 64-bit BLAKE2b of its bytes}, checked at load (cached by path, size, mtime)
-ENV_CACHE = "TP2_CACHE_DIR"
 
 
 def local_ranges(ts: TensorShard, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
@@ -276,8 +275,7 @@ def load_rank_file(
 
 
 def _cache_file() -> str:
-    base = os.environ.get(ENV_CACHE) or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimax-h3-tp2")
-    return os.path.join(base, "verified_rank_files.json")
+    return os.path.join(settings.cache_dir(), "verified_rank_files.json")
 
 
 def _file_key(path: str, digests: str) -> str:

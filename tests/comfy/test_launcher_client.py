@@ -141,6 +141,37 @@ def test_set_changes_the_seed_on_every_rank(ranks, tmp_path):
     assert ha[0] == ha[1] and hb[0] == hb[1] and ha[0] != hb[0]
 
 
+def test_submit_in_a_terminal_shows_every_ranks_sampler_steps(ranks, tmp_path):
+    """Every rank's progress reaches tp2-submit (issue 18): its websocket on each rank uses one client id, rank 0
+    hands the prompt on with that id in extra_data, and each follower sends its own steps to it. Run in a
+    pseudo-terminal, where tp2-submit redraws its line at every change (a pipe gets a line every 2 s at most)."""
+    import pty
+    import re
+
+    steps = 6
+    master, slave = pty.openpty()
+    cmd = [sys.executable, os.path.join(SCRIPTS, "tp2-submit"), TINY, "--ports", ",".join(map(str, ranks["ports"])), "--out", str(tmp_path),
+           "--set", f"KSampler.steps={steps}", "--set", f"KSampler.seed={int(time.time()) % 100000 + 500}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the terminal's last writer closed it
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    stdout = proc.communicate(timeout=180)[0].decode()
+    terminal = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, stdout + terminal
+    for rank in (0, 1):
+        seen = {int(k) for k in re.findall(rf"rank {rank}: KSampler (\d+)/{steps}", terminal)}
+        assert len(seen) >= 3 and steps in seen, f"rank {rank} showed steps {sorted(seen)}:\n{terminal[-3000:]}"
+
+
 def test_ui_format_refused_with_hint(tmp_path):
     res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "tp2-submit"), os.path.join(ROOT, "workflows", "h3_tp2_tiny_demo.json"), "--ports", "1,2"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -1,0 +1,178 @@
+"""Read-only status routes for the web UI's TP panel (web/tp2_panel.js) and anyone else who asks.
+
+    GET /tp2/status    this rank: tp_rank, tp_size, boot, process group, last agreement, the prompt it runs and
+                       its progress (ComfyUI's own progress registry), peer heartbeats, the pack's settings
+    GET /tp2/cluster   every rank's /tp2/status as this rank reaches them (the front door's rank URLs), each
+                       with a health verdict; rank 0's UI polls it
+
+No secret: nothing here changes state (the front door guards only POSTs). Reads `STATE`, lockstep's `CURRENT` and
+the watcher; writes nothing and reads no environment variable of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+from .pack_nodes import status_text, unique_models
+from .patches import PATCHES
+from .state import STATE
+
+PEER_TIMEOUT = ClientTimeout(total=2.0, sock_connect=1.0)  # a rank that cannot answer a GET in 2 s is reported
+
+
+def rank_status() -> dict:
+    """This rank's state as JSON-ready data; `{"active": False}` when the pack is inactive here."""
+    if not STATE.active:
+        return {"active": False}
+    from .lockstep import CURRENT  # imported with the hooks at activation; read only
+
+    env, session = STATE.env, STATE.session
+    group = getattr(session, "group", None)
+    return {
+        "active": True,
+        "tp_rank": env.tp_rank,
+        "tp_size": env.tp_size,
+        "boot": STATE.boot_id[:8],
+        "registered": STATE.boot_registered.is_set(),
+        "group": {
+            "generation": session.generation,
+            "formed": bool(session.healthy),
+            "backend": group.backend if group is not None else None,
+        },
+        "stop_reason": session.stop_reason(),
+        "last_agreement": STATE.last_agreement,
+        "prompt": {"prompt_id": CURRENT.prompt_id, "run": CURRENT.run, "model_calls": CURRENT.model_calls},
+        "progress": prompt_progress(),
+        "heartbeats": heartbeat_ages(),
+        "settings": settings(),
+        "models": [{"source": m.source, "plan": m.plan_summary, "loads": n} for m, n in unique_models()],
+        "text": status_text(),
+    }
+
+
+def prompt_progress() -> dict | None:
+    """The current (or last) prompt's progress from ComfyUI's registry: its sampler-like node (one with steps)."""
+    from comfy_execution.progress import get_progress_state
+
+    registry = get_progress_state()
+    try:
+        nodes = list(registry.nodes.items())  # the prompt worker adds entries meanwhile: copy first
+    except RuntimeError:
+        return None
+    if not registry.prompt_id:
+        return None
+    stepped = [(nid, n) for nid, n in nodes if n["max"] > 1]
+    running = [(nid, n) for nid, n in stepped if n["state"].value == "running"]
+    node_id, node = (running or stepped or [(None, None)])[-1]
+    done = sum(1 for _, n in nodes if n["state"].value == "finished")
+    out = {"prompt_id": registry.prompt_id, "nodes_finished": done, "nodes_seen": len(nodes), "node": node_id}
+    if node is not None:
+        info = registry.dynprompt.get_node(node_id) if registry.dynprompt.has_node(node_id) else {}
+        out.update(class_type=info.get("class_type"), value=int(node["value"]), max=int(node["max"]), state=node["state"].value)
+    return out
+
+
+def heartbeat_ages() -> dict[str, float]:
+    """Seconds since each peer's heartbeat last changed, as this rank's watcher saw it (empty before the first)."""
+    import time
+
+    try:  # the watcher thread updates it meanwhile; a private field until the watcher offers the ages itself
+        seen = dict(getattr(STATE.session.watcher, "_seen", {}))
+    except RuntimeError:
+        return {}
+    now = time.monotonic()
+    return {str(r): round(now - when, 1) for r, (_, when) in sorted(seen.items())}
+
+
+def settings() -> dict[str, str]:
+    """The pack's settings as this rank resolved them at start (the env was read once, by activation)."""
+    env = STATE.env
+    sp = "off"
+    if STATE.sequence_parallel:
+        sp = f"on (pieces {STATE.sp_pieces}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})"
+    from . import front_door
+
+    return {
+        "device": str(STATE.device),
+        "rank store": f"{env.master_addr}:{env.master_port}",
+        "int8 GEMM": STATE.int8_kernel,
+        "attention": STATE.attention,
+        "all-reduce dtype": str(STATE.reduce_dtype).replace("torch.", ""),
+        "sequence parallel": sp,
+        "collective timeout": f"{env.timeout_s:.0f} s",
+        "prompt rendezvous timeout": f"{STATE.prompt_timeout_s:.0f} s",
+        "front door": "on" if front_door.FRONT_DOOR is not None else "off",
+        "numerics check": STATE.numerics,
+        "ComfyUI functions patched": ", ".join(PATCHES.names()) or "none",
+    }
+
+
+def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[str, float], heartbeat_timeout_s: float) -> tuple[str, str]:
+    """(verdict, why) for one rank: healthy, starting, stopping, silent, wrong or unreachable."""
+    if status is None:
+        return "unreachable", problem or "no answer"
+    if not status.get("active"):
+        return "wrong", "the pack is inactive on it (TP2_RANK / TP2_WORLD_SIZE unset)"
+    if status["tp_rank"] != tp_rank or status["tp_size"] != STATE.env.tp_size:
+        return "wrong", f"it says it is rank {status['tp_rank']} of {status['tp_size']}"
+    if not status["registered"]:
+        return "starting", "not in the rank store yet"
+    if status["stop_reason"]:
+        return "stopping", status["stop_reason"]
+    age = ages.get(str(tp_rank))
+    if age is not None and age > heartbeat_timeout_s:
+        return "silent", f"no heartbeat for {age:.0f} s"
+    return "healthy", "answers, registered, heartbeat fresh" if age is not None else "answers, registered"
+
+
+async def _fetch(session: ClientSession, url: str) -> tuple[dict | None, str | None]:
+    try:
+        async with session.get(url + "/tp2/status") as r:
+            if r.status != 200:
+                return None, f"GET /tp2/status answered {r.status}"
+            return await r.json(), None
+    except asyncio.TimeoutError:
+        return None, f"no answer within {PEER_TIMEOUT.total:.0f} s (frozen or overloaded)"
+    except (ClientError, OSError, ValueError) as e:
+        return None, f"not reachable ({type(e).__name__}: {e})"
+
+
+async def get_status(request: web.Request) -> web.Response:
+    return web.json_response(rank_status())
+
+
+async def get_cluster(request: web.Request) -> web.Response:
+    from . import front_door
+
+    me = rank_status()
+    if not me["active"]:
+        return web.json_response({"active": False, "ranks": []})
+    door = front_door.FRONT_DOOR
+    urls = door.rank_urls if door is not None else [None] * STATE.env.tp_size
+    async with ClientSession(timeout=PEER_TIMEOUT) as session:
+        fetched = await asyncio.gather(*(_fetch(session, u) if u and r != STATE.env.tp_rank else _none() for r, u in enumerate(urls)))
+    ages = me["heartbeats"]
+    ranks = []
+    for r, (url, (status, problem)) in enumerate(zip(urls, fetched)):
+        if r == STATE.env.tp_rank:
+            status, problem = me, None
+        elif url is None:
+            problem = "unknown address (the front door is off: start the ranks with scripts/start-tp2.sh)"
+        verdict, why = health(r, status, problem, ages, STATE.session.watcher.heartbeat_timeout_s)
+        ranks.append({"tp_rank": r, "url": url, "health": verdict, "why": why, "status": status})
+    healthy = sum(1 for x in ranks if x["health"] == "healthy")
+    return web.json_response(
+        {"active": True, "this_rank": STATE.env.tp_rank, "tp_size": STATE.env.tp_size, "healthy": healthy, "ranks": ranks}
+    )
+
+
+async def _none() -> tuple[None, None]:
+    return None, None
+
+
+def install_status_routes(routes) -> None:
+    """Add the GET routes to ComfyUI's route table (before the server starts; ComfyUI mirrors them under /api)."""
+    routes.get("/tp2/status")(get_status)
+    routes.get("/tp2/cluster")(get_cluster)

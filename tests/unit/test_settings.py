@@ -1,0 +1,97 @@
+"""tp2/settings.py is the one place settings live: the launcher's defaults and the README's settings table agree with
+it, no pack module reads the environment itself, and bad values are refused with one error type that says what the
+variable does."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from tp2 import settings
+from tp2.settings import SETTINGS, SettingError, value
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
+
+
+def test_the_launcher_defaults_are_the_settings_defaults():
+    text = open(os.path.join(ROOT, "scripts", "start-tp2.sh")).read()
+    found = dict(re.findall(r'^: "\$\{(\w+):=([^}]*)\}"', text, flags=re.M))  # the defaults block, not --fast's line
+    launcher = {n for n, s in SETTINGS.items() if s.launcher}
+    assert set(found) == launcher, (set(found) ^ launcher)
+    for name, default in found.items():
+        assert _same(default, SETTINGS[name].default), (name, default, SETTINGS[name].default)
+
+
+def _readme_rows() -> list[tuple[list[str], str]]:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    table = text[text.index("## Settings") :].split("\n\n")[3]  # heading, intro, example, table
+    rows = []
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        rows.append((re.findall(r"`(\w+)`", cells[0]), cells[-1]))
+    return rows
+
+
+def test_the_readme_table_lists_every_setting_with_its_default():
+    rows = _readme_rows()
+    documented = [n for names, _ in rows for n in names]
+    assert sorted(documented) == sorted(SETTINGS), set(documented) ^ set(SETTINGS)
+    for names, default in rows:
+        parts = default.split(", ") if len(names) > 1 else [default]
+        for name, part in zip(names, parts):
+            s = SETTINGS[name]
+            want = s.shown or s.default
+            got = re.match(r"`([^`]*)`", part)
+            if want is None:
+                assert part in ("set by the launcher", "unset"), (name, part)
+            else:
+                assert _same(got.group(1) if got else part, want), (name, part, want)
+
+
+def test_no_pack_module_reads_the_environment_itself():
+    offenders = []
+    for folder in ("nodes", "tp2", "kernels"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                path = os.path.join(dirpath, f)
+                if not f.endswith(".py") or path.endswith(os.path.join("tp2", "settings.py")):
+                    continue
+                for i, line in enumerate(open(path), 1):
+                    # Triton's own TRITON_INTERPRET is read where the probe needs it (kernels/ cannot import tp2)
+                    if ("os.environ" in line or "os.getenv" in line) and "TRITON_INTERPRET" not in line:
+                        offenders.append(f"{os.path.relpath(path, ROOT)}:{i}")
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize(
+    "name,raw,says",
+    [
+        ("TP2_SEQUENCE_PARALLEL", "yes", "TP2_SEQUENCE_PARALLEL='yes' must be 1 (DiT blocks split the token rows over the ranks) or 0"),
+        ("TP2_REDUCE_DTYPE", "fp16", "TP2_REDUCE_DTYPE='fp16' is not one of fp32, bf16"),
+        ("TP2_SP_PIECES", "0", "TP2_SP_PIECES=0 must be from 1 to 16"),
+        ("TP2_SP_PIECES", "two", "TP2_SP_PIECES='two' must be a whole number"),
+        ("TP2_PROMPT_TIMEOUT_S", "-1", "TP2_PROMPT_TIMEOUT_S=-1.0 must be at least"),
+    ],
+)
+def test_bad_values_are_refused_saying_what_the_variable_does(name, raw, says):
+    with pytest.raises(SettingError, match=re.escape(says)):
+        value(name, {name: raw})
+
+
+def test_typed_values_and_defaults():
+    assert value("TP2_SEQUENCE_PARALLEL", {}) is False and value("TP2_SEQUENCE_PARALLEL", {"TP2_SEQUENCE_PARALLEL": "on"}) is True
+    assert value("TP2_SP_PIECES", {"TP2_SP_PIECES": " 4 "}) == 4 and value("TP2_TIMEOUT_S", {}) == 300.0
+    assert value("TP2_RANK_URLS", {"TP2_RANK_URLS": "http://a,http://b"}) == ["http://a", "http://b"]
+    assert value("TP2_SECRET_FILE", {}) is None and value("TP2_TEST_BREAK_INT8_RANKS", {}) == []
+    with pytest.raises(SettingError, match="TP2_SP_MLP_CHUNKS was renamed TP2_SP_PIECES"):
+        value("TP2_SP_PIECES", {"TP2_SP_MLP_CHUNKS": "4"})
+    assert settings.cache_dir({"TP2_CACHE_DIR": "/x"}) == "/x"

@@ -1,0 +1,177 @@
+"""Every environment variable the pack reads or sets, in one place: named, typed, defaulted, documented.
+
+    SETTINGS                      name -> Setting (kind, default, what it does, whether the launcher exports it)
+    value(name, environ=None)     the typed value of one setting (its default when unset); SettingError otherwise
+    read_tp_env(environ=None)     this rank's TPEnv, or None when TP2_RANK and TP2_WORLD_SIZE are unset
+    set_for_libraries(...)        what the pack sets for PyTorch (NCCL error handling) and gloo (its interface)
+
+Every other module asks here; none reads `os.environ`. The launcher's defaults (scripts/start-tp2.sh) and the
+README's settings table are checked against SETTINGS by tests/unit/test_settings.py. Imports nothing from `comfy`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .errors import TP2Error
+
+
+class SettingError(TP2Error, ValueError):
+    """An environment variable holds a value the pack cannot use."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: str  # bool | int | float | choice | text | path | list
+    default: str | None  # as the environment would hold it; None: unset means "off"/"none"
+    means: str  # what it does (for the error message)
+    choices: tuple[str, ...] = ()
+    low: float | None = None
+    high: float | None = None
+    launcher: bool = False  # scripts/start-tp2.sh exports it with this default
+    shown: str | None = None  # the default as the README states it, where it is worked out (not a fixed value)
+
+
+def _s(*args, **kwargs) -> Setting:
+    return Setting(*args, **kwargs)
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        _s("TP2_RANK", "int", None, "this process's rank, 0-based (set by the launcher)", low=0),
+        _s("TP2_WORLD_SIZE", "int", None, "the number of ranks (set by the launcher)", low=1),
+        _s("MASTER_ADDR", "text", "127.0.0.1", "where rank 0's rendezvous store listens"),
+        _s("MASTER_PORT", "int", "29511", "the rendezvous store's port", low=1, high=65535, shown="a free port"),
+        _s("TP2_TIMEOUT_S", "float", "300", "seconds any collective waits for a peer", low=1e-9, launcher=True),
+        _s("TP2_PROMPT_TIMEOUT_S", "float", "45", "seconds ranks wait for each other at a sampler", low=1e-9, launcher=True),
+        _s("TP2_INT8_KERNEL", "choice", "auto", "the row-parallel int8 GEMM", ("auto", "cuda", "triton", "eager"), launcher=True),
+        _s("TP2_ATTN_BACKEND", "choice", "auto", "the attention backend", ("auto", "ck", "sdpa"), launcher=True),
+        _s("TP2_REDUCE_DTYPE", "choice", "fp32", "the row-parallel all-reduce dtype", ("fp32", "bf16"), launcher=True),
+        _s("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
+        _s("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),
+        _s("TP2_SP_FUSED_NORM", "bool", "0", "norm + modulation (+ gated residual) as one kernel on CUDA", launcher=True),
+        _s("TP2_SP_PIECES", "int", "1", "the sequence in N pieces, collectives overlapped", low=1, high=16, launcher=True),
+        _s("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
+        _s("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
+        _s("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
+        _s("TP2_CACHE_DIR", "path", None, "where checked rank files are remembered", shown="~/.cache/minimax-h3-tp2"),
+        _s("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),
+        _s("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
+        _s("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once"),
+        _s("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose"),
+    )
+}
+RENAMED = {"TP2_SP_PIECES": ("TP2_SP_MLP_CHUNKS", "it now pipelines out_proj too")}  # new name: (old name, why)
+_TRUE, _FALSE = ("1", "on", "true"), ("0", "off", "false")
+
+
+def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The variable as set (stripped), or the setting's default."""
+    got = _env(environ).get(name)
+    return SETTINGS[name].default if got is None else got.strip()
+
+
+def value(name: str, environ: Mapping[str, str] | None = None):
+    """The typed value: bool, int, float, the choice (lower case), text, a path, a list of strings, or None."""
+    s, env = SETTINGS[name], _env(environ)
+    if name in RENAMED and env.get(RENAMED[name][0]):
+        old, why = RENAMED[name]
+        raise SettingError(f"{old} was renamed {name} ({why}): set that instead.")
+    text = raw(name, environ)
+    if text is None or (text == "" and s.kind in ("path", "list")):
+        return [] if s.kind == "list" else None
+    if s.kind == "bool":
+        if text.lower() not in _TRUE + _FALSE:
+            raise SettingError(f"{name}={text!r} must be 1 ({s.means}) or 0 (not).")
+        return text.lower() in _TRUE
+    if s.kind == "choice":
+        if text.lower() not in s.choices:
+            raise SettingError(f"{name}={text!r} is not one of {', '.join(s.choices)} ({s.means}). Unset it for {s.default}.")
+        return text.lower()
+    if s.kind in ("int", "float"):
+        try:
+            number = int(text) if s.kind == "int" else float(text)
+        except ValueError as e:
+            raise SettingError(f"{name}={text!r} must be a {'whole ' if s.kind == 'int' else ''}number ({s.means}).") from e
+        if (s.low is not None and number < s.low) or (s.high is not None and number > s.high):
+            span = f"at least {s.low:g}" if s.high is None else f"from {s.low:g} to {s.high:g}"
+            raise SettingError(f"{name}={number} must be {span} ({s.means}).")
+        return number
+    if s.kind == "list":
+        return [part for part in text.split(",") if part]
+    return text
+
+
+@dataclass(frozen=True)
+class TPEnv:
+    """What the environment says about this rank (read before anything distributed starts)."""
+
+    tp_rank: int
+    tp_size: int
+    master_addr: str
+    master_port: int
+    timeout_s: float
+
+
+def read_tp_env(environ: Mapping[str, str] | None = None) -> TPEnv | None:
+    """The TP settings from env, or None when TP2_RANK and TP2_WORLD_SIZE are both unset (pack inactive)."""
+    env = _env(environ)
+    if "TP2_RANK" not in env and "TP2_WORLD_SIZE" not in env:
+        return None
+    missing = [n for n in ("TP2_RANK", "TP2_WORLD_SIZE") if n not in env]
+    if missing:
+        raise SettingError(f"{missing[0]} is not set but the other TP variable is. Set both TP2_RANK and TP2_WORLD_SIZE, or neither.")
+    try:
+        tp_rank, tp_size = int(env["TP2_RANK"]), int(env["TP2_WORLD_SIZE"])
+        port = int(raw("MASTER_PORT", env))
+        timeout_s = float(raw("TP2_TIMEOUT_S", env))
+    except ValueError as e:
+        raise SettingError(
+            f"TP environment variables must be numbers ({e}). Example: TP2_RANK=0 TP2_WORLD_SIZE=2 MASTER_PORT=29511."
+        ) from e
+    if not 0 <= tp_rank < tp_size:
+        raise SettingError(f"TP2_RANK={tp_rank} must be in 0..{tp_size - 1} for TP2_WORLD_SIZE={tp_size}.")
+    if timeout_s <= 0:
+        raise SettingError(f"TP2_TIMEOUT_S={timeout_s} must be positive (seconds a rank waits for its peers).")
+    return TPEnv(tp_rank, tp_size, raw("MASTER_ADDR", env), port, timeout_s)
+
+
+def cache_dir(environ: Mapping[str, str] | None = None) -> str:
+    """TP2_CACHE_DIR, else $XDG_CACHE_HOME/minimax-h3-tp2, else ~/.cache/minimax-h3-tp2."""
+    env = _env(environ)
+    return value("TP2_CACHE_DIR", env) or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimax-h3-tp2")
+
+
+def triton_interpreter(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, Triton's own variable: the CPU tests)."""
+    return _env(environ).get("TRITON_INTERPRET") == "1"
+
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def set_for_libraries(cuda: bool, loopback: bool, environ: dict | None = None) -> str | None:
+    """Set what the pack needs from PyTorch and gloo before a process group forms; returns the NCCL error handling
+    value replaced, if any.
+
+    Under NCCL (`cuda`), TORCH_NCCL_ASYNC_ERROR_HANDLING=0: with 1 or 3 (3 is PyTorch's default) the NCCL watchdog
+    ends the whole process when a collective times out or fails, i.e. a rank would die because its peer failed; the
+    pack aborts communicators itself. On `loopback`, GLOO_SOCKET_IFNAME=lo unless set: gloo's own listeners stay on
+    loopback (its default is the hostname's address)."""
+    env = os.environ if environ is None else environ
+    replaced = None
+    if cuda:
+        old = env.get(NCCL_ERROR_HANDLING)
+        env[NCCL_ERROR_HANDLING] = "0"
+        replaced = old if old not in (None, "0") else None
+    if loopback:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return replaced
