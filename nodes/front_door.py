@@ -21,11 +21,11 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from execution import SENSITIVE_EXTRA_DATA_KEYS
 
+from ..tp2 import settings
 from .state import STATE
 
 log = logging.getLogger("minimax_h3_tp2")
@@ -190,7 +190,7 @@ FRONT_DOOR: FrontDoor | None = None
 
 def read_secret() -> str | None:
     """The run's secret (TP2_SECRET_FILE), or None when the front door is off."""
-    path = os.environ.get(ENV_SECRET_FILE)
+    path = settings.value(ENV_SECRET_FILE)
     if not path:
         return None
     with open(path) as f:
@@ -214,7 +214,7 @@ def install_front_door(secret: str | None) -> FrontDoor | None:
     if secret is None:
         log.warning("%s %s is not set: the front door is off (every rank accepts prompts; submit to all ranks)", STATE.tag, ENV_SECRET_FILE)
         return None
-    urls = [u for u in os.environ.get(ENV_RANK_URLS, "").split(",") if u]
+    urls = settings.value(ENV_RANK_URLS)
     if len(urls) != STATE.env.tp_size:
         raise ValueError(f"{ENV_RANK_URLS} lists {len(urls)} URLs for tp_size {STATE.env.tp_size}; the launcher sets one per rank.")
     FRONT_DOOR = FrontDoor(secret, urls)
