@@ -76,14 +76,7 @@ def prompt_progress() -> dict | None:
 
 def heartbeat_ages() -> dict[str, float]:
     """Seconds since each peer's heartbeat last changed, as this rank's watcher saw it (empty before the first)."""
-    import time
-
-    try:  # the watcher thread updates it meanwhile; a private field until the watcher offers the ages itself
-        seen = dict(getattr(STATE.session.watcher, "_seen", {}))
-    except RuntimeError:
-        return {}
-    now = time.monotonic()
-    return {str(r): round(now - when, 1) for r, (_, when) in sorted(seen.items())}
+    return {str(r): round(age, 1) for r, age in STATE.session.watcher.heartbeat_ages().items()}
 
 
 def settings() -> dict[str, str]:

@@ -262,17 +262,9 @@ def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[Plan | None, list[
             continue
         module, _, suffix = key.rpartition(".")
         style = _layer_style(module, adaln)
-        if style is None and not any(rx.match(module) for rx in _REPLICATED_RULES):
-            problems.append(
-                f"Tensor '{key}' in '{src}' is not in the H3 tensor-parallel plan, so the pack cannot tell how to "
-                "split it. This file may be a newer or modified H3; report it with `python -m tp2.inspect FILE --json`."
-            )
-            continue
-        if suffix not in KNOWN_SUFFIXES:
-            problems.append(
-                f"Tensor '{key}' in '{src}' has suffix '.{suffix}', which the plan does not know (known: "
-                f"{', '.join(KNOWN_SUFFIXES)}). Use an unquantised or int8_tensorwise H3 checkpoint."
-            )
+        unplanned = _unplanned(key, module, suffix, style, src)
+        if unplanned:
+            problems.append(unplanned)
             continue
         style, parts = style or (REPLICATE, 1)
         if suffix == "weight" and len(full) == 2:
@@ -290,6 +282,21 @@ def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[Plan | None, list[
     refiner = [int(k.split(".")[2]) for k in linears if k.startswith("token_refiner.blocks.")]
     plan = Plan(tp_size, prefix, form, hidden, heads, head_dim, ffn, num_layers, 1 + max(refiner) if refiner else 0, linears, tensors)
     return plan, []
+
+
+def _unplanned(key: str, module: str, suffix: str, style, src: str) -> str | None:
+    """Why tensor `key` has no place in the plan (a module or suffix the plan does not know), or None."""
+    if style is None and not any(rx.match(module) for rx in _REPLICATED_RULES):
+        return (
+            f"Tensor '{key}' in '{src}' is not in the H3 tensor-parallel plan, so the pack cannot tell how to "
+            "split it. This file may be a newer or modified H3; report it with `python -m tp2.inspect FILE --json`."
+        )
+    if suffix not in KNOWN_SUFFIXES:
+        return (
+            f"Tensor '{key}' in '{src}' has suffix '.{suffix}', which the plan does not know (known: "
+            f"{', '.join(KNOWN_SUFFIXES)}). Use an unquantised or int8_tensorwise H3 checkpoint."
+        )
+    return None
 
 
 def _check_block_shape(key, module, full, expected, t_dim, src) -> list[str]:

@@ -221,19 +221,7 @@ def write_streaming(
     """
 
     def header_blob(digests: dict[str, str]) -> bytes:
-        header: dict[str, object] = {}
-        md = {str(k): str(v) for k, v in (metadata or {}).items()}
-        if digests_key is not None:
-            md[digests_key] = json.dumps(digests, separators=(",", ":"))
-        if md:
-            header["__metadata__"] = md
-        offset = 0
-        for t in tensors:
-            nbytes = _prod(t.shape) * torch.empty((), dtype=t.dtype).element_size()
-            header[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        return blob + b" " * (-len(blob) % 8)
+        return _header_blob(tensors, metadata, digests_key, digests)
 
     digests = {t.name: "0" * DIGEST_CHARS for t in tensors}
     blob = header_blob(digests)
@@ -260,6 +248,23 @@ def write_streaming(
             f.seek(8)
             f.write(final)
     os.replace(tmp, path)
+
+
+def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None, digests: dict[str, str]) -> bytes:
+    """The JSON header for `tensors` in order (with the digests under `digests_key`), padded to 8 bytes."""
+    header: dict[str, object] = {}
+    md = {str(k): str(v) for k, v in (metadata or {}).items()}
+    if digests_key is not None:
+        md[digests_key] = json.dumps(digests, separators=(",", ":"))
+    if md:
+        header["__metadata__"] = md
+    offset = 0
+    for t in tensors:
+        nbytes = _prod(t.shape) * torch.empty((), dtype=t.dtype).element_size()
+        header[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    return blob + b" " * (-len(blob) % 8)
 
 
 def file_fingerprint(header: SafetensorsHeader, samples: int = 16, sample_bytes: int = 1 << 16) -> str:

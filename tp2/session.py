@@ -171,20 +171,7 @@ class TPSession:
             late = past and (run is None or any(st is None for st in states.values()))  # not started: the timeout applies
             if finished or late:
                 self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
-                why = self.watcher.read_stop(run) if run is not None else None
-                if why:  # the peer finished the run because it stopped it: its reason, not a guess
-                    raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}")
-                who = ", ".join(map(str, finished or missing))
-                if finished:
-                    raise PeerLostError(
-                        f"{self.tag} rank(s) {who} finished the prompt without reaching '{key}': their node cache served "
-                        "this step. Every rank clears its node cache before the next prompt; queue it again."
-                    )
-                raise PeerLostError(
-                    f"{self.tag} rank(s) {who} did not reach '{key}' within {timeout_s:.0f} s: they were not given the "
-                    "same prompt (queue prompts on rank 0, or submit the same prompt id to every rank), or are not running. "
-                    "Check their logs (scripts/start-tp2.sh status)."
-                )
+                self._give_up(key, run, finished, missing, timeout_s)
             time.sleep(POLL_S)
         everyone = [json.loads(v) for v in self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])]
         if self._store_op(timeout_s, lambda s: s.add(f"{base}/read", 1)) == self.env.tp_size:
@@ -197,6 +184,23 @@ class TPSession:
         if why:  # a stop is honoured even when every rank has arrived
             raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}")
         return everyone
+
+    def _give_up(self, key: str, run: str | None, finished: list[int], missing: list[int], timeout_s: float) -> None:
+        """Raise why the rendezvous at `key` ends without the `missing` peers (`finished`: those done with the run)."""
+        why = self.watcher.read_stop(run) if run is not None else None
+        if why:  # the peer finished the run because it stopped it: its reason, not a guess
+            raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}")
+        who = ", ".join(map(str, finished or missing))
+        if finished:
+            raise PeerLostError(
+                f"{self.tag} rank(s) {who} finished the prompt without reaching '{key}': their node cache served "
+                "this step. Every rank clears its node cache before the next prompt; queue it again."
+            )
+        raise PeerLostError(
+            f"{self.tag} rank(s) {who} did not reach '{key}' within {timeout_s:.0f} s: they were not given the "
+            "same prompt (queue prompts on rank 0, or submit the same prompt id to every rank), or are not running. "
+            "Check their logs (scripts/start-tp2.sh status)."
+        )
 
     # -- runs ------------------------------------------------------------------------------------------
     def begin_run(self, run: str, boots: dict[int, str] | None = None) -> None:

@@ -86,6 +86,11 @@ class Watcher:
         self._thread: threading.Thread | None = None
 
     # -- the run ---------------------------------------------------------------------------------------
+    def heartbeat_ages(self) -> dict[int, float]:
+        """Seconds since each peer's heartbeat last changed, as this watcher saw it (empty before the first poll)."""
+        now = time.monotonic()
+        return {r: now - when for r, (_, when) in sorted(dict(self._seen).items())}
+
     def begin(self, run: str, boots: dict[int, str] | None = None) -> None:
         """Start watching run `run`; `boots` are peers' boot ids known to be part of it (rank 0's, from its order).
         Other peers' are taken from their first heartbeat read during the run: a change after that is a restart."""
