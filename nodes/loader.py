@@ -64,7 +64,7 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
     tag_and_verify(dm, plan)
     if any(name.endswith(".comfy_quant") for name in plan.tensors):
         check_int8_path(patcher.model.get_dtype_inference())  # refuses a device whose int8 path measures wrong
-    sp = STATE.sequence_parallel and plan.tp_size > 1 and sequence_parallel.install(dm)
+    sp = STATE.sequence_parallel and sequence_parallel.install(dm)  # at tp_size 1 too: the same kernels on one GPU
     install_lockstep(patcher, plan, source_fp, sequence_parallel=sp)
     patcher.cached_patcher_init = (tp_load_diffusion_model, (unet_path, model_options))
     secs = time.monotonic() - t0

@@ -77,7 +77,7 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
         env["CUDA_VISIBLE_DEVICES"] = str(r)
-        if tp_size > 1:
+        if tp_size > 1 or "pack" in variant.split("+"):  # variant 'pack' at tp 1: the pack active on one GPU
             env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
                        TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="600", TP2_TIMEOUT_S="600")  # fmt: skip
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", args.base,
@@ -85,13 +85,13 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
         options = set(variant.split("+")) - {""}
-        known = {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm", "simple"}
+        known = {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm", "simple", "pack"}
         unknown = {
             o for o in options - known if not ((o[:3] in ("mlp", "nch") and o[3:].isdigit()) or (o[:4] == "nmax" and o[4:].isdigit()))
         }
         if unknown:
             raise SystemExit(
-                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half with +)"
+                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half, pack with +)"
             )
         for o in options:
             if o.startswith("nch"):  # NCCL tuning: at least N channels
@@ -269,8 +269,9 @@ def _baseline_key(r: dict) -> tuple[str, bool]:
 
 
 def _is_baseline(r: dict) -> bool:
-    """A one-GPU run of the full model (not the half-width stand-in for one TP2 rank)."""
-    return r["tp_size"] == 1 and "half" not in str(r.get("variant", "")).split("+")
+    """A one-GPU run of the full model by stock ComfyUI (not the half-width stand-in for one TP2 rank, not the pack
+    at tp_size 1, whose ratio to this is its own speed-up)."""
+    return r["tp_size"] == 1 and not {"half", "pack"} & set(str(r.get("variant", "")).split("+"))
 
 
 def sqnr_vs_tp1(rows: list[dict]) -> None:
@@ -322,7 +323,7 @@ def main(argv=None) -> int:
         default="1,2",
         help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,2:bf16+mlp4,1:sdpa,1:half. Variant parts, joined with +: bf16 "
         "(bf16 reduce), sp (sequence parallel), mlpN (SP in N pieces: out_proj and MLP pipelined), bf16ag (SP, int8 inputs gathered in bf16), fnorm "
-        "(SP, fused norm kernels), nchN / nmaxN (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS=N), simple (NCCL_PROTO=Simple), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication)",
+        "(SP, fused norm kernels), nchN / nmaxN (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS=N), simple (NCCL_PROTO=Simple), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication), pack (tp 1 only: the pack active on one GPU, TP2_WORLD_SIZE=1, its own block path with sp/fnorm)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088", help="TP-only memory runs: WxH or WxHxFRAMES")

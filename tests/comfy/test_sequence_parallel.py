@@ -113,3 +113,26 @@ def test_changed_comfyui_code_falls_back_to_plain_tp_with_a_log_line(tp2, tp2_sp
         log = f.read().decode(errors="replace")
     assert "sequence parallelism off for this model: ComfyUI's H3 code it stands in for changed (DiTBlock.forward (" in log
     assert "sequence parallel:" not in log  # the sequence-parallel forward never ran
+
+
+@pytest.fixture(scope="module")
+def tp1_pack(request, tmp_path_factory, models):
+    """tp_size 1 as a first-class size: the pack active on one server (TP2_WORLD_SIZE=1) with its own block path
+    (sequence parallelism's forward, int8 rows, the pieces), no peer to talk to."""
+    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_PIECES": "2"}
+    return servers_for(request, tmp_path_factory, models, "tp1_pack", 1, env)
+
+
+@pytest.mark.parametrize("unet", [INT8, FULL])
+def test_tp_size_1_with_the_pack_equals_tp2(tp1_pack, tp2, unet):
+    wf = tiny_workflow(unet, COND, prefix=f"tp1_{unet[:-12]}")
+    one = ok(tp1_pack, run_everywhere(tp1_pack, wf))[0]
+    two = ok(tp2, run_everywhere(tp2, wf))[0]
+    for kind in ("video", "audio"):
+        a, b = latent(one, kind), latent(two, kind)
+        print(f"tp1 with the pack, {unet} {kind}: max relative difference to TP2 {rel(a, b):.1e}, SQNR {sqnr_db(b, a):.1f} dB")
+        assert (rel(a, b) < 1e-4) if unet == FULL else (sqnr_db(b, a) >= 25.0), (kind, rel(a, b), sqnr_db(b, a))
+    line = _sequence_parallel_line(tp1_pack[0])
+    assert "this rank holds" in line and "(2 pieces" in line, line  # the pack's block path ran, on one rank
+    with open(tp1_pack[0].log_path, "rb") as f:
+        assert f"loaded {unet} (shard-on-read)" in f.read().decode(errors="replace")
