@@ -29,6 +29,7 @@ def activate() -> None:
         log.debug("minimax-h3-tp2: TP env not set; the pack stays inactive")
         return
     import comfy.model_management
+    from server import PromptServer
 
     from .front_door import install_front_door, read_secret
     from .interrupts import install_interrupt_deferral
@@ -36,6 +37,7 @@ def activate() -> None:
     from .lockstep import track_prompts
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
+    from .status_api import install_status_routes
     from .vae_decode import install_parallel_vae_decode
 
     device = comfy.model_management.get_torch_device()
@@ -58,6 +60,7 @@ def activate() -> None:
     track_prompts()
     install_interrupt_deferral()
     install_front_door(secret)
+    install_status_routes(PromptServer.instance.routes)  # read-only GETs, with or without the front door
     install_parallel_vae_decode()
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     log.info(

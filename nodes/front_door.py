@@ -10,7 +10,7 @@ and accepts prompts as before (submit the same prompt id to every rank).
                (the followers hold nothing pending); a running prompt that stops tells the followers itself (see
                lockstep). POST /free (unload_models) and /history are repeated on every follower; free_memory
                becomes a node-cache clear on every rank before the next prompt. GET /tp2/ranks lists the ranks;
-               GET /tp2/status and /tp2/cluster (nodes/status_api.py, read-only, on every rank) what they do.
+               (GET /tp2/status and /tp2/cluster, read-only, are nodes/status_api.py's, installed by entry.)
     followers  every state-changing route (prompt, queue, interrupt, jobs cancel, free, history) refuses without
                the secret; prompts only from rank 0's dispatcher, strictly in its order
 """
@@ -203,14 +203,10 @@ def read_secret() -> str | None:
 
 
 def install_front_door(secret: str | None) -> FrontDoor | None:
-    """Add the middleware and GET /tp2/ranks to ComfyUI's server (before it starts); None when no secret is set.
-    The status routes (GET /tp2/status, /tp2/cluster) are added in both cases."""
+    """Add the middleware and GET /tp2/ranks to ComfyUI's server (before it starts); None when no secret is set."""
     global FRONT_DOOR
     from server import PromptServer
 
-    from .status_api import install_status_routes
-
-    install_status_routes(PromptServer.instance.routes)  # read-only GETs, with or without the front door
     if secret is None:
         log.warning("%s %s is not set: the front door is off (every rank accepts prompts; submit to all ranks)", STATE.tag, ENV_SECRET_FILE)
         return None
