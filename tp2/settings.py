@@ -58,11 +58,13 @@ SETTINGS: dict[str, Setting] = {
         _s("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
         _s("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
         _s("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
+        _s("TP2_CAPACITY_CHECK", "bool", "1", "a prompt predicted not to fit in GPU memory is refused before sampling"),
         _s("TP2_CACHE_DIR", "path", None, "where checked rank files are remembered", shown="~/.cache/minimax-h3-tp2"),
         _s("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),
         _s("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
         _s("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once"),
         _s("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose"),
+        _s("TP2_TEST_AVAILABLE_GIB", "float", None, "tests only: GPU memory the capacity check takes as available", low=0),
     )
 }
 RENAMED = {"TP2_SP_PIECES": ("TP2_SP_MLP_CHUNKS", "it now pipelines out_proj too")}  # new name: (old name, why)

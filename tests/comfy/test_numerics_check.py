@@ -58,3 +58,28 @@ def test_the_status_node_shows_each_ranks_numerics_report(broken_rank1):
     assert healthy and float(healthy.group(1)) >= 25, text0
     assert "numerics check: FAILED on cpu" in text1, text1
     assert "patched: comfy.sd.load_diffusion_model, " in text0 and "execution.PromptExecutor.execute_async" in text0, text0
+
+
+@pytest.fixture(scope="module")
+def short_of_memory(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("capacity_models")
+    make_checkpoint(str(d / FLOAT))
+    make_tiny_h3.main(["--conditioning", str(d / COND)])
+    models = {f"diffusion_models/{FLOAT}": str(d / FLOAT), f"h3_conditioning/{COND}": str(d / COND)}
+    env = {"TP2_TEST_AVAILABLE_GIB": "0.5", "TP2_PROMPT_TIMEOUT_S": "20", "TP2_TIMEOUT_S": "30"}
+    return servers_for(request, tmp_path_factory, models, "capacity_world", tp_size=2, env=env)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_on_every_rank_before_sampling(short_of_memory):
+    """The capacity check (nodes/capacity_check.py) with 0.5 GiB taken as available (TP2_TEST_AVAILABLE_GIB): the
+    prediction for the tiny model is its fixed buffers (~2 GiB), so every rank refuses at its sampler with the numbers,
+    within seconds, and never samples."""
+    t0 = time.monotonic()
+    hs = run_everywhere(short_of_memory, tiny_workflow(FLOAT, COND, prefix="capacity"), 60)
+    assert time.monotonic() - t0 < 30
+    for s, h in zip(short_of_memory, hs):
+        msg = error_message(h)
+        assert h["status"]["status_str"] == "error", h["status"]
+        assert "CapacityError" in msg and "GiB of GPU memory per rank at tp_size 2, and 0.5 GiB is available" in msg, msg
+        assert "not even 5 frames fit at 64x64" in msg and "TP2_CAPACITY_CHECK=0" in msg, msg
+        assert "capacity: " in open(s.log_path).read()  # refused at this rank's own check, before sampling
