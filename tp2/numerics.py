@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .layers import Int8Weight, local_linear
+
 MIN_DB = 25.0
 HEAD_DIM, LOCAL_HEADS, HIDDEN, LOCAL_FFN, TOKENS, ROPE_PAIRS, EPS = 128, 2, 512, 512, 128, 48, 1e-6
 EXACT_DB = 99.0  # reported for results closer than this (fp32 paths are often exact)
@@ -235,9 +237,10 @@ class _PathOps:
 
     def row(self, a, name, rank, tp_size, input_act=None):
         """This rank's K slice of an int8 row-parallel weight (per-row scales kept; the K slices are whole ConvRot
-        groups), its partial sum in the reduce dtype."""
+        groups), its partial sum in the reduce dtype, through the core's own local GEMM (tp2.layers.local_linear)."""
         q, s = self.q8[name]
-        return self.p.gemm(a, q[:, _k_slice(name, rank, tp_size)].contiguous(), s, None, self.p.reduce_dtype, 256, input_act)
+        weight = Int8Weight(q[:, _k_slice(name, rank, tp_size)].contiguous(), s, 256)
+        return local_linear(a, weight, None, self.p.reduce_dtype, self.p.gemm, input_act)
 
     def qk_norm_rope(self, q, k, table, qw, kw, eps):
         self.p.qk_norm_rope(q, k, table.to(q.dtype), qw, kw, eps)
