@@ -92,7 +92,10 @@ class PiecesInFlight:
 
 
 def start_gather_sequence(local: torch.Tensor, layout: RowLayout, tp: TPGroup) -> PiecesInFlight:
-    """All ranks' rows in sequence order, [padded, ...]: one all-gather per piece, each into its place."""
+    """All ranks' rows in sequence order, [padded, ...]: one all-gather per piece, each into its place. A world of
+    one in one piece gathers nothing: its rows are the sequence (no copy)."""
+    if layout.size == 1 and layout.pieces == 1:
+        return PiecesInFlight(local, [], layout.piece_rows)
     out = local.new_empty((layout.padded, *local.shape[1:]))
     m, p = layout.m, layout.piece_rows
     pending = [start_all_gather_rows(local[c * m : (c + 1) * m], tp, out=out[c * p : (c + 1) * p]) for c in range(layout.pieces)]
@@ -111,6 +114,8 @@ def reduce_scatter_sequence(piece_output: Callable[[int], torch.Tensor | None], 
 
     `piece_output(c)` computes piece c's partial output for its real rows ([valid_rows(c), N], or None when it has
     none); each piece's reduce-scatter starts as soon as it is computed, while the next piece computes."""
+    if layout.size == 1 and layout.pieces == 1:  # a world of one in one piece: nothing to sum, no copy
+        return piece_output(0)
     out, pending, m, p = None, [], layout.m, layout.piece_rows
     for c in range(layout.pieces):
         y = piece_output(c) if layout.valid_rows(c) else None

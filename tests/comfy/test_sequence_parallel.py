@@ -115,16 +115,17 @@ def test_changed_comfyui_code_falls_back_to_plain_tp_with_a_log_line(tp2, tp2_sp
     assert "sequence parallel:" not in log  # the sequence-parallel forward never ran
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one_piece", "pieces2"])
 def tp1_pack(request, tmp_path_factory, models):
     """tp_size 1 as a first-class size: the pack active on one server (TP2_WORLD_SIZE=1) with its own block path
-    (sequence parallelism's forward, int8 rows, the pieces), no peer to talk to."""
-    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_PIECES": "2"}
-    return servers_for(request, tmp_path_factory, models, "tp1_pack", 1, env)
+    (sequence parallelism's forward, int8 rows; in one piece its gathers and reduce-scatters are no-ops, in two
+    they run as at tp 2), no peer to talk to."""
+    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_PIECES": request.param}
+    return servers_for(request, tmp_path_factory, models, f"tp1_pack_{request.param}", 1, env)
 
 
 @pytest.mark.parametrize("unet", [INT8, FULL])
-def test_tp_size_1_with_the_pack_equals_tp2(tp1_pack, tp2, unet):
+def test_tp_size_1_with_the_pack_equals_tp2(request, tp1_pack, tp2, unet):
     wf = tiny_workflow(unet, COND, prefix=f"tp1_{unet[:-12]}")
     one = ok(tp1_pack, run_everywhere(tp1_pack, wf))[0]
     two = ok(tp2, run_everywhere(tp2, wf))[0]
@@ -133,6 +134,7 @@ def test_tp_size_1_with_the_pack_equals_tp2(tp1_pack, tp2, unet):
         print(f"tp1 with the pack, {unet} {kind}: max relative difference to TP2 {rel(a, b):.1e}, SQNR {sqnr_db(b, a):.1f} dB")
         assert (rel(a, b) < 1e-4) if unet == FULL else (sqnr_db(b, a) >= 25.0), (kind, rel(a, b), sqnr_db(b, a))
     line = _sequence_parallel_line(tp1_pack[0])
-    assert "this rank holds" in line and "(2 pieces" in line, line  # the pack's block path ran, on one rank
+    pieces = request.node.callspec.params["tp1_pack"]
+    assert "this rank holds" in line and f"({pieces} pieces" in line, line  # the pack's block path ran, on one rank
     with open(tp1_pack[0].log_path, "rb") as f:
         assert f"loaded {unet} (shard-on-read)" in f.read().decode(errors="replace")
