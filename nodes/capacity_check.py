@@ -27,16 +27,14 @@ def check_capacity(plan: Plan, latent_shapes, device: torch.device) -> None:
     if not settings.value("TP2_CAPACITY_CHECK"):
         return
     available = _available_gib(device)
-    shapes = [tuple(s) for s in latent_shapes or ()]
-    video = next((s for s in shapes if len(s) == 5), None)
+    video = next((tuple(s) for s in latent_shapes or () if len(s) == 5), None)  # [B, C, T, H/16, W/16]
     if available is None or video is None:
         return
-    rows = sum(_rows(s) for s in shapes) + capacity.TEXT_TOKENS
+    width, height, frames = video[4] * 16, video[3] * 16, capacity.pixel_frames(video[2])
+    rows = capacity.tokens(width, height, frames)
     need = capacity.predict_peak_gib(rows, plan.tp_size, _shard_gib(plan), plan.hidden)
     if need <= available:
         return
-    width, height = video[4] * 16, video[3] * 16
-    frames = (video[2] - 2) // 5 * 17 + 5 if video[2] > 2 else 5
     what = capacity.advice(width, height, frames, plan.tp_size, available)
     log.warning("%s capacity: %d rows need ~%.1f GiB, %.1f GiB available", STATE.tag, rows, need, available)
     raise CapacityError(
@@ -44,13 +42,6 @@ def check_capacity(plan: Plan, latent_shapes, device: torch.device) -> None:
         f"memory per rank at tp_size {plan.tp_size}, and {available:.1f} GiB is available on {device}: {what}. "
         "(Predicted by tp2/capacity.py for weights resident; TP2_CAPACITY_CHECK=0 tries anyway.)"
     )
-
-
-def _rows(shape: tuple) -> int:
-    """Sequence rows of one latent: video [B, C, T, H, W] in 2x2 patches, stereo audio [B, C, 2, t]."""
-    if len(shape) == 5:
-        return shape[2] * (shape[3] // 2) * (shape[4] // 2)
-    return shape[2] * shape[3] if len(shape) == 4 else 0
 
 
 def _shard_gib(plan: Plan) -> float:

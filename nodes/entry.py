@@ -16,8 +16,7 @@ from ..tp2.collectives import read_tp_env, reduce_dtype_from_env
 from ..tp2.session import TPSession
 from .faults import maybe_break_int8
 from .pack_nodes import NODES, register_conditioning_folder
-from .sequence_parallel import fused_norm_from_env, int8_gather_from_env, pieces_from_env, sequence_parallel_from_env
-from .state import STATE, log, prompt_timeout_from_env
+from .state import STATE, log
 
 
 def activate() -> None:
@@ -43,14 +42,14 @@ def activate() -> None:
     device = comfy.model_management.get_torch_device()
     device = device if device.type == "cuda" else torch.device("cpu")
     STATE.env, STATE.device = env, device
-    STATE.prompt_timeout_s = prompt_timeout_from_env()
+    STATE.prompt_timeout_s = settings.value("TP2_PROMPT_TIMEOUT_S")
     STATE.int8_gemm = maybe_break_int8(select_int8_gemm(settings.value("TP2_INT8_KERNEL")), env.tp_rank)
     STATE.int8_kernel = STATE.int8_gemm.kernel_name
     STATE.reduce_dtype = reduce_dtype_from_env()
-    STATE.sequence_parallel = sequence_parallel_from_env()
-    STATE.sp_pieces = pieces_from_env()
-    STATE.sp_int8_gather = int8_gather_from_env()
-    STATE.sp_fused_norm = fused_norm_from_env()
+    STATE.sequence_parallel = settings.value("TP2_SEQUENCE_PARALLEL")
+    STATE.sp_pieces = settings.value("TP2_SP_PIECES")
+    STATE.sp_int8_gather = settings.value("TP2_SP_INT8_GATHER")
+    STATE.sp_fused_norm = settings.value("TP2_SP_FUSED_NORM")
     STATE.boot_id = uuid.uuid4().hex
     secret = read_secret()
     STATE.session = TPSession(env, device, boot_id=STATE.boot_id, secret=secret)

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tp2 import settings
 from ..tp2.errors import PlanError
 from ..tp2.layers import PARTIAL, Reduction
 from ..tp2.sequence_layout import RowLayout, reduce_scatter_sequence
@@ -57,31 +56,10 @@ from .h3_attention import attention_forward
 from .parallel import accept_int8_rows, rowwise_call, tp_group
 from .sp_gathers import GatherInFlight, gather, vote_int8_gathers
 from .sp_norms import fused_norm_ok, norm_modulated
-from .state import STATE, env_flag, log
+from .state import STATE, log
 
-ENV_SEQUENCE_PARALLEL = "TP2_SEQUENCE_PARALLEL"
-ENV_PIECES = "TP2_SP_PIECES"
-ENV_INT8_GATHER = "TP2_SP_INT8_GATHER"
-ENV_FUSED_NORM = "TP2_SP_FUSED_NORM"
 SP_FORWARD = "tp2_sequence_parallel"  # transformer_options key of the model evaluation's SequenceParallelForward
 _logged: tuple | None = None  # the last (layout, int8, fused) logged: one line per sequence length
-
-
-def sequence_parallel_from_env() -> bool:
-    return env_flag(ENV_SEQUENCE_PARALLEL)
-
-
-def int8_gather_from_env() -> bool:
-    return env_flag(ENV_INT8_GATHER)
-
-
-def fused_norm_from_env() -> bool:
-    return env_flag(ENV_FUSED_NORM)
-
-
-def pieces_from_env() -> int:
-    """How many pieces the sequence is dealt out in, for pipelining the reduce-scatters (1: no overlap)."""
-    return settings.value(ENV_PIECES)
 
 
 class _PendingResidual:

@@ -61,12 +61,3 @@ class RankState:
 
 
 STATE = RankState()
-
-
-def env_flag(name: str) -> bool:
-    """A 0/1 switch of tp2/settings.py (refused with what it does when it is neither)."""
-    return settings.value(name)
-
-
-def prompt_timeout_from_env() -> float:
-    return settings.value("TP2_PROMPT_TIMEOUT_S")

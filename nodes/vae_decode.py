@@ -33,7 +33,7 @@ from ..tp2.errors import PeerLostError, TP2Error
 from .interrupts import SAMPLING
 from .lockstep import CURRENT, leave_run, rank0_abort, tensor_digest
 from .patches import PATCHES
-from .state import STATE, env_flag, log
+from .state import STATE, log
 
 ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
 
@@ -48,13 +48,9 @@ class _Decodes:
 DECODES = _Decodes()
 
 
-def parallel_vae_enabled() -> bool:
-    return env_flag(ENV_PARALLEL_VAE)
-
-
 def install_parallel_vae_decode() -> None:
     """Split H3 video decodes over the ranks from now on (unless TP2_PARALLEL_VAE=0)."""
-    if not parallel_vae_enabled() or STATE.env.tp_size < 2:
+    if not settings.value(ENV_PARALLEL_VAE) or STATE.env.tp_size < 2:
         log.info(
             "%s video VAE decode not split (%s=%s, tp_size %d)",
             STATE.tag,

@@ -44,10 +44,21 @@ def frames_on_grid(frames: int) -> int:
     return frames + (5 - frames) % 17
 
 
+def latent_frames(frames: int) -> int:
+    """The video latent's frames for `frames` pixel frames (ComfyUI's H3 nodes: 5 -> 2, then 5 per 17)."""
+    frames = frames_on_grid(frames)
+    return 2 if frames <= 5 else ((frames - 5) // 17) * 5 + 2
+
+
+def pixel_frames(latent_t: int) -> int:
+    """The length on the grid whose video latent has `latent_t` frames (the inverse of latent_frames)."""
+    return 5 if latent_t <= 2 else (latent_t - 2) // 5 * 17 + 5
+
+
 def tokens(width: int, height: int, frames: int, text_tokens: int = TEXT_TOKENS) -> int:
     """Rows of the packed sequence: video (latent frames x H/32 x W/32), stereo audio at 40 Hz, text."""
     frames = frames_on_grid(frames)
-    latent_t = 2 if frames <= 5 else ((frames - 5) // 17) * 5 + 2
+    latent_t = latent_frames(frames)
     audio_t = round(frames / 24 * 40)
     return latent_t * (height // 32) * (width // 32) + 2 * audio_t + text_tokens
 

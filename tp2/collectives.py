@@ -87,7 +87,7 @@ def init_tp_group(
 
 def single_rank_group(device: torch.device | None = None) -> TPGroup:
     """A world of one (TP1): every collective is the identity."""
-    return TPGroup(0, 1, device or torch.device("cpu"), None, None, float(settings.raw("TP2_TIMEOUT_S", {})))
+    return TPGroup(0, 1, device or torch.device("cpu"), None, None, settings.value("TP2_TIMEOUT_S", {}))
 
 
 def destroy_tp_group() -> None:

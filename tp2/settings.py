@@ -35,36 +35,32 @@ class Setting:
     shown: str | None = None  # the default as the README states it, where it is worked out (not a fixed value)
 
 
-def _s(*args, **kwargs) -> Setting:
-    return Setting(*args, **kwargs)
-
-
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (
-        _s("TP2_RANK", "int", None, "this process's rank, 0-based (set by the launcher)", low=0),
-        _s("TP2_WORLD_SIZE", "int", None, "the number of ranks (set by the launcher)", low=1),
-        _s("MASTER_ADDR", "text", "127.0.0.1", "where rank 0's rendezvous store listens"),
-        _s("MASTER_PORT", "int", "29511", "the rendezvous store's port", low=1, high=65535, shown="a free port"),
-        _s("TP2_TIMEOUT_S", "float", "300", "seconds any collective waits for a peer", low=1e-9, launcher=True),
-        _s("TP2_PROMPT_TIMEOUT_S", "float", "45", "seconds ranks wait for each other at a sampler", low=1e-9, launcher=True),
-        _s("TP2_INT8_KERNEL", "choice", "auto", "the row-parallel int8 GEMM", ("auto", "cuda", "triton", "eager"), launcher=True),
-        _s("TP2_ATTN_BACKEND", "choice", "auto", "the attention backend", ("auto", "ck", "sdpa"), launcher=True),
-        _s("TP2_REDUCE_DTYPE", "choice", "fp32", "the row-parallel all-reduce dtype", ("fp32", "bf16"), launcher=True),
-        _s("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
-        _s("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),
-        _s("TP2_SP_FUSED_NORM", "bool", "0", "norm + modulation (+ gated residual) as one kernel on CUDA", launcher=True),
-        _s("TP2_SP_PIECES", "int", "1", "the sequence in N pieces, collectives overlapped", low=1, high=16, launcher=True),
-        _s("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
-        _s("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
-        _s("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
-        _s("TP2_CAPACITY_CHECK", "bool", "1", "a prompt predicted not to fit in GPU memory is refused before sampling"),
-        _s("TP2_CACHE_DIR", "path", None, "where checked rank files are remembered", shown="~/.cache/minimax-h3-tp2"),
-        _s("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),
-        _s("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
-        _s("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once"),
-        _s("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose"),
-        _s("TP2_TEST_AVAILABLE_GIB", "float", None, "tests only: GPU memory the capacity check takes as available", low=0),
+        Setting("TP2_RANK", "int", None, "this process's rank, 0-based (set by the launcher)", low=0),
+        Setting("TP2_WORLD_SIZE", "int", None, "the number of ranks (set by the launcher)", low=1),
+        Setting("MASTER_ADDR", "text", "127.0.0.1", "where rank 0's rendezvous store listens"),
+        Setting("MASTER_PORT", "int", "29511", "the rendezvous store's port", low=1, high=65535, shown="a free port"),
+        Setting("TP2_TIMEOUT_S", "float", "300", "seconds any collective waits for a peer", low=1e-9, launcher=True),
+        Setting("TP2_PROMPT_TIMEOUT_S", "float", "45", "seconds ranks wait for each other at a sampler", low=1e-9, launcher=True),
+        Setting("TP2_INT8_KERNEL", "choice", "auto", "the row-parallel int8 GEMM", ("auto", "cuda", "triton", "eager"), launcher=True),
+        Setting("TP2_ATTN_BACKEND", "choice", "auto", "the attention backend", ("auto", "ck", "sdpa"), launcher=True),
+        Setting("TP2_REDUCE_DTYPE", "choice", "fp32", "the row-parallel all-reduce dtype", ("fp32", "bf16"), launcher=True),
+        Setting("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
+        Setting("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),
+        Setting("TP2_SP_FUSED_NORM", "bool", "0", "norm + modulation (+ gated residual) as one kernel on CUDA", launcher=True),
+        Setting("TP2_SP_PIECES", "int", "1", "the sequence in N pieces, collectives overlapped", low=1, high=16, launcher=True),
+        Setting("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
+        Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
+        Setting("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
+        Setting("TP2_CAPACITY_CHECK", "bool", "1", "a prompt predicted not to fit in GPU memory is refused before sampling"),
+        Setting("TP2_CACHE_DIR", "path", None, "where checked rank files are remembered", shown="~/.cache/minimax-h3-tp2"),
+        Setting("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),
+        Setting("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
+        Setting("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once"),
+        Setting("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose"),
+        Setting("TP2_TEST_AVAILABLE_GIB", "float", None, "tests only: GPU memory the capacity check takes as available", low=0),
     )
 }
 RENAMED = {"TP2_SP_PIECES": ("TP2_SP_MLP_CHUNKS", "it now pipelines out_proj too")}  # new name: (old name, why)

@@ -11,36 +11,21 @@ from exact). A layer of H3's shapes per TP2 rank (28 heads of 128), random bf16 
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-import types
-
 import pytest
 import torch
+from gpu_pack import NEEDS_GPU_AND_H3, pack_module
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR", os.path.expanduser("~/ComfyUI"))
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        not os.path.isfile(os.path.join(COMFYUI_DIR, "comfy", "ldm", "minimax", "model.py")), reason="needs ComfyUI with H3"
-    ),
-]
+pytestmark = NEEDS_GPU_AND_H3
 
 
 @pytest.fixture(scope="module")
 def comfy_and_ours():
-    sys.path.insert(0, COMFYUI_DIR)
+    ours = pack_module("nodes.h3_attention")  # makes ComfyUI importable too
     import comfy.ldm.minimax.model as h3
     import comfy.ldm.modules.attention as attention
     import comfy.ops
 
-    pack = types.ModuleType("tp2pack")  # the pack as a package, without its ComfyUI entry point
-    pack.__path__ = [ROOT]
-    sys.modules.setdefault("tp2pack", pack)
-    return h3, attention, comfy.ops, importlib.import_module("tp2pack.nodes.h3_attention")
+    return h3, attention, comfy.ops, ours
 
 
 def _backend(attention, name: str):

@@ -4,40 +4,26 @@ docs/PERFORMANCE.md come from `pytest tests/gpu/test_numerics_check_gpu.py -s`).
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 import time
 import types
 
 import pytest
 import torch
+from gpu_pack import NEEDS_GPU_AND_H3, pack_module
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR", os.path.expanduser("~/ComfyUI"))
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(
-        not os.path.isfile(os.path.join(COMFYUI_DIR, "comfy", "ldm", "minimax", "model.py")), reason="needs ComfyUI with H3"
-    ),
-]
+pytestmark = NEEDS_GPU_AND_H3
 
 
 @pytest.fixture(scope="module")
 def pack():
-    sys.path.insert(0, COMFYUI_DIR)
-    pkg = types.ModuleType("tp2pack")  # the pack as a package, without its ComfyUI entry point
-    pkg.__path__ = [ROOT]
-    sys.modules.setdefault("tp2pack", pkg)
     return types.SimpleNamespace(
-        check=importlib.import_module("tp2pack.nodes.numerics_check"),
-        state=importlib.import_module("tp2pack.nodes.state").STATE,
-        kernels=importlib.import_module("tp2pack.kernels"),
-        faults=importlib.import_module("tp2pack.nodes.faults"),
-        errors=importlib.import_module("tp2pack.tp2.errors"),
-        env=importlib.import_module("tp2pack.tp2.collectives").TPEnv,
-        attention=importlib.import_module("tp2pack.kernels.attention"),
+        check=pack_module("nodes.numerics_check"),
+        state=pack_module("nodes.state").STATE,
+        kernels=pack_module("kernels"),
+        faults=pack_module("nodes.faults"),
+        errors=pack_module("tp2.errors"),
+        env=pack_module("tp2.collectives").TPEnv,
+        attention=pack_module("kernels.attention"),
     )
 
 
