@@ -37,6 +37,7 @@ def activate() -> None:
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
     from .status_api import install_status_routes
+    from .text_encoder import install_text_encoder_hook
     from .vae_decode import install_parallel_vae_decode
 
     device = comfy.model_management.get_torch_device()
@@ -54,6 +55,7 @@ def activate() -> None:
     secret = read_secret()
     STATE.session = TPSession(env, device, boot_id=STATE.boot_id, secret=secret)
     install_loader_hook()
+    install_text_encoder_hook()
     install_lora_hooks()
     install_linear_input_act_patch()
     track_prompts()

@@ -1,4 +1,4 @@
-"""The pack's own nodes (V3 schema): a TP status readout and a conditioning-from-file loader.
+"""The pack's own nodes (V3 schema): a TP status readout, and conditioning saved to and loaded from a file.
 
 Thin: schema plus a short execute that reads `STATE` or a file.
 """
@@ -108,4 +108,28 @@ class LoadH3Conditioning(io.ComfyNode):
         return io.NodeOutput([[cond, extra]])
 
 
-NODES = [TP2Status, LoadH3Conditioning]
+class SaveH3Conditioning(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="SaveH3Conditioning",
+            display_name="Save H3 Conditioning (file)",
+            category=CATEGORY,
+            description="Writes the conditioning (cond [1, L, text_dim] and its token tags) to output/PREFIX_NNNNN.safetensors; "
+            "move it to models/h3_conditioning/ to reuse the encoding with 'Load H3 Conditioning' (no text encoder needed).",
+            inputs=[io.Conditioning.Input("conditioning"), io.String.Input("filename_prefix", default="h3_conditioning/cond")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, conditioning, filename_prefix) -> io.NodeOutput:
+        from ..tp2.conditioning import save_conditioning
+
+        cond, extra = conditioning[0][0], conditioning[0][1]
+        folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, folder_paths.get_output_directory())
+        filename = f"{name}_{counter:05}.safetensors"
+        save_conditioning(os.path.join(folder, filename), cond, extra.get("minimax_token_tags"))
+        return io.NodeOutput(ui={"conditioning": [{"filename": filename, "subfolder": subfolder, "type": "output"}]})
+
+
+NODES = [TP2Status, LoadH3Conditioning, SaveH3Conditioning]

@@ -29,8 +29,10 @@ import torch
 from . import __version__, settings
 from .checkpoint import CheckpointLayout
 from .errors import PlanError, ShardMismatchError, TP2Error
+from .nvfp4 import slice_block_scales
 from .plan import RANK0, SPLIT, Plan, TensorShard, resolve_plan
 from .safetensors_io import DTYPES, PendingTensor, TensorReader, file_fingerprint, read_header, tensor_digest, write_streaming
+from .te_plan import NVFP4_BLOCK_SCALE, TEPlan, nvfp4_logical_shape
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,32 @@ def shard_state_dict(path: str, tp_size: int, tp_rank: int) -> tuple[dict[str, t
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     log.info("read %.2f GB for rank %d/%d from %s in %.1f s", nbytes / 1e9, tp_rank, tp_size, os.path.basename(path), time.monotonic() - t0)
     return sd, metadata, plan
+
+
+def read_te_shard(path: str, plan: TEPlan, tp_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Shard-on-read of H3's text encoder: this rank's tensors of `plan` (resolved before), and the file's metadata.
+    nvfp4 block scales are stored swizzled: each is read whole (1/16 of its weight's bytes) and sliced in memory."""
+    _check_rank(tp_rank, plan.tp_size)
+    t0 = time.monotonic()
+    sd = {}
+    with TensorReader(path) as reader:
+        for name, ts in plan.tensors.items():
+            if ts.kind == NVFP4_BLOCK_SCALE:
+                n, k = nvfp4_logical_shape(plan.tensors[name[: -len("_scale")]].full_shape)
+                sd[name] = slice_block_scales(reader.read(name), n, k, ts.dim, tp_rank, plan.tp_size)
+            else:
+                sd[name] = read_local_tensor(reader, ts, tp_rank, plan.tp_size)
+        metadata = dict(reader.header.metadata)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    log.info(
+        "read %.2f GB of the text encoder for rank %d/%d from %s in %.1f s",
+        nbytes / 1e9,
+        tp_rank,
+        plan.tp_size,
+        os.path.basename(path),
+        time.monotonic() - t0,
+    )
+    return sd, metadata
 
 
 def rank_file_name(source: str, tp_size: int, tp_rank: int) -> str:

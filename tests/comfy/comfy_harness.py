@@ -254,10 +254,10 @@ def error_message(history: dict) -> str:
 
 
 def output_files(server: Server, history: dict) -> dict[str, bytes]:
-    """Every saved latent of a finished prompt: {relative path: bytes}."""
+    """Every saved latent, image or conditioning file of a finished prompt: {relative path: bytes}."""
     out = {}
     for node_out in history.get("outputs", {}).values():
-        for item in node_out.get("latents", []) + node_out.get("images", []):
+        for item in node_out.get("latents", []) + node_out.get("images", []) + node_out.get("conditioning", []):
             rel = os.path.join(item.get("subfolder", ""), item["filename"])
             with open(os.path.join(server.base, "output", rel), "rb") as f:
                 out[rel] = f.read()
@@ -277,7 +277,7 @@ def _record_digest(server: Server, rel: str, blob: bytes) -> None:
     from safetensors.torch import load
 
     h = hashlib.sha256()
-    if rel.endswith(".latent"):
+    if rel.endswith((".latent", ".safetensors")):
         for name, t in sorted(load(blob).items()):
             h.update(name.encode() + str(t.dtype).encode() + t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     else:

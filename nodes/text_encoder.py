@@ -1,0 +1,215 @@
+"""H3's text encoder under tensor parallelism: the CLIPLoader hook, the wiring of the built encoder, and the
+encode every rank runs together.
+
+    install_text_encoder_hook()   replaces comfy.sd.load_clip (looked up by module attribute, also by
+                                  load_clip_model_patcher when ComfyUI re-creates the patcher)
+
+For H3's Qwen3-VL-32B file (CLIPLoader type 'minimax') on an active rank with tp_size > 1: the plan
+(tp2/te_plan.py) is resolved and checked before any weight is read, this rank reads only its slices
+(tp2.shard.read_te_shard: a follower never holds the whole file), and ComfyUI builds its own encoder classes at
+this rank's width (its `qwen3vl_32b_model_config` override: local heads, KV heads and FFN) through its own
+`load_text_encoder_state_dicts`, so every quantised format loads exactly as without the pack. Then:
+  - every linear gets its plan role; o_proj and down_proj run ComfyUI's own forward on their K slice (AWQ
+    smoothing, input quantisation and the quantised GEMM included) and all-reduce the partial products in
+    TP2_REDUCE_DTYPE;
+  - each encode is a rendezvous: ranks agree on the prompt, the plan and the digest of the encoder's inputs
+    (token embeddings, vision features, masks), then run the 50 layers in step, under the role guard, with
+    interrupts deferred to the end of the encode. A rank that does not arrive fails the prompt with the reason
+    (the encoder cannot run alone: this rank holds a slice of it).
+The DiT still receives rank 0's context at every model evaluation (nodes/lockstep.py), so the conditioning every
+rank samples with is identical bit for bit whatever happens here.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+import types
+
+import comfy.sd
+import comfy.utils
+import torch
+
+from ..tp2 import __version__
+from ..tp2.checkpoint import CheckpointLayout
+from ..tp2.collectives import all_reduce
+from ..tp2.errors import PeerLostError, PlanError, TP2Error
+from ..tp2.layers import ROLE_ATTR
+from ..tp2.plan import ROWWISE
+from ..tp2.shard import read_te_shard
+from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
+from .interrupts import SAMPLING
+from .lockstep import CURRENT, leave_run, rank0_abort, tensor_digest
+from .parallel import ROLE_OF_STYLE, _is_comfy_linear, role_guard, tp_group
+from .patches import PATCHES
+from .state import STATE, LoadedModel, log
+
+_original_load_clip = comfy.sd.load_clip
+CONFIG_KEY = "qwen3vl_32b_model_config"  # ComfyUI's per-model config override (comfy/sd1_clip.py SDClipModel)
+TE_ATTR = "qwen3vl_32b"  # MiniMaxH3TEModel's SDClipModel attribute (its name)
+
+
+class _Encodes:
+    """Encodes within the running prompt (every rank counts the same encodes, so keys match)."""
+
+    prompt_id: str | None = None
+    count: int = 0
+
+
+ENCODES = _Encodes()
+
+
+def install_text_encoder_hook() -> None:
+    PATCHES.install(comfy.sd, "load_clip", lambda original: tp_load_clip)
+
+
+def tp_load_clip(
+    ckpt_paths, embedding_directory=None, clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION, model_options={}, disable_dynamic=False
+):  # noqa: B006 - ComfyUI's signature
+    layout = _h3_layout(ckpt_paths, clip_type)
+    if layout is None:
+        return _original_load_clip(ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
+    t0 = time.monotonic()
+    path = ckpt_paths[0]
+    plan = resolve_te_plan(layout, STATE.env.tp_size)  # refuses before a byte of weights is read
+    sd, metadata = read_te_shard(path, plan, STATE.env.tp_rank)
+    if model_options.get("custom_operations") is None:
+        sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
+    options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config()}})
+    clip = comfy.sd.load_text_encoder_state_dicts([sd], embedding_directory, clip_type, options, disable_dynamic)
+    del sd
+    clip.patcher.cached_patcher_init = (comfy.sd.load_clip_model_patcher, (ckpt_paths, embedding_directory, clip_type, model_options))
+    wire_text_encoder(clip, plan)
+    secs = time.monotonic() - t0
+    STATE.models.append(LoadedModel(os.path.basename(path), plan.summary(), plan.fingerprint(), "-", False, secs))
+    log.info("%s loaded text encoder %s (shard-on-read) in %.1f s: %s", STATE.tag, os.path.basename(path), secs, plan.summary())
+    return clip
+
+
+def _h3_layout(ckpt_paths, clip_type) -> CheckpointLayout | None:
+    """The layout of an H3 encoder file this rank must load in slices; None for anything ComfyUI loads as it is."""
+    if not STATE.active or STATE.env.tp_size < 2 or clip_type != comfy.sd.CLIPType.MINIMAX or len(ckpt_paths) != 1:
+        return None
+    path = ckpt_paths[0]
+    if not path.endswith((".safetensors", ".sft")):
+        return None
+    layout = CheckpointLayout.from_file(path)
+    if is_h3_text_encoder(layout):
+        return layout
+    if looks_like_qwen3vl(layout) and "model.audio_decoder.projection.weight" not in layout.tensors:
+        resolve_te_plan(layout, STATE.env.tp_size)  # raises: a Qwen language model that is not H3's encoder
+    return None
+
+
+def wire_text_encoder(clip, plan: TEPlan) -> None:
+    """Roles on every linear, row-parallel forwards, the width check, and the encode rendezvous."""
+    transformer = getattr(getattr(clip.cond_stage_model, TE_ATTR, None), "transformer", None)
+    if transformer is None or not hasattr(transformer, "model"):
+        raise PlanError(
+            f"{STATE.tag} ComfyUI built {type(clip.cond_stage_model).__name__} for an H3 encoder file, not the MiniMax-H3 "
+            "Qwen3-VL encoder this pack splits. Report this with your ComfyUI version."
+        )
+    _verify_widths(transformer, plan)
+    for name, module in transformer.named_modules():
+        if not _is_comfy_linear(module):
+            continue
+        style = plan.linears.get(name)
+        if style is None:
+            raise PlanError(
+                f"{STATE.tag} the built text encoder has a linear '{name}' the plan never saw: refused. Report this with your ComfyUI version."
+            )
+        setattr(module, ROLE_ATTR, ROLE_OF_STYLE[style])
+        if style == ROWWISE:
+            module.forward = types.MethodType(_rowwise_forward(module.forward), module)
+    if "forward" not in transformer.__dict__:
+        transformer.forward = _encoding_in_step(transformer.forward, plan)
+
+
+def _verify_widths(transformer, plan: TEPlan) -> None:
+    n = plan.tp_size
+    layers = transformer.model.layers
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        got = (attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.mlp.down_proj.in_features)
+        want = (plan.heads // n, plan.kv_heads // n, plan.head_dim, plan.ffn // n)
+        if got != want:
+            raise PlanError(
+                f"{STATE.tag} text encoder layer {i}: ComfyUI built heads/KV heads/head_dim/FFN {got}, this rank's plan "
+                f"needs {want} (tp_size={n}). ComfyUI ignored the pack's width override; report this with your ComfyUI version."
+            )
+
+
+def _rowwise_forward(own):
+    """ComfyUI's forward of a row-parallel linear on this rank's K slice, then the sum over ranks."""
+
+    def forward(self, x, *args, **kwargs):
+        partial = own(x, *args, **kwargs)
+        return all_reduce(partial.to(STATE.reduce_dtype), tp_group()).to(partial.dtype)
+
+    return forward
+
+
+def _encoding_in_step(original, plan: TEPlan):
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        key = f"{CURRENT.run or 'no-prompt'}/text-encode{_next_encode()}"
+        fields = {
+            "pack_version": __version__,
+            "prompt": CURRENT.fingerprint,
+            "plan": plan.fingerprint(),
+            "inputs": inputs_digest(args, kwargs),
+        }
+        session = STATE.session
+        try:
+            session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
+        except PeerLostError as e:
+            session.cache_epoch(bump=True)  # the next prompt clears every rank's node cache
+            raise TP2Error(
+                f"{STATE.tag} the text encoder is split over the ranks and cannot run on this rank alone: {e}. Queue the "
+                "prompt again (every rank's node cache is cleared first)."
+            ) from e
+        STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
+        was_sampling = getattr(SAMPLING, "active", False)
+        SAMPLING.active = True  # an interrupt waits for the end of the encode, on every rank
+        t0 = time.monotonic()
+        try:
+            with role_guard():
+                out = original(*args, **kwargs)
+        except BaseException as e:
+            leave_run(e)
+            raise
+        finally:
+            SAMPLING.active = was_sampling
+        log.info("%s text encode over %d ranks: %.2f s", STATE.tag, plan.tp_size, time.monotonic() - t0)
+        return out
+
+    return forward
+
+
+def inputs_digest(args, kwargs) -> str:
+    """One digest of every tensor the encoder is given, at any depth (the embeddings, vision features, masks)."""
+    parts: list[str] = []
+
+    def walk(v) -> None:
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{tuple(v.shape)}:{tensor_digest(v)}")
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif isinstance(v, (int, float, str, bool)) or v is None:
+            parts.append(repr(v))
+
+    walk((args, kwargs))
+    return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16]
+
+
+def _next_encode() -> int:
+    if ENCODES.prompt_id != CURRENT.prompt_id:
+        ENCODES.prompt_id, ENCODES.count = CURRENT.prompt_id, 0
+    ENCODES.count += 1
+    return ENCODES.count

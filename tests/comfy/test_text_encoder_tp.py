@@ -1,0 +1,155 @@
+"""H3's text encoder under tensor parallelism on real ComfyUI servers (CPU, gloo): CLIPLoader (type minimax) ->
+CLIPTextEncode -> SaveH3Conditioning on TP ranks and on one plain server; the ranks' conditioning files are
+byte-identical, and equal to the plain server's within the tolerance below.
+
+The encoder is NOT the real one (25.8 B parameters): scripts/make_tiny_qwen3vl.py writes random weights with the
+real key names at tiny widths (16 query heads, 8 KV heads, 50 layers), and a test-only custom node
+(tests/comfy/fixtures/h3_tiny_text_encoder, linked into these servers only) makes ComfyUI build its own classes
+at those widths. The pack's per-rank width override and the shard-on-read path are the ones the real file takes.
+
+Tolerance: the ranks sum o_proj's and down_proj's partial products where one device sums the whole product in
+one GEMM; on CPU ComfyUI runs the encoder in fp32 (every quantised format is dequantised first: the H3 encoder's
+linears are full-precision matmuls), so the 50 layers differ by fp32 re-association only (measured ~1e-6
+relative). The bound, 1e-4, is two orders above that and four below what a missing all-reduce, a wrong slice or
+a swapped KV head gives (order 1; a different prompt is checked to land far outside it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from comfy_harness import (
+    COMFYUI_DIR,
+    ROOT,
+    Server,
+    assert_success,
+    error_message,
+    have_comfyui,
+    new_id,
+    output_files,
+    start_tp,
+    stop_at_teardown,
+)
+from safetensors.torch import load
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
+
+FIXTURE_DIR = os.path.join(ROOT, "tests", "comfy", "fixtures")
+TINY_TE = {"H3_TEST_TINY_TE": "1"}
+TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "20", "TP2_TIMEOUT_S": "30", **TINY_TE}
+FORMATS = ("bf16", "int8", "fp8", "nvfp4")
+PROMPT = "A red fox trots through fresh snow in a quiet birch forest at dawn."
+REL_TOL = 1e-4
+
+
+def te_file(fmt: str) -> str:
+    return f"h3_tiny_te_{fmt}.safetensors"
+
+
+def _base(root: str, name: str) -> str:
+    base = os.path.join(root, name)
+    os.makedirs(os.path.join(base, "custom_nodes"))
+    os.symlink(os.path.join(FIXTURE_DIR, "h3_tiny_text_encoder"), os.path.join(base, "custom_nodes", "h3_tiny_text_encoder"))
+    return base
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("te_models"))
+    out = {}
+    for fmt in FORMATS:
+        path = os.path.join(root, te_file(fmt))
+        subprocess.run(
+            [sys.executable, os.path.join(ROOT, "scripts", "make_tiny_qwen3vl.py"), path, "--format", fmt], check=True, timeout=300
+        )
+        out[f"text_encoders/{te_file(fmt)}"] = path
+    return out
+
+
+def start_servers(request, tmp_path_factory, models, tp_size: int) -> tuple[Server, list[Server]]:
+    root = str(tmp_path_factory.mktemp(f"te_tp{tp_size}"))
+    for name in ("plain", *(f"rank{r}" for r in range(tp_size))):
+        _base(root, name)
+    plain = Server(os.path.join(root, "plain"), models, TINY_TE)  # starts now, alongside the ranks
+    ranks = start_tp(root, tp_size, models, TP_ENV)
+    plain.wait_ready()
+    stop_at_teardown(request, [*ranks, plain], root)
+    return plain, ranks
+
+
+@pytest.fixture(scope="module")
+def tp2(request, tmp_path_factory, models):
+    return start_servers(request, tmp_path_factory, models, 2)
+
+
+def encode_workflow(clip: str, prefix: str, text: str = PROMPT) -> dict:
+    return {
+        "1": {"class_type": "CLIPLoader", "inputs": {"clip_name": clip, "type": "minimax", "device": "default"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}},
+        "3": {"class_type": "SaveH3Conditioning", "inputs": {"conditioning": ["2", 0], "filename_prefix": prefix}},
+    }
+
+
+def encode_everywhere(servers: list[Server], workflow: dict) -> list[dict]:
+    pid = new_id()
+    for s in servers:
+        s.submit(workflow, pid)
+    histories = [s.wait_history(pid, 300) for s in servers]
+    assert_success(servers, histories)
+    return [load(next(iter(output_files(s, h).values()))) for s, h in zip(servers, histories)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tp2_conditioning_matches_one_device(tp2, fmt):
+    plain, ranks = tp2
+    ref, *got = encode_everywhere([plain, *ranks], encode_workflow(te_file(fmt), f"te_{fmt}"))
+    for r, cond in enumerate(got):
+        assert cond.keys() == ref.keys(), f"rank {r}: {sorted(cond)} vs plain {sorted(ref)}"
+        assert torch.equal(cond["cond"], got[0]["cond"]), f"rank {r}'s conditioning differs from rank 0's"
+        assert torch.equal(cond["token_tags"], ref["token_tags"])
+    err = rel_err(got[0]["cond"], ref["cond"])
+    assert err < REL_TOL, f"{fmt}: TP2 conditioning is {err:.2e} away from one device's (tolerance {REL_TOL})"
+    print(f"{fmt}: TP2 vs one device relative error {err:.2e}, shape {tuple(ref['cond'].shape)}")
+    # the tolerance is meaningful: another prompt's conditioning is far outside it
+    other = encode_everywhere([plain], encode_workflow(te_file(fmt), f"te_{fmt}_other", PROMPT + " At night."))[0]
+    if other["cond"].shape == ref["cond"].shape:
+        assert rel_err(other["cond"], ref["cond"]) > 50 * REL_TOL
+
+
+def test_tp2_logs_say_sliced(tp2):
+    plain, ranks = tp2
+    encode_everywhere([plain, *ranks], encode_workflow(te_file("bf16"), "te_log"))
+    for s in ranks:
+        with open(s.log_path, errors="replace") as f:
+            text = f.read()
+        assert "loaded text encoder h3_tiny_te_bf16.safetensors (shard-on-read)" in text, s.tail()
+        assert "heads 16->8/rank, KV heads 8->4/rank, ffn 256->128/rank" in text
+        assert "text encode over 2 ranks" in text
+
+
+def test_tp2_refuses_a_qwen_model_that_is_not_h3s(tp2, tmp_path):
+    """A Qwen language model with type 'minimax' that ComfyUI would not build as H3's encoder: refused before loading."""
+    plain, ranks = tp2
+    from safetensors.torch import save_file
+
+    bogus = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8), "model.layers.0.input_layernorm.weight": torch.ones(8)}
+    for s in ranks:
+        save_file(bogus, os.path.join(s.base, "models", "text_encoders", "qwen_not_h3.safetensors"))
+    pid = new_id()
+    for s in ranks:
+        s.submit(encode_workflow("qwen_not_h3.safetensors", "te_bogus"), pid)
+    for s in ranks:
+        h = s.wait_history(pid, 120)
+        assert h["status"]["status_str"] == "error"
+        assert "is not MiniMax-H3's text encoder" in error_message(h), error_message(h)
+    # the servers are usable after
+    encode_everywhere(ranks, encode_workflow(te_file("bf16"), "te_after_refusal"))

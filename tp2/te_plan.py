@@ -1,0 +1,260 @@
+"""The tensor-parallel plan of H3's text encoder (Qwen3-VL-32B, truncated to 50 layers), resolved from a file's layout.
+
+Megatron style, per decoder layer: q/k/v and gate/up are column-parallel (each rank its query heads, its KV heads
+and its FFN columns: contiguous head ranges keep every query head with its KV head), o_proj and down_proj
+row-parallel (each rank a K slice; one all-reduce each). Replicated, and why:
+  - the token embedding (0.78 B parameters): a lookup costs nothing to compute, and splitting it by vocabulary
+    would add a collective per prompt for 0.78 GB per rank (bf16) at tp_size 2; the saving is noted, not taken;
+  - norms and per-head q/k norms (per-channel weights);
+  - the vision tower (0.6 B parameters, run only for image inputs, over a few hundred patches).
+Layers the built model does not have (past H3_TE_LAYERS, an lm_head) are not read at all.
+
+Every quantisation layout is sliced with its scales: int8 tensorwise (with or without ConvRot) and fp8 (scalar
+scales: whole on every rank), nvfp4 with AWQ (packed weight and block scales sliced along the split dim,
+pre_quant_scale along K for row-parallel layers, see tp2/nvfp4.py), unquantised bf16/fp16/fp32.
+Everything is checked here, before any weight is read. Imports nothing from `comfy`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+from .checkpoint import CheckpointLayout, convrot_group
+from .errors import PlanError
+from .nvfp4 import nvfp4_split_problem
+from .plan import COLWISE, REPLICATE, ROWWISE, SPLIT, WHOLE, TensorShard
+
+# ComfyUI's Qwen3VL_32BConfig builds 50 decoder layers: H3's conditioning is the hidden state after layer 50.
+H3_TE_LAYERS = 50
+# ComfyUI picks the H3 encoder by these two keys (comfy/sd.py detect_te_model, TEModel.QWEN3VL_32B).
+DETECT_KEYS = ("visual.deepstack_merger_list.0.norm.weight", "model.layers.49.self_attn.q_proj.weight")
+NVFP4_BLOCK_SCALE = "nvfp4_block_scale"  # a TensorShard kind: block scales in comfy-kitchen's swizzled layout
+
+TE_TP_PLAN = {
+    "model.layers.*.self_attn.q_proj": COLWISE,
+    "model.layers.*.self_attn.k_proj": COLWISE,
+    "model.layers.*.self_attn.v_proj": COLWISE,
+    "model.layers.*.self_attn.o_proj": ROWWISE,
+    "model.layers.*.mlp.gate_proj": COLWISE,
+    "model.layers.*.mlp.up_proj": COLWISE,
+    "model.layers.*.mlp.down_proj": ROWWISE,
+}
+TE_REPLICATED = (
+    "model.embed_tokens",
+    "model.norm",
+    "model.layers.*.input_layernorm",
+    "model.layers.*.post_attention_layernorm",
+    "model.layers.*.self_attn.q_norm",
+    "model.layers.*.self_attn.k_norm",
+)
+TE_SKIPPED = ("model.lm_head.weight", "lm_head.weight")  # ComfyUI builds no lm_head for H3 (lm_head False)
+SUPPORTED_TE_FORMATS = ("int8_tensorwise", "float8_e4m3fn", "float8_e5m2", "nvfp4")
+SCALAR_SUFFIXES = ("weight_scale_2", "input_scale")
+
+
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+
+
+_LINEARS = [(_compile(p), style) for p, style in TE_TP_PLAN.items()]
+_REPLICATED = [_compile(p) for p in TE_REPLICATED]
+
+
+@dataclass(frozen=True)
+class TEPlan:
+    """The resolved plan of one encoder file at one tp_size (identical on every rank)."""
+
+    tp_size: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    linears: dict[str, str]  # layer name -> COLWISE / ROWWISE / REPLICATE
+    tensors: dict[str, TensorShard]  # every tensor this rank reads, by name
+    skipped: tuple[str, ...]  # tensors in the file that the built model does not use (never read)
+
+    def local_config(self) -> dict[str, int]:
+        """ComfyUI's `qwen3vl_32b_model_config` override: the model built at this rank's width."""
+        return {
+            "hidden_size": self.hidden,
+            "num_attention_heads": self.heads // self.tp_size,
+            "num_key_value_heads": self.kv_heads // self.tp_size,
+            "intermediate_size": self.ffn // self.tp_size,
+        }
+
+    def fingerprint(self) -> str:
+        doc = {
+            "tp_size": self.tp_size,
+            "tensors": sorted([t.name, t.kind, t.dim, list(t.full_shape), t.dtype] for t in self.tensors.values()),
+        }
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        n = self.tp_size
+        return (
+            f"H3 text encoder tp_size={n}: {H3_TE_LAYERS} layers, heads {self.heads}->{self.heads // n}/rank, "
+            f"KV heads {self.kv_heads}->{self.kv_heads // n}/rank, ffn {self.ffn}->{self.ffn // n}/rank; plan {self.fingerprint()}"
+        )
+
+
+def is_h3_text_encoder(layout: CheckpointLayout) -> bool:
+    """Whether ComfyUI would build this file as H3's Qwen3-VL-32B encoder (its own detection keys)."""
+    return all(k in layout.tensors for k in DETECT_KEYS)
+
+
+def looks_like_qwen3vl(layout: CheckpointLayout) -> bool:
+    """A Qwen3-VL (or other Qwen) language model in some form: what a user might pick by mistake for H3."""
+    return any(k.endswith("layers.0.self_attn.q_proj.weight") for k in layout.tensors)
+
+
+def resolve_te_plan(layout: CheckpointLayout, tp_size: int) -> TEPlan:
+    """Resolve and validate; raises PlanError naming the first problem and the tp_sizes that would work."""
+    if not is_h3_text_encoder(layout):
+        raise PlanError(
+            f"'{layout.source}' is not MiniMax-H3's text encoder (Qwen3-VL-32B truncated to 50 layers): it lacks "
+            f"{', '.join(k for k in DETECT_KEYS if k not in layout.tensors)}. Pick the H3 encoder file "
+            "(e.g. qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors) in the CLIP loader, type 'minimax'."
+        )
+    plan, problems = _resolve(layout, tp_size)
+    if problems:
+        allowed = [n for n in (1, 2, 4, 8) if not _resolve(layout, n)[1]]
+        raise PlanError(problems[0] + (f" Use tp_size {', '.join(map(str, allowed))}." if allowed else ""))
+    return plan
+
+
+def _dims(layout: CheckpointLayout) -> tuple[int, int, int, int, int]:
+    """(hidden, head_dim, heads, kv_heads, ffn) from norms and the first layer (quantised shapes are logical rows)."""
+    shape = layout.shape
+    p = "model.layers.0."
+    head_dim = shape(p + "self_attn.q_norm.weight")[0]
+    rows = lambda k: shape(p + k + ".weight")[0]  # noqa: E731 - output rows are stored unpacked in every format
+    return (
+        shape(p + "input_layernorm.weight")[0],
+        head_dim,
+        rows("self_attn.q_proj") // head_dim,
+        rows("self_attn.k_proj") // head_dim,
+        rows("mlp.gate_proj"),
+    )
+
+
+def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[TEPlan | None, list[str]]:
+    hidden, head_dim, heads, kv_heads, ffn = _dims(layout)
+    problems = [
+        f"Cannot split the text encoder's {what} ({n}) across tp_size={tp_size}: not divisible."
+        for what, n in (("query heads", heads), ("KV heads", kv_heads), ("FFN width", ffn))
+        if n % tp_size
+    ]
+    linears: dict[str, str] = {}
+    tensors: dict[str, TensorShard] = {}
+    skipped = []
+    for name, (dtype, full) in sorted(layout.tensors.items()):
+        module, _, suffix = name.rpartition(".")
+        if name in TE_SKIPPED or _layer_index(name) >= H3_TE_LAYERS:
+            skipped.append(name)
+            continue
+        style = _style(module)
+        if style is None:
+            problems.append(
+                f"Tensor '{name}' in '{layout.source}' is not in the text encoder's tensor-parallel plan, so the pack "
+                "cannot tell how to split it. This file may be a modified encoder; report it with `python -m tp2.inspect FILE --json`."
+            )
+            continue
+        if suffix == "weight" and len(full) == 2 and not module.endswith("embed_tokens"):
+            linears[module] = style
+        shard, problem = _te_tensor_shard(name, suffix, dtype, full, style, layout.quant.get(module), tp_size)
+        if problem:
+            problems.append(problem)
+        elif shard is not None:
+            tensors[name] = shard
+    problems += _check_quant(layout, linears, tp_size)
+    if problems:
+        return None, problems
+    return TEPlan(tp_size, hidden, heads, kv_heads, head_dim, ffn, linears, tensors, tuple(skipped)), []
+
+
+def _layer_index(name: str) -> int:
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
+def _style(module: str) -> str | None:
+    if module.startswith("visual."):
+        return REPLICATE
+    for rx, style in _LINEARS:
+        if rx.match(module):
+            return style
+    return REPLICATE if any(rx.match(module) for rx in _REPLICATED) else None
+
+
+def _te_tensor_shard(name, suffix, dtype, full, style, quant, tp_size) -> tuple[TensorShard | None, str | None]:
+    whole = TensorShard(name, WHOLE, None, 1, full, full, dtype, style)
+    if style == REPLICATE or tp_size == 1 or suffix in ("comfy_quant", *SCALAR_SUFFIXES):
+        return whole, None
+    fmt = (quant or {}).get("format")
+    if suffix == "weight_scale" and fmt != "nvfp4":  # int8 / fp8: one scalar, or one scale per output row
+        return _split(name, full, 0, dtype, style, tp_size) if style == COLWISE and _numel(full) > 1 else (whole, None)
+    if suffix == "pre_quant_scale":  # AWQ smoothing, one factor per input channel
+        return _split(name, full, 0, dtype, style, tp_size) if style == ROWWISE else (whole, None)
+    dim = 0 if style == COLWISE else 1
+    if suffix == "weight_scale":  # nvfp4 block scales, swizzled: read whole, sliced in memory (tp2/nvfp4.py)
+        return TensorShard(name, NVFP4_BLOCK_SCALE, dim, 1, full, full, dtype, style), None
+    if suffix in ("weight", "bias") and not (suffix == "bias" and style == ROWWISE):
+        return _split(name, full, dim if suffix == "weight" else 0, dtype, style, tp_size)
+    return None, f"Tensor '{name}' ({suffix}) has no place in the text encoder's plan for a {style} layer. Report the file's origin."
+
+
+def _split(name, full, dim, dtype, style, tp_size) -> tuple[TensorShard | None, str | None]:
+    if len(full) <= dim or full[dim] % tp_size:
+        return None, f"Cannot split '{name}' (shape {list(full)}) along dim {dim} into tp_size={tp_size} slices: not divisible."
+    local = list(full)
+    local[dim] //= tp_size
+    return TensorShard(name, SPLIT, dim, 1, full, tuple(local), dtype, style), None
+
+
+def nvfp4_logical_shape(stored: tuple[int, ...]) -> tuple[int, int]:
+    """An nvfp4 weight's [n, k] from its stored uint8 [n, k / 2] (two codes per byte; the pack's plan takes H3's
+    linears, whose n and k are multiples of 16, so nothing is padded)."""
+    return stored[0], 2 * stored[1]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _check_quant(layout: CheckpointLayout, linears: dict[str, str], tp_size: int) -> list[str]:
+    problems = []
+    for module, conf in sorted(layout.quant.items()):
+        fmt, style = conf.get("format"), linears.get(module)
+        if fmt not in SUPPORTED_TE_FORMATS:
+            problems.append(
+                f"Text encoder layer '{module}' uses quantisation format '{fmt}', which the TP plan cannot slice "
+                f"(supported: {', '.join(SUPPORTED_TE_FORMATS)}, and unquantised bf16/fp16/fp32). Use the nvfp4 AWQ, "
+                "int8, fp8 or bf16 H3 encoder file, or run with --tp-size 1."
+            )
+            continue
+        if style not in (COLWISE, ROWWISE):
+            continue
+        dim = 0 if style == COLWISE else 1
+        if fmt == "nvfp4":
+            n, k = nvfp4_logical_shape(layout.shape(module + ".weight"))
+            why = nvfp4_split_problem(n, k, dim, tp_size)
+            if not why and (n // tp_size if dim == 0 else k // tp_size) % 16:
+                why = "this rank's slice would need its 16-row padding redone; the pack reads nvfp4 slices as stored"
+            if why:
+                problems.append(f"Cannot split nvfp4 layer '{module}' across tp_size={tp_size}: {why}")
+        group = convrot_group(conf)
+        if style == ROWWISE and group:
+            k = layout.shape(module + ".weight")[1]
+            if k % tp_size == 0 and (k // tp_size) % group:
+                problems.append(
+                    f"Cannot split '{module}' input dim K={k} across tp_size={tp_size}: the local K ({k // tp_size}) is "
+                    f"not a multiple of its ConvRot group ({group}), so a rank's slice would cut a Hadamard block."
+                )
+    return problems
