@@ -35,15 +35,19 @@ def _quantises_views(h3, transformer_options) -> bool:
 def attention_forward(h3, attn, x, rope_freqs, transformer_options: dict, fused=False, out_reduce: Reduction | None = None) -> torch.Tensor:
     """ComfyUI's `h3.Attention.forward(attn, x, ...)`, with the two changes above. With `out_reduce`, the row-parallel
     out_proj reduces as it says (tp2.layers.row_parallel); without, out_proj runs its own forward. `h3` is
-    comfy.ldm.minimax.model."""
-    s = x.shape[0]
-    q, k, v = attn.qkv_proj(x).split(attn.heads * attn.head_dim, dim=-1)
+    comfy.ldm.minimax.model. `x` may come in a one-item list, which this empties: then the rows are freed as soon as
+    qkv_proj has read them, not held through the attention (a caller's argument lives until the call returns)."""
+    qkv = attn.qkv_proj(x.pop() if isinstance(x, list) else x)
+    del x
+    s, device = qkv.shape[0], qkv.device
+    q, k, v = qkv.split(attn.heads * attn.head_dim, dim=-1)
+    del qkv  # q, k and v are its views: comfy-kitchen's INT8 attention frees the buffer once it has quantised them
     v = v.view(s, attn.heads, attn.head_dim)
     if rope_freqs is not None:
         q = q.view(s, attn.heads, attn.head_dim)
         k = k.view(s, attn.heads, attn.head_dim)
-        qw = comfy.model_management.cast_to(attn.q_norm.weight, device=x.device)
-        kw = comfy.model_management.cast_to(attn.k_norm.weight, device=x.device)
+        qw = comfy.model_management.cast_to(attn.q_norm.weight, device=device)
+        kw = comfy.model_management.cast_to(attn.k_norm.weight, device=device)
         rot = rope_freqs.shape[-3] * 2
         if comfy.model_management.in_training:
             q, k = comfy.quant_ops.ck.rms_rope_split_half(q[None], k[None], rope_freqs, qw, kw, epsilon=attn.q_norm.eps, rot_dim=rot)

@@ -31,8 +31,10 @@ in a CPU BLAS).
 
 The block forward below follows ComfyUI's DiTBlock.forward step for step and calls ComfyUI's own modulation
 helpers on this rank's rows; its attention is ComfyUI's Attention.forward as nodes/h3_attention.py has it, and its
-MLP is ComfyUI's MLP.forward with the reduction named. Each row-parallel call is told its reduction (tp2.layers
-.row_parallel): the RowLayout to reduce-scatter to, or PARTIAL for the MLP in pieces. One model evaluation's state
+MLP is ComfyUI's MLP.forward in row chunks (TP2_SP_CHUNK_ROWS: at long sequences fc1's output is never whole),
+reduce-scattered per piece. Each row-parallel call is told its reduction (tp2.layers.row_parallel): the RowLayout
+to reduce-scatter to (out_proj), or PARTIAL (the MLP's chunks). Each activation is dropped as soon as nothing reads
+it. One model evaluation's state
 (the layout, this rank's segments, the int8-gather vote, the pending residual) is a SequenceParallelForward that
 the pack's model call puts in transformer_options (nodes/lockstep.py) and each block reads: no ambient state.
 The gathers are in nodes/sp_gathers.py, the fused norms in nodes/sp_norms.py. `install` checks that the ComfyUI
@@ -49,9 +51,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tp2 import settings
 from ..tp2.errors import PlanError
-from ..tp2.layers import PARTIAL, Reduction
-from ..tp2.sequence_layout import RowLayout, reduce_scatter_sequence
+from ..tp2.layers import PARTIAL
+from ..tp2.sequence_layout import RowLayout, chunk_bounds, reduce_scatter_sequence
 from .h3_attention import attention_forward
 from .parallel import accept_int8_rows, rowwise_call, tp_group
 from .sp_gathers import GatherInFlight, gather, vote_int8_gathers
@@ -79,40 +82,55 @@ class SequenceParallelForward:
     segments: list | None = None
     int8: bool = False
     pending: _PendingResidual | None = None
+    chunk_rows: int | None = None  # TP2_SP_CHUNK_ROWS, read by the first block: the MLP's row chunks
 
 
 def _split(sp: SequenceParallelForward, x: torch.Tensor, mod_segments, block) -> torch.Tensor:
-    """Record this evaluation's layout, local segments and whether int8 gathers are on; return this rank's rows of
+    """Record this evaluation's layout, local segments, MLP chunk size and whether int8 gathers are on; return this rank's rows of
     the full stream `x` (zero rows where padded)."""
     global _logged
     layout = RowLayout.plan(x.shape[0], STATE.env.tp_size, STATE.env.tp_rank, STATE.sp_pieces)
     sp.layout, sp.segments = layout, layout.local_segments(mod_segments)
+    sp.chunk_rows = settings.value("TP2_SP_CHUNK_ROWS")
     local = layout.take(x)
     sp.int8 = STATE.sp_int8_gather and vote_int8_gathers(block, local)
     fused = fused_norm_ok(block, local, sp.segments)
     if _logged != (layout, sp.int8, fused):
         log.info(
-            "%s sequence parallel: %d rows, this rank holds %d rows (%d pieces, padded to %d); norms %s; int8 linears' inputs gathered %s",
-            STATE.tag, layout.full, layout.local_rows, layout.pieces, layout.padded, "fused (Triton)" if fused else "by ComfyUI's ops",
-            "as int8" if sp.int8 else "in bf16",
+            "%s sequence parallel: %d rows, this rank holds %d rows (%d pieces, padded to %d); the MLP in %d row chunks per piece; norms %s; int8 linears' inputs gathered %s",
+            STATE.tag, layout.full, layout.local_rows, layout.pieces, layout.padded, len(chunk_bounds(layout.valid_rows(0), sp.chunk_rows)),
+            "fused (Triton)" if fused else "by ComfyUI's ops", "as int8" if sp.int8 else "in bf16",
         )  # fmt: skip
         _logged = (layout, sp.int8, fused)
     return local
 
 
-def _mlp(mlp, rows, reduce: Reduction) -> torch.Tensor:
-    """ComfyUI's MLP.forward (fc2(swiglu(fc1(x))), fc2 row-parallel) with fc2's reduction named."""
-    return rowwise_call(mlp.fc2, mlp.fc1(rows), "swiglu", reduce)
-
-
-def _mlp_in_pieces(sp: SequenceParallelForward, mlp, h: torch.Tensor) -> torch.Tensor:
-    """The MLP on every rank's rows, piece by piece: all pieces' all-gathers are queued at once, piece c's MLP runs
-    when its rows are in, and its reduce-scatter is in flight while piece c+1 computes. Returns this rank's rows."""
+def _mlp(sp: SequenceParallelForward, mlp, gathered: GatherInFlight) -> torch.Tensor:
+    """ComfyUI's MLP.forward (fc2(swiglu(fc1(x))), fc2 row-parallel) on every rank's rows, piece by piece (one piece
+    unless TP2_SP_PIECES): piece c runs when its rows are in, and its reduce-scatter is in flight while piece c+1
+    computes. Returns this rank's rows."""
     layout = sp.layout
     p = layout.piece_rows
-    gathered = GatherInFlight(sp, h, mlp.fc1)
-    piece = lambda c: _mlp(mlp, gathered.result(c * p, c * p + layout.valid_rows(c)), PARTIAL)  # noqa: E731
-    return reduce_scatter_sequence(piece, layout, tp_group()).to(h.dtype)
+    piece = lambda c: _mlp_rows(mlp, gathered, c * p, c * p + layout.valid_rows(c), sp.chunk_rows)  # noqa: E731
+    return reduce_scatter_sequence(piece, layout, tp_group()).to(gathered.dtype)
+
+
+def _mlp_rows(mlp, gathered: GatherInFlight, start: int, stop: int, chunk_rows: int) -> torch.Tensor:
+    """fc2's partial sums (reduce dtype) for sequence rows [start, stop), in chunks of at most `chunk_rows` rows:
+    fc1's output [rows, 2 * local_ffn] and fc2's quantised input exist for one chunk at a time. Row-wise math, so
+    each chunk's rows are what the whole would give (bit for bit on CUDA's int8 path; the CPU's float BLAS and
+    ConvRot rotation may round a smaller matrix differently)."""
+    chunks = chunk_bounds(stop - start, chunk_rows)
+    out = None
+    for a, b in chunks:
+        y = rowwise_call(mlp.fc2, mlp.fc1(gathered.result(start + a, start + b)), "swiglu", PARTIAL)
+        if len(chunks) == 1:
+            return y
+        if out is None:
+            out = y.new_empty((stop - start, y.shape[1]))
+        out[a:b] = y
+        del y
+    return out
 
 
 def _take_pending(sp: SequenceParallelForward, x: torch.Tensor) -> _PendingResidual | None:
@@ -160,16 +178,20 @@ def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_opt
         if pending is not None:
             x = mod_gate(x, pending.gate, pending.mlp, segments)
         h = mod_scale_shift(self.norm1(x), shift_msa, scale_msa, segments)
-    del pending
-    attn = attention_forward(
-        h3, self.attn, gather(sp, h, self.attn.qkv_proj), rope_freqs, transformer_options, fused=fused, out_reduce=layout
-    )
+    # every activation is dropped as soon as nothing reads it (docs/PERFORMANCE.md, "Activation memory"): h once it
+    # is gathered, the gathered rows once qkv_proj has read them (attention_forward empties the list), attn after norm2
+    rows = [gather(sp, h, self.attn.qkv_proj)]
+    del pending, h
+    attn = attention_forward(h3, self.attn, rows, rope_freqs, transformer_options, fused=fused, out_reduce=layout)
     if fused:  # x += gate * attn and the second norm in one pass
         h = norm_modulated(x, self.norm2, shift_mlp, scale_mlp, segments, gate_msa, attn)
     else:
         x = mod_gate(x, gate_msa, attn, segments)
         h = mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, segments)
-    mlp = _mlp_in_pieces(sp, self.mlp, h) if layout.pieces > 1 else _mlp(self.mlp, gather(sp, h, self.mlp.fc1), layout)
+    gathered = GatherInFlight(sp, h, self.mlp.fc1)
+    del attn, h
+    mlp = _mlp(sp, self.mlp, gathered)
+    del gathered
     if fused and _may_defer(self, transformer_options):
         sp.pending = _PendingResidual(x, gate_mlp, mlp)
         return x
@@ -184,7 +206,7 @@ STANDS_IN_FOR = {
     "Attention.forward": "91973d57b4143f16",  # nodes/h3_attention.attention_forward
     "_mod_scale_shift": "796cae2505e9742d",  # the fused norm kernels reproduce its roundings
     "_mod_gate": "0aaa07a6860a2d3e",
-    "MLP.forward": "6dc02869745c7552",  # _mlp: fc2(swiglu(fc1(x))) with the reduction named
+    "MLP.forward": "6dc02869745c7552",  # _mlp: fc2(swiglu(fc1(x))) in row chunks, with the reduction named
     "MiniMaxH3Model._forward": "a72c515aa53aa677",  # its block loop hands each output straight on (the pending residual)
 }
 

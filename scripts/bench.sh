@@ -32,7 +32,10 @@ echo "== smoke: tiny checkpoint, TP1 and TP2, to catch set-up problems before th
   --ckpt h3_tiny_int8.safetensors --cond h3_tiny_cond.safetensors --resolutions 256x256 --memory-resolutions "" --frames 22 --steps 3 --tp-sizes 1,2
 fi
 CKPT="$BASE/models/diffusion_models/h3_full_int8.safetensors"
-[[ -f "$CKPT" ]] || "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$CKPT" --full-size --int8
+tp_sizes=$(printf '%s\n' "$@" | awk 'f { print; exit } $0 == "--tp-sizes" { f = 1 }')   # the whole model only where a configuration uses it
+if [[ -z "$tp_sizes" ]] || tr ',' '\n' <<<"$tp_sizes" | grep -qv half; then
+  [[ -f "$CKPT" ]] || "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$CKPT" --full-size --int8
+fi
 HALF="$BASE/models/diffusion_models/h3_half_int8.safetensors"   # variant 'half': one TP2 rank's widths as a whole model
 if [[ "$*" == *half* && ! -f "$HALF" ]]; then "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$HALF" --full-size --int8 --heads 28 --ffn 7168; fi
 "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" --conditioning "$BASE/models/h3_conditioning/h3_full_cond.safetensors" --text-dim 5120 --tokens 256

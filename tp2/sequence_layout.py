@@ -9,7 +9,8 @@ With one piece this is the plain split (rank r holds rows r*n .. (r+1)*n). With 
 sequence rows [c*P, (c+1)*P) in place and its reduce-scatter hands every rank its run of that piece, so a GEMM on
 piece c+1 can run while piece c's collective is in flight, and nothing is copied to reorder rows. Pad rows sit at
 the end of the sequence; they stay zero in the stream and are never mixed with real rows (every op on the local
-rows is row-wise; gathers drop them). Imports torch only.
+rows is row-wise; gathers drop them). `chunk_bounds` cuts a run of rows into chunks that row-wise work (the MLP)
+takes one after another, so its temporaries never span the whole sequence. Imports torch only.
 """
 
 from __future__ import annotations
@@ -73,6 +74,20 @@ class RowLayout:
             if hi > lo:
                 local[c * self.m : c * self.m + hi - lo] = x[lo:hi]
         return local
+
+
+def chunk_bounds(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """[start, stop) chunks of `rows` rows, as few as hold at most `chunk_rows` each, sizes within one row of each
+    other, and none of fewer than 2 rows (a 1-row GEMM takes another kernel path; so 5 rows by 2 are 3 + 2):
+    [(0, rows)] when they fit in one."""
+    n = max(1, min(-(-rows // max(1, chunk_rows)), rows // 2))
+    base, extra = divmod(rows, n)
+    bounds, start = [], 0
+    for i in range(n):
+        stop = start + base + (i < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
 
 
 class PiecesInFlight:

@@ -8,7 +8,10 @@ may block the sums of a smaller matrix differently: there the gate is 1e-5 relat
 change in the float ConvRot rotation before quantisation can flip an activation's int8 rounding); measured on CPU:
 see the printout. A misplaced piece moves the latent by tens of percent. Gathering int8 linears' inputs
 quantised (the default) or in bf16 gives the same bits, pipelined or not, up to that same rotation effect. The
-sequence lengths used cover an even and an odd number of rows (odd: the sequence ends in a zero pad row).
+sequence lengths used cover an even and an odd number of rows (odd: the sequence ends in a zero pad row). The MLP
+in row chunks (TP2_SP_CHUNK_ROWS, the path at long sequences) is held to the same: bit-identical to plain TP2 where
+each chunk has enough rows for the CPU's BLAS to round as on the whole matrix (19-20 rows here), within the pieces'
+gates where the chunks have 3-4.
 """
 
 from __future__ import annotations
@@ -39,21 +42,35 @@ def tp2(request, tmp_path_factory, models):
 
 @pytest.fixture(
     scope="module",
-    params=[(1, "1", False), (4, "1", False), (1, "0", False), (1, "1", True)],
-    ids=["sp", "sp_pieces4", "sp_bf16_gather", "sp_fused"],
+    params=[
+        (1, "1", False, None),
+        (4, "1", False, None),
+        (1, "0", False, None),
+        (1, "1", True, None),
+        (1, "1", False, 20),
+        (4, "0", False, 4),
+    ],
+    ids=["sp", "sp_pieces4", "sp_bf16_gather", "sp_fused", "sp_chunks20", "sp_pieces4_bf16_gather_chunks4"],
 )
 def tp2_sp(request, tmp_path_factory, models):
     """Sequence parallel in 1 piece or 4 (TP2_SP_PIECES: out_proj and the MLP pipelined), int8 linears'
     inputs gathered as int8 (default) or in bf16 (TP2_SP_INT8_GATHER=0, with TP2_SP_FUSED_NORM=1, which CPU
     ignores without a Triton device); `sp_fused`: TP2_SP_FUSED_NORM=1 run on CPU by Triton's interpreter (the
-    fused norms, the q/k norm + rope kernel and the MLP residual left to the next block's norm)."""
-    pieces, int8_gather, fused = request.param
+    fused norms, the q/k norm + rope kernel and the MLP residual left to the next block's norm); `..._chunksN`: the
+    MLP in chunks of at most N rows (TP2_SP_CHUNK_ROWS; its default 16384 makes one chunk of every tiny sequence),
+    so chunking really happens here as it does at long sequences: 20 gives chunks of 19-20 rows (the 40 and 153 rows
+    of the cases below in 2 and 8 chunks), each as many rows as the CPU's fp32 BLAS needs to round every row as in
+    the whole matrix (below ~13 rows it takes other kernels, as its pieces do, measured: docs/PERFORMANCE.md), so
+    the bytes must not move; 4 (in 4 pieces) gives 3-4-row chunks, within the pieces' gates."""
+    pieces, int8_gather, fused, chunk_rows = request.param
     env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_PIECES": str(pieces), "TP2_SP_INT8_GATHER": int8_gather}
+    if chunk_rows:
+        env["TP2_SP_CHUNK_ROWS"] = str(chunk_rows)
     if int8_gather == "0":  # and the fused norms asked for: on CPU they fall back to ComfyUI's ops (same bits)
         env["TP2_SP_FUSED_NORM"] = "1"
     if fused:
         env |= {"TP2_SP_FUSED_NORM": "1", "TRITON_INTERPRET": "1"}
-    return servers_for(request, tmp_path_factory, models, f"sp_on_{pieces}_{int8_gather}_{int(fused)}", 2, env)
+    return servers_for(request, tmp_path_factory, models, f"sp_on_{pieces}_{int8_gather}_{int(fused)}_{chunk_rows}", 2, env)
 
 
 def _sequence_parallel_line(server) -> str:
@@ -65,7 +82,7 @@ def _sequence_parallel_line(server) -> str:
 
 @pytest.mark.parametrize("unet,size,odd", [(INT8, (64, 64, 5), False), (INT8, (80, 80, 22), True), (FULL, (64, 64, 5), False)])
 def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, odd):
-    pieces, int8_gather, fused = request.node.callspec.params["tp2_sp"]
+    pieces, int8_gather, fused, chunk_rows = request.node.callspec.params["tp2_sp"]
     wf = tiny_workflow(unet, COND, prefix=f"sp_{unet[:-12]}_{size[0]}")
     wf["4"]["inputs"].update(width=size[0], height=size[1], length=size[2])
     sp = ok(tp2_sp, run_everywhere(tp2_sp, wf))
@@ -74,7 +91,7 @@ def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, od
     for kind in ("video", "audio"):
         a, b = latent(sp[0], kind), latent(plain[0], kind)
         print(
-            f"{unet} {size} pieces {pieces}, int8 gathers {int8_gather}, fused {fused} {kind}: "
+            f"{unet} {size} pieces {pieces}, int8 gathers {int8_gather}, fused {fused}, chunk rows {chunk_rows} {kind}: "
             f"max relative difference to plain TP2 {rel(a, b):.1e}, SQNR {sqnr_db(b, a):.1f} dB"
         )
         if fused:  # other kernels, other roundings: within the gates below, and nowhere near a misplaced row
@@ -90,6 +107,8 @@ def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, od
     gathered = "as int8" if unet == INT8 and int8_gather == "1" else "in bf16"  # float weights: nothing to quantise
     assert line.endswith(f"gathered {gathered}"), line
     assert ("norms fused (Triton)" in line) == fused, line
+    chunks = int(line.split("the MLP in ")[1].split()[0])
+    assert (chunks > 1) == bool(chunk_rows), line  # chunked where asked (the MLP's rows really split), else one chunk
 
 
 @pytest.fixture(scope="module")

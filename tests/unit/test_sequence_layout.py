@@ -4,7 +4,7 @@ reproduce; segments map onto local rows; one piece is the plain contiguous split
 import pytest
 import torch
 
-from tp2.sequence_layout import RowLayout
+from tp2.sequence_layout import RowLayout, chunk_bounds
 
 
 @pytest.mark.parametrize("full,size,pieces", [(1, 2, 1), (7, 2, 1), (8, 2, 4), (37, 2, 4), (37, 3, 4), (100, 4, 3)])
@@ -40,3 +40,22 @@ def test_segments_map_to_local_rows():
             assert (local[a:b] == t).all()
             covered[a:b] = True
         assert torch.equal(covered, (local != -10).flatten()), "segments must cover exactly the real rows"
+
+
+@pytest.mark.parametrize("rows,chunk_rows", [(0, 4), (1, 2), (5, 2), (10, 3), (15100, 16384), (16385, 16384), (219742, 16384)])
+def test_chunks_tile_the_rows_in_as_few_even_chunks_of_two_rows_or_more(rows, chunk_rows):
+    chunks = chunk_bounds(rows, chunk_rows)
+    assert chunks[0][0] == 0 and chunks[-1][1] == rows and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    sizes = [b - a for a, b in chunks]
+    assert max(sizes) - min(sizes) <= 1
+    if rows >= 2:
+        assert min(sizes) >= 2  # a 1-row GEMM would take another kernel path (other bits)
+    if len(chunks) > 1:
+        assert len(chunks) == min(-(-rows // chunk_rows), rows // 2)
+        assert max(sizes) <= chunk_rows or min(sizes) == 2
+    assert (len(chunks) == 1) == (rows <= chunk_rows or rows < 4)
+
+
+def test_long_sequences_are_chunked_and_short_ones_are_not():
+    assert chunk_bounds(15100, 16384) == [(0, 15100)]  # 832x480x124: one chunk, today's path
+    assert len(chunk_bounds(219742, 16384)) == 14  # 1920x1088x362 on one rank: 14 chunks of ~15,700 rows
