@@ -192,13 +192,18 @@ def parse_args(argv=None):
     ap.add_argument("out")
     ap.add_argument("--format", choices=("bf16", *FORMATS), default="bf16")
     ap.add_argument("--full-size", action="store_true", help="the real Qwen3-VL-32B shapes (random data)")
+    ap.add_argument(
+        "--ffn",
+        type=int,
+        help="decoder FFN width instead of the preset's (a decoder-heavy file; the pack's servers build it from the shapes)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    d = FULL_SIZE if a.full_size else TINY
+    d = dict(FULL_SIZE if a.full_size else TINY, **({"ffn": a.ffn} if a.ffn else {}))
     tensors = pending_tensors(d, a.format, a.seed, a.full_size)
 
     def progress(i: int, n: int) -> None:

@@ -124,14 +124,14 @@ class Server:
         self.proc.wait(10)
 
 
-def start_tp(root: str, tp_size: int, models: dict[str, str], extra_env: dict[str, str] | None = None) -> list[Server]:
-    """tp_size servers forming one TP world; followers first, as the launcher does."""
+def start_tp(root: str, tp_size: int, models: dict[str, str], extra_env: dict[str, str] | None = None, args=()) -> list[Server]:
+    """tp_size servers forming one TP world (ComfyUI arguments `args` added); followers first, as the launcher does."""
     master = free_port()
     servers = []
     for r in reversed(range(tp_size)):
         env = {"TP2_RANK": str(r), "TP2_WORLD_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
         env.update(extra_env or {})
-        servers.insert(0, Server(os.path.join(root, f"rank{r}"), models, env))
+        servers.insert(0, Server(os.path.join(root, f"rank{r}"), models, env, args=args))
     for s in servers:
         s.wait_ready()
     return servers

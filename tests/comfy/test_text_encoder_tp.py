@@ -16,6 +16,7 @@ a swapped KV head gives (order 1; a different prompt is checked to land far outs
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -44,6 +45,7 @@ TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "20", "TP2_TIMEOUT_S": "30", **TINY_TE}
 FORMATS = ("bf16", "int8", "fp8", "nvfp4")
 PROMPT = "A red fox trots through fresh snow in a quiet birch forest at dawn."
 REL_TOL = 1e-4
+BIG_FFN = "h3_tiny_te_ffn4096.safetensors"
 
 
 def te_file(fmt: str) -> str:
@@ -67,6 +69,9 @@ def models(tmp_path_factory):
             [sys.executable, os.path.join(ROOT, "scripts", "make_tiny_qwen3vl.py"), path, "--format", fmt], check=True, timeout=300
         )
         out[f"text_encoders/{te_file(fmt)}"] = path
+    path = os.path.join(root, BIG_FFN)  # decoder-heavy (the tiny file is mostly its replicated 151936-token embedding)
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_qwen3vl.py"), path, "--ffn", "4096"], check=True, timeout=300)
+    out[f"text_encoders/{BIG_FFN}"] = path
     return out
 
 
@@ -153,3 +158,68 @@ def test_tp2_refuses_a_qwen_model_that_is_not_h3s(tp2, tmp_path):
         assert "is not MiniMax-H3's text encoder" in error_message(h), error_message(h)
     # the servers are usable after
     encode_everywhere(ranks, encode_workflow(te_file("bf16"), "te_after_refusal"))
+
+
+def _status_kb(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@pytest.fixture(scope="module")
+def tp4(request, tmp_path_factory, models):
+    return start_servers(request, tmp_path_factory, models, 4)
+
+
+def test_follower_never_holds_the_whole_encoder(request, tmp_path_factory, models):
+    """Each rank's peak resident memory never holds the whole file while it loads and runs the encoder (it reads
+    its slices only; reading the file whole would add the file's size on top of the rank's own model): 4 ranks, a file whose decoder is most of it (FFN 4096), weights kept in the file's bf16
+    (--bf16-text-enc: ComfyUI's CPU default would store them in fp32, twice the file), the peak reset after a
+    first encoder load (which imports transformers and builds the tokenizer, some 150 MiB whatever the file).
+    On a CPU-only ComfyUI the state dict is copied into the built model (its patcher is not dynamic), so the peak
+    is over twice this rank's share (measured 2.6x: 208 MiB for an 83 MiB share of a 207 MiB file, below the 290 MiB
+    bound); with dynamic VRAM (CUDA) ComfyUI assigns the tensors instead of copying them."""
+    root = str(tmp_path_factory.mktemp("te_rss"))
+    for r in range(4):
+        _base(root, f"rank{r}")
+    ranks = stop_at_teardown(request, start_tp(root, 4, models, TP_ENV, args=("--bf16-text-enc",)), root)
+    size_kb = os.path.getsize(models[f"text_encoders/{BIG_FFN}"]) // 1024
+    warm = encode_workflow(te_file("bf16"), "te_warm")  # the first encoder load imports transformers and builds the tokenizer
+    warm["3"] = {"class_type": "TP2Status", "inputs": {"after": ["2", 0]}}
+    pid = new_id()
+    for s in ranks:
+        s.submit(warm, pid)
+    assert_success(ranks, [s.wait_history(pid, 300) for s in ranks])
+    before = []
+    for s in ranks:
+        with open(f"/proc/{s.proc.pid}/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        before.append(_status_kb(s.proc.pid, "VmRSS"))
+    wf = encode_workflow(BIG_FFN, "te_rss")
+    wf["3"] = {"class_type": "TP2Status", "inputs": {"after": ["2", 0]}}  # load and encode only
+    pid = new_id()
+    for s in ranks:
+        s.submit(wf, pid)
+    assert_success(ranks, [s.wait_history(pid, 300) for s in ranks])
+    from tp2.checkpoint import CheckpointLayout
+    from tp2.te_plan import resolve_te_plan
+
+    plan = resolve_te_plan(CheckpointLayout.from_file(models[f"text_encoders/{BIG_FFN}"]), 4)
+    share_kb = sum(math.prod(t.local_shape) * 2 for t in plan.tensors.values()) // 1024  # bf16
+    for r, s in enumerate(ranks):
+        grew = _status_kb(s.proc.pid, "VmHWM") - before[r]
+        print(
+            f"rank {r}/4: peak RSS grew by {grew / 1024:.1f} MiB loading a {size_kb / 1024:.1f} MiB encoder (share {share_kb / 1024:.1f} MiB)"
+        )
+        # holding the whole file even for a moment would add the file on top of this rank's own model
+        assert 0 < grew < size_kb + share_kb, f"rank {r}'s peak RSS grew by {grew} KiB with a {size_kb} KiB file: it held the whole encoder"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "int8"])
+def test_tp4_conditioning_matches_one_device(tp4, fmt):
+    plain, ranks = tp4
+    ref, *got = encode_everywhere([plain, *ranks], encode_workflow(te_file(fmt), f"te4_{fmt}"))
+    for r, cond in enumerate(got):
+        assert torch.equal(cond["cond"], got[0]["cond"]), f"rank {r}'s conditioning differs from rank 0's"
+    err = rel_err(got[0]["cond"], ref["cond"])
+    assert err < REL_TOL, f"{fmt}: TP4 conditioning is {err:.2e} away from one device's (tolerance {REL_TOL})"
+    print(f"{fmt}: TP4 vs one device relative error {err:.2e}")
