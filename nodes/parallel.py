@@ -2,6 +2,7 @@
 
     tag_and_verify(diffusion_model, plan)  every linear gets its plan role; widths and the int8 layout are checked
     rowwise_call(linear, x, input_act, reduce)   the ComfyUI adapter of tp2.layers.row_parallel: cast the weight, call it
+    held_weight(linear, like)               ComfyUI's cast of a weight, held over several calls (row chunks: one cast)
     tp_linear_input_act                     replaces comfy.ops.linear_input_act (the fc2 path that skips module hooks)
     role_guard()                            while a TP forward runs, any ComfyUI linear without a role raises
     int8_input_split(linear, x)             how `linear`'s input can be quantised before it travels (or None)
@@ -47,14 +48,33 @@ def tp_group():
     return session.group
 
 
-def rowwise_call(linear: torch.nn.Module, x: torch.Tensor, input_act: str | None = None, reduce: Reduction = ALL_REDUCE) -> torch.Tensor:
+def rowwise_call(
+    linear: torch.nn.Module, x: torch.Tensor, input_act: str | None = None, reduce: Reduction = ALL_REDUCE, held=None
+) -> torch.Tensor:
     """ComfyUI's row-parallel linear: its cast weight through tp2.layers.row_parallel (this rank's GEMM, partial
-    sums in the reduce dtype, then `reduce`: all-reduce by default; sequence parallelism passes its RowLayout)."""
+    sums in the reduce dtype, then `reduce`: all-reduce by default; sequence parallelism passes its RowLayout).
+    `held`: the weight from held_weight(linear, ...), for a caller that calls it on several row chunks."""
     if getattr(linear, "tp_split_input", False):
         x = split_input_slice(x, linear.tp_local_in, STATE.env.tp_rank)
-    weight, bias, offload_stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True, compute_dtype=x.dtype, want_requant=True)
+    with contextlib.nullcontext(held) if held is not None else held_weight(linear, x) as (weight, bias):
+        return row_parallel(x, weight, bias, tp_group(), STATE.int8_gemm, STATE.reduce_dtype, input_act, reduce)
+
+
+@contextlib.contextmanager
+def held_weight(linear: torch.nn.Module, like):
+    """ComfyUI's cast of `linear`'s weight and bias for inputs like `like` (a tensor, or Int8Rows: the
+    weight-only-quant cast, as ComfyUI's forward makes it for such rows), held until the block ends, then uncast:
+    yields (the core's LinearWeight, bias). Calls on many row chunks then cost one cast, as one call on all rows."""
+    if isinstance(like, Int8Rows):
+        cast = comfy.ops.cast_bias_weight(
+            linear, None, dtype=linear.weight.dtype, device=like.device, bias_dtype=like.dtype,
+            offloadable=True, compute_dtype=like.dtype, want_requant=True,
+        )  # fmt: skip
+    else:
+        cast = comfy.ops.cast_bias_weight(linear, like, offloadable=True, compute_dtype=like.dtype, want_requant=True)
+    weight, bias, offload_stream = cast
     try:
-        return row_parallel(x, _local_weight(weight), bias, tp_group(), STATE.int8_gemm, STATE.reduce_dtype, input_act, reduce)
+        yield _local_weight(weight), bias
     finally:
         comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
 
@@ -100,25 +120,18 @@ def int8_input_split(linear: torch.nn.Module, x: torch.Tensor) -> SplitInt8Linea
     return split_int8_linear(x, tuple(w.shape), w._params.convrot_groupsize) if on_int8_path else None
 
 
-def int8_rows_call(linear: torch.nn.Module, rows: Int8Rows) -> torch.Tensor:
+def int8_rows_call(linear: torch.nn.Module, rows: Int8Rows, held=None) -> torch.Tensor:
     """ComfyUI's int8 forward of `linear` (weight-only-quant path: the same cast, bias and output dtype) on rows
-    that were quantised before they travelled."""
+    that were quantised before they travelled. `held`: the weight from held_weight(linear, rows), as in rowwise_call."""
     comfy.ops.run_every_op()
-    weight, bias, offload_stream = comfy.ops.cast_bias_weight(
-        linear, None, dtype=linear.weight.dtype, device=rows.device, bias_dtype=rows.dtype,
-        offloadable=True, compute_dtype=rows.dtype, want_requant=True,
-    )  # fmt: skip
-    try:
-        local = _local_weight(weight)
+    with contextlib.nullcontext(held) if held is not None else held_weight(linear, rows) as (local, bias):
         if not isinstance(local, Int8Weight) or local.qdata.shape[1] != rows.shape[1]:
             raise PlanError(
                 f"{STATE.tag} a linear got int8 rows of width {rows.shape[1]} but its weight is "
-                f"{type(local).__name__} {tuple(weight.shape)}: the weight changed after the input was quantised "
-                "(a patch applied mid-run?). Unset TP2_SEQUENCE_PARALLEL on every rank and report this."
+                f"{type(local).__name__} {tuple(getattr(local, 'qdata', local).shape)}: the weight changed after the input "
+                "was quantised (a patch applied mid-run?). Unset TP2_SEQUENCE_PARALLEL on every rank and report this."
             )
         return rows.split.gemm(rows.qdata, rows.scale, local.qdata, local.scale, bias, rows.dtype)
-    finally:
-        comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
 
 
 def accept_int8_rows(linear: torch.nn.Module) -> None:

@@ -43,6 +43,7 @@ code this stands in for is what it was written against and falls back to plain T
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import textwrap
@@ -56,7 +57,7 @@ from ..tp2.errors import PlanError
 from ..tp2.layers import PARTIAL
 from ..tp2.sequence_layout import RowLayout, chunk_bounds, reduce_scatter_sequence
 from .h3_attention import attention_forward
-from .parallel import accept_int8_rows, rowwise_call, tp_group
+from .parallel import Int8Rows, accept_int8_rows, held_weight, int8_rows_call, rowwise_call, tp_group
 from .sp_gathers import GatherInFlight, gather, vote_int8_gathers
 from .sp_norms import fused_norm_ok, norm_modulated
 from .state import STATE, log
@@ -119,17 +120,27 @@ def _mlp_rows(mlp, gathered: GatherInFlight, start: int, stop: int, chunk_rows: 
     """fc2's partial sums (reduce dtype) for sequence rows [start, stop), in chunks of at most `chunk_rows` rows:
     fc1's output [rows, 2 * local_ffn] and fc2's quantised input exist for one chunk at a time. Row-wise math, so
     each chunk's rows are what the whole would give (bit for bit on CUDA's int8 path; the CPU's float BLAS and
-    ConvRot rotation may round a smaller matrix differently)."""
+    ConvRot rotation may round a small matrix differently). Each weight is cast once for all chunks (held_weight),
+    as for one call: only fc1 on bf16 rows goes through ComfyUI's own forward, chunk by chunk."""
     chunks = chunk_bounds(stop - start, chunk_rows)
-    out = None
-    for a, b in chunks:
-        y = rowwise_call(mlp.fc2, mlp.fc1(gathered.result(start + a, start + b)), "swiglu", PARTIAL)
-        if len(chunks) == 1:
-            return y
-        if out is None:
-            out = y.new_empty((stop - start, y.shape[1]))
-        out[a:b] = y
-        del y
+    if len(chunks) == 1:
+        return rowwise_call(mlp.fc2, mlp.fc1(gathered.result(start, stop)), "swiglu", PARTIAL)
+    out, fc1, fc2 = None, None, None
+    with contextlib.ExitStack() as hold:
+        for a, b in chunks:
+            rows = gathered.result(start + a, start + b)
+            if isinstance(rows, Int8Rows):
+                fc1 = fc1 or hold.enter_context(held_weight(mlp.fc1, rows))
+                up = int8_rows_call(mlp.fc1, rows, fc1)
+            else:
+                up = mlp.fc1(rows)
+            fc2 = fc2 or hold.enter_context(held_weight(mlp.fc2, up))
+            y = rowwise_call(mlp.fc2, up, "swiglu", PARTIAL, fc2)
+            del rows, up
+            if out is None:
+                out = y.new_empty((stop - start, y.shape[1]))
+            out[a:b] = y
+            del y
     return out
 
 
