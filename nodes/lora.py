@@ -9,7 +9,7 @@ add, requantise), so int8 layers stay on the int8 path.
                                        here (hooks, merges, bypass), and returns the digest the ranks compare
 
 Bypass-mode LoRA (LoraLoaderBypass) is refused on TP models: its forward hooks would add a full-width update to a
-sharded layer.
+sharded layer. A LoRA that patches a sliced tensor of the split text encoder is refused too (not sliced here).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ import comfy.weight_adapter as weight_adapter
 
 from ..tp2.errors import AdapterPlacementError
 from ..tp2.lora import is_sharded, slice_like_weight, slice_lora_factors, state_dict_digest
-from ..tp2.plan import Plan, TensorShard
+from ..tp2.plan import WHOLE, Plan, TensorShard
 from .patches import PATCHES
 from .state import STATE, log
 
 MODEL_PREFIX = "diffusion_model."
 PLAN_ATTR = "tp2_plan"  # set on the BaseModel of a TP H3 model by the loader
+TE_PLAN_ATTR = "tp2_te_plan"  # set on the cond_stage_model of a split text encoder (nodes/text_encoder.py)
 _SOURCE = "tp2_source"  # tag on a patch value this module produced: the LoRA digest
 
 
@@ -131,15 +132,38 @@ def lora_patch_report(patcher, plan: Plan) -> str:
     return h.hexdigest()[:16]
 
 
+def te_plan_of(clip):
+    """The TEPlan of a text encoder split over the ranks (nodes/text_encoder.py), else None."""
+    return getattr(getattr(getattr(clip, "patcher", None), "model", None), TE_PLAN_ATTR, None)
+
+
+def refuse_sliced_te_patches(before: dict, clip, te_plan) -> None:
+    """A LoRA on the split text encoder is refused where it touches a sliced tensor: ComfyUI would skip a
+    full-shape patch on a rank's slice with a warning, so TP would silently run without the LoRA's effect."""
+    for key, patches in clip.patcher.patches.items():
+        name = key.split(".transformer.", 1)[-1]
+        ts = te_plan.tensors.get(name)
+        if len(patches) > before.get(key, 0) and ts is not None and ts.kind != WHOLE:
+            raise AdapterPlacementError(
+                f"{STATE.tag} a LoRA patches the text encoder's '{name}', which is split over the ranks; the pack does not "
+                "slice text-encoder LoRAs. Set the LoRA's strength_clip to 0 (or use LoraLoaderModelOnly), or run with --tp-size 1."
+            )
+
+
 def _wrap_load_lora(original):
     @functools.wraps(original)
     def load_lora_for_models(model, clip, lora, strength_model, strength_clip, *args, **kwargs):
-        plan = tp_plan(model)
-        if plan is None:
+        plan, te_plan = tp_plan(model), te_plan_of(clip)
+        if plan is None and te_plan is None:
             return original(model, clip, lora, strength_model, strength_clip, *args, **kwargs)
-        source = state_dict_digest(lora)
-        before = {k: len(v) for k, v in model.patches.items()}
+        clip_before = {k: len(v) for k, v in clip.patcher.patches.items()} if te_plan is not None else {}
+        before = {k: len(v) for k, v in model.patches.items()} if plan is not None else {}
         new_model, new_clip = original(model, clip, lora, strength_model, strength_clip, *args, **kwargs)
+        if te_plan is not None and new_clip is not None:
+            refuse_sliced_te_patches(clip_before, new_clip, te_plan)
+        if plan is None:
+            return new_model, new_clip
+        source = state_dict_digest(lora)
         shard_new_patches(before, new_model, plan, source)
         added = sum(len(v) for v in new_model.patches.values()) - sum(before.values())
         log.info(

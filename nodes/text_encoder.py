@@ -42,6 +42,7 @@ from ..tp2.shard import read_te_shard
 from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
 from .interrupts import SAMPLING
 from .lockstep import CURRENT, leave_run, rank0_abort, tensor_digest
+from .lora import TE_PLAN_ATTR
 from .parallel import ROLE_OF_STYLE, _is_comfy_linear, role_guard, tp_group
 from .patches import PATCHES
 from .state import STATE, LoadedModel, log
@@ -66,8 +67,12 @@ def install_text_encoder_hook() -> None:
 
 
 def tp_load_clip(
-    ckpt_paths, embedding_directory=None, clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION, model_options={}, disable_dynamic=False
-):  # noqa: B006 - ComfyUI's signature
+    ckpt_paths,
+    embedding_directory=None,
+    clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION,
+    model_options={},  # noqa: B006 - ComfyUI's signature
+    disable_dynamic=False,
+):
     layout = _h3_layout(ckpt_paths, clip_type)
     if layout is None:
         return _original_load_clip(ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
@@ -112,6 +117,7 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
             "Qwen3-VL encoder this pack splits. Report this with your ComfyUI version."
         )
     _verify_widths(transformer, plan)
+    setattr(clip.cond_stage_model, TE_PLAN_ATTR, plan)  # read by the LoRA hook (nodes/lora.py)
     for name, module in transformer.named_modules():
         if not _is_comfy_linear(module):
             continue

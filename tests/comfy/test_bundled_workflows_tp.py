@@ -1,0 +1,155 @@
+"""The bundled text-to-video, image-to-video and first-last-frame workflows (workflows/api/) run end to end on TP2
+and on one plain server (CPU, gloo), exactly as a user runs them: UNETLoader, CLIPLoader (type minimax), two
+VAELoaders, MiniMaxH3ImageToVideo, KSampler, VAEDecode, VAEDecodeAudio, CreateVideo, SaveVideo to an MP4 with
+real PyAV. The ranks' MP4 files are byte-identical.
+
+Only the sizes change (64x64, 5 frames, 2 steps) and the models are small stand-ins with the real key names:
+the tiny int8 DiT (scripts/make_tiny_h3.py), the tiny nvfp4 AWQ text encoder (scripts/make_tiny_qwen3vl.py,
+built by ComfyUI at tiny widths through the test-only fixture h3_tiny_text_encoder), the small video VAE
+(fixture h3_small_vae), and ComfyUI's own audio VAE class at its real size with random weights (151 M parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from comfy_harness import COMFYUI_DIR, ROOT, Server, assert_success, have_comfyui, new_id, output_files, start_tp, stop_at_teardown
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
+
+FIXTURE_DIR = os.path.join(ROOT, "tests", "comfy", "fixtures")
+FIXTURES = ("h3_small_vae", "h3_tiny_text_encoder")
+TEST_ENV = {"H3_TEST_SMALL_VAE": "1", "H3_TEST_TINY_TE": "1"}
+TP_ENV = {"TP2_PROMPT_TIMEOUT_S": "30", "TP2_TIMEOUT_S": "60", **TEST_ENV}
+NAMES = {
+    "unet": "h3_tiny_int8.safetensors",
+    "clip": "h3_tiny_te_nvfp4.safetensors",
+    "video_vae": "h3_small_video_vae.safetensors",
+    "audio_vae": "h3_audio_vae_random.safetensors",
+}
+AUDIO_VAE_CODE = """
+import comfy.cli_args as a; a.args.cpu = True
+import torch, h3_small_vae
+from comfy.ldm.minimax.audio_vae import MiniMaxH3AudioVAE
+from safetensors.torch import save_file
+vae = MiniMaxH3AudioVAE()
+h3_small_vae.init_weights(vae, seed=1)
+save_file({k: v.contiguous() for k, v in vae.state_dict().items()}, PATH)
+"""
+
+
+def _run(args, env=None, cwd=None):
+    subprocess.run(args, check=True, timeout=600, env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("wf_models"))
+    path = {k: os.path.join(root, v) for k, v in NAMES.items()}
+    _run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_h3.py"), path["unet"], "--int8"])
+    _run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_qwen3vl.py"), path["clip"], "--format", "nvfp4"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
+    env.update(TEST_ENV, PYTHONPATH=os.pathsep.join([COMFYUI_DIR, FIXTURE_DIR]))
+    vae = path["video_vae"]
+    code = f"import comfy.cli_args as a; a.args.cpu = True; import h3_small_vae as m; m.write_checkpoint({vae!r}, seed=0)"
+    _run([sys.executable, "-c", code], env=env, cwd=COMFYUI_DIR)
+    _run([sys.executable, "-c", f"PATH = {path['audio_vae']!r}\n" + AUDIO_VAE_CODE], env=env, cwd=COMFYUI_DIR)
+    return {
+        f"diffusion_models/{NAMES['unet']}": path["unet"],
+        f"text_encoders/{NAMES['clip']}": path["clip"],
+        f"vae/{NAMES['video_vae']}": path["video_vae"],
+        f"vae/{NAMES['audio_vae']}": path["audio_vae"],
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(request, tmp_path_factory, models):
+    from PIL import Image
+
+    root = str(tmp_path_factory.mktemp("wf"))
+    for name in ("plain", "rank0", "rank1"):
+        os.makedirs(os.path.join(root, name, "custom_nodes"))
+        for fx in FIXTURES:
+            os.symlink(os.path.join(FIXTURE_DIR, fx), os.path.join(root, name, "custom_nodes", fx))
+    plain = Server(os.path.join(root, "plain"), models, TEST_ENV)
+    ranks = start_tp(root, 2, models, TP_ENV)
+    plain.wait_ready()
+    for i, which in enumerate(("first", "last")):  # the same images on every server
+        pixels = (torch.rand(64, 64, 3, generator=torch.Generator().manual_seed(i)) * 255).to(torch.uint8).numpy()
+        for s in (*ranks, plain):
+            Image.fromarray(pixels).save(os.path.join(s.base, "input", f"h3_{which}_frame.png"))
+    return stop_at_teardown(request, [*ranks, plain], root)
+
+
+def bundled(name: str, prefix: str) -> dict:
+    """The bundled API workflow with the small models, 64x64, 5 frames, 2 steps; every other input as shipped."""
+    with open(os.path.join(ROOT, "workflows", "api", f"{name}.json")) as f:
+        wf = json.load(f)
+    for node in wf.values():
+        inputs, kind = node["inputs"], node["class_type"]
+        if kind == "UNETLoader":
+            inputs["unet_name"] = NAMES["unet"]
+        elif kind == "CLIPLoader":
+            inputs["clip_name"] = NAMES["clip"]
+        elif kind == "VAELoader":
+            inputs["vae_name"] = NAMES["audio_vae"] if "audio" in inputs["vae_name"] else NAMES["video_vae"]
+        elif kind == "MiniMaxH3ImageToVideo":
+            inputs.update(width=64, height=64, length=5)
+        elif kind == "KSampler":
+            inputs["steps"] = 2
+        elif kind == "SaveVideo":
+            inputs["filename_prefix"] = f"video/{prefix}"
+    return wf
+
+
+@pytest.mark.parametrize("name", ["h3_tp2_t2v_832x480", "h3_tp2_i2v_832x480", "h3_tp2_flf2v_832x480"])
+def test_bundled_workflow_runs_on_tp2_to_an_mp4(servers, name):
+    r0, r1, plain = servers
+    pid = new_id()
+    for s in servers:
+        s.submit(bundled(name, f"{name}_small"), pid)
+    histories = [s.wait_history(pid, 600) for s in servers]
+    assert_success(servers, histories)
+    files = [output_files(s, h) for s, h in zip(servers, histories)]
+    videos = [{k: v for k, v in f.items() if k.endswith(".mp4")} for f in files]
+    assert all(len(v) == 1 for v in videos), [list(f) for f in files]
+    (a,), (b,), (c,) = (list(v.values()) for v in videos)
+    assert a == b, f"{name}: the ranks' MP4 files differ ({len(a)} vs {len(b)} bytes)"
+    assert len(a) > 1000 and len(c) > 1000  # a real MP4 from PyAV on both the ranks and the plain server
+    for s in (r0, r1):
+        with open(s.log_path, errors="replace") as f:
+            log = f.read()
+        assert "text encode over 2 ranks" in log and "loaded text encoder h3_tiny_te_nvfp4.safetensors" in log
+
+
+def test_a_lora_on_the_split_text_encoder_is_refused(servers):
+    """ComfyUI would skip a full-shape patch on a rank's slice with a warning (TP silently without the LoRA): refused."""
+    from comfy_harness import error_message
+    from safetensors.torch import save_file
+
+    r0, r1, _plain = servers
+    key = "text_encoders.qwen3vl_32b.transformer.model.layers.0.self_attn.q_proj"
+    lora = {f"{key}.lora_up.weight": torch.randn(512, 4), f"{key}.lora_down.weight": torch.randn(4, 128)}
+    for s in (r0, r1):
+        os.makedirs(os.path.join(s.base, "models", "loras"), exist_ok=True)
+        save_file(lora, os.path.join(s.base, "models", "loras", "te_lora.safetensors"))
+    wf = {
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": NAMES["unet"], "weight_dtype": "default"}},
+        "2": {"class_type": "CLIPLoader", "inputs": {"clip_name": NAMES["clip"], "type": "minimax", "device": "default"}},
+        "3": {"class_type": "LoraLoader", "inputs": {"model": ["1", 0], "clip": ["2", 0], "lora_name": "te_lora.safetensors",
+                                                     "strength_model": 0.0, "strength_clip": 1.0}},
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["3", 1], "text": "a fox"}},
+        "5": {"class_type": "SaveH3Conditioning", "inputs": {"conditioning": ["4", 0], "filename_prefix": "te_lora"}},
+    }  # fmt: skip
+    pid = new_id()
+    for s in (r0, r1):
+        s.submit(wf, pid)
+    for s in (r0, r1):
+        h = s.wait_history(pid, 300)
+        assert h["status"]["status_str"] == "error", s.tail()
+        assert "'model.layers.0.self_attn.q_proj.weight', which is split over the ranks" in error_message(h), error_message(h)
