@@ -153,3 +153,58 @@ def test_a_lora_on_the_split_text_encoder_is_refused(servers):
         h = s.wait_history(pid, 300)
         assert h["status"]["status_str"] == "error", s.tail()
         assert "'model.layers.0.self_attn.q_proj.weight', which is split over the ranks" in error_message(h), error_message(h)
+
+
+R2V_TEMPLATE = "video_minimax_h3_r2v.json"
+SIZE_HELPERS = {"MarkdownNote", "ResolutionSelector", "ComfyMathExpression", "PrimitiveFloat"}
+
+
+def r2v_graph(prefix: str) -> dict:
+    """ComfyUI's own r2v template (pip package comfyui-workflow-templates) as an API prompt: its nodes and links,
+    with the small models, two reference images, and width/height/length as constants (64x64, 5 frames, 2 steps)
+    where the template computes them with ResolutionSelector / ComfyMathExpression / PrimitiveFloat."""
+    return {
+        "127": {"class_type": "UNETLoader", "inputs": {"unet_name": NAMES["unet"], "weight_dtype": "default"}},
+        "128": {"class_type": "CLIPLoader", "inputs": {"clip_name": NAMES["clip"], "type": "minimax", "device": "default"}},
+        "119": {"class_type": "VAELoader", "inputs": {"vae_name": NAMES["video_vae"]}},
+        "120": {"class_type": "VAELoader", "inputs": {"vae_name": NAMES["audio_vae"]}},
+        "137": {"class_type": "LoadImage", "inputs": {"image": "h3_first_frame.png"}},
+        "139": {"class_type": "LoadImage", "inputs": {"image": "h3_last_frame.png"}},
+        "138": {"class_type": "PrimitiveStringMultiline", "inputs": {"value": "Use <Picture 2> and <Picture 1> as reference frames: a fox in snow."}},
+        "136": {"class_type": "MiniMaxH3ReferenceToVideo", "inputs": {
+            "clip": ["128", 0], "vae": ["119", 0], "audio_vae": ["120", 0], "ref_images.ref_image_0": ["137", 0],
+            "ref_images.ref_image_1": ["139", 0], "prompt": ["138", 0], "width": 64, "height": 64, "length": 5, "ref_image_size": "match"}},
+        "129": {"class_type": "RandomNoise", "inputs": {"noise_seed": 42}},
+        "123": {"class_type": "KSamplerSelect", "inputs": {"sampler_name": "res_multistep"}},
+        "124": {"class_type": "BasicScheduler", "inputs": {"model": ["127", 0], "scheduler": "simple", "steps": 2, "denoise": 1.0}},
+        "126": {"class_type": "BasicGuider", "inputs": {"model": ["127", 0], "conditioning": ["136", 0]}},
+        "125": {"class_type": "SamplerCustomAdvanced", "inputs": {
+            "noise": ["129", 0], "guider": ["126", 0], "sampler": ["123", 0], "sigmas": ["124", 0], "latent_image": ["136", 1]}},
+        "122": {"class_type": "VAEDecode", "inputs": {"samples": ["125", 0], "vae": ["119", 0]}},
+        "121": {"class_type": "VAEDecodeAudio", "inputs": {"samples": ["125", 0], "vae": ["120", 0]}},
+        "130": {"class_type": "CreateVideo", "inputs": {"images": ["122", 0], "audio": ["121", 0], "fps": 24.0, "bit_depth": 8}},
+        "92": {"class_type": "SaveVideo", "inputs": {"video": ["130", 0], "filename_prefix": f"video/{prefix}", "format": "auto", "codec": "auto"}},
+    }  # fmt: skip
+
+
+def test_comfyuis_r2v_template_runs_on_tp2(servers):
+    import importlib.util
+
+    spec = importlib.util.find_spec("comfyui_workflow_templates_json")
+    if spec is None:
+        pytest.skip("the pip package comfyui-workflow-templates (ComfyUI's requirements) is not installed")
+    with open(os.path.join(os.path.dirname(spec.origin), "templates", R2V_TEMPLATE)) as f:
+        template = json.load(f)
+    wf = r2v_graph("h3_r2v_small")
+    links = {(lk[1], lk[3]) for lk in template["links"]}
+    nodes = {n["id"]: n["type"] for n in template["nodes"] if n["type"] not in SIZE_HELPERS}
+    assert {int(k): v["class_type"] for k, v in wf.items()} == nodes  # the template's nodes, by id and type
+    ours = {(int(v[0]), int(k)) for k, n in wf.items() for v in n["inputs"].values() if isinstance(v, list)}
+    assert {lk for lk in links if lk[0] in nodes} == ours  # and its links between them
+    pid = new_id()
+    for s in servers:
+        s.submit(wf, pid)
+    histories = [s.wait_history(pid, 600) for s in servers]
+    assert_success(servers, histories)
+    videos = [[v for k, v in output_files(s, h).items() if k.endswith(".mp4")] for s, h in zip(servers, histories)]
+    assert len(videos[0]) == len(videos[1]) == 1 and videos[0] == videos[1], "the ranks' r2v MP4 files differ"
