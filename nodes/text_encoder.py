@@ -11,10 +11,10 @@ this rank's width (its `qwen3vl_32b_model_config` override: local heads, KV head
 `load_text_encoder_state_dicts`, so every quantised format loads exactly as without the pack. Then:
   - every linear gets its plan role; o_proj and down_proj run ComfyUI's own forward on their K slice (AWQ
     smoothing, input quantisation and the quantised GEMM included) and all-reduce the partial products in
-    TP2_REDUCE_DTYPE;
+    TP2_REDUCE_DTYPE; the token embedding looks up the tokens in this rank's rows and all-reduces (exact);
   - each encode is a rendezvous: ranks agree on the prompt, the plan and the digest of the encoder's inputs
-    (token embeddings, vision features, masks), then run the 50 layers in step, under the role guard, with
-    interrupts deferred to the end of the encode. A rank that does not arrive fails the prompt with the reason
+    (token ids, images), then embed and run the 50 layers in step, under the role guard, with interrupts
+    deferred to the end of the encode. A rank that does not arrive fails the prompt with the reason
     (the encoder cannot run alone: this rank holds a slice of it).
 The DiT still receives rank 0's context at every model evaluation (nodes/lockstep.py), so the conditioning every
 rank samples with is identical bit for bit whatever happens here.
@@ -110,7 +110,8 @@ def _h3_layout(ckpt_paths, clip_type) -> CheckpointLayout | None:
 
 def wire_text_encoder(clip, plan: TEPlan) -> None:
     """Roles on every linear, row-parallel forwards, the width check, and the encode rendezvous."""
-    transformer = getattr(getattr(clip.cond_stage_model, TE_ATTR, None), "transformer", None)
+    encoder = getattr(clip.cond_stage_model, TE_ATTR, None)
+    transformer = getattr(encoder, "transformer", None)
     if transformer is None or not hasattr(transformer, "model"):
         raise PlanError(
             f"{STATE.tag} ComfyUI built {type(clip.cond_stage_model).__name__} for an H3 encoder file, not the MiniMax-H3 "
@@ -129,12 +130,20 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
         setattr(module, ROLE_ATTR, ROLE_OF_STYLE[style])
         if style == ROWWISE:
             module.forward = types.MethodType(_rowwise_forward(module.forward), module)
-    if "forward" not in transformer.__dict__:
-        transformer.forward = _encoding_in_step(transformer.forward, plan)
+    embedding = transformer.model.embed_tokens
+    embedding.forward = types.MethodType(_vocab_parallel_forward(embedding.forward, plan), embedding)
+    if "forward" not in encoder.__dict__:  # SDClipModel.forward: token embedding (process_tokens), then the layers
+        encoder.forward = _encoding_in_step(encoder.forward, plan)
 
 
 def _verify_widths(transformer, plan: TEPlan) -> None:
     n = plan.tp_size
+    rows = transformer.model.embed_tokens.num_embeddings
+    if rows != plan.vocab // n:
+        raise PlanError(
+            f"{STATE.tag} ComfyUI built the text encoder's embedding with {rows} rows, this rank's plan needs {plan.vocab // n} "
+            "(its share of the vocabulary). ComfyUI ignored the pack's width override; report this with your ComfyUI version."
+        )
     layers = transformer.model.layers
     for i, layer in enumerate(layers):
         attn = layer.self_attn
@@ -153,6 +162,21 @@ def _rowwise_forward(own):
     def forward(self, x, *args, **kwargs):
         partial = own(x, *args, **kwargs)
         return all_reduce(partial.to(STATE.reduce_dtype), tp_group()).to(partial.dtype)
+
+    return forward
+
+
+def _vocab_parallel_forward(own, plan: TEPlan):
+    """ComfyUI's embedding forward on the tokens in this rank's rows (zeros for the others), summed over ranks:
+    every token's row comes from exactly one rank, so the sum is the lookup itself, bit for bit."""
+    local = plan.vocab // plan.tp_size
+    start = STATE.env.tp_rank * local
+
+    def forward(self, input_ids, *args, **kwargs):
+        mine = (input_ids >= start) & (input_ids < start + local)
+        rows = own((input_ids - start).clamp(0, local - 1), *args, **kwargs)
+        rows = torch.where(mine.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+        return all_reduce(rows.contiguous(), tp_group())
 
     return forward
 

@@ -2,9 +2,9 @@
 
 Megatron style, per decoder layer: q/k/v and gate/up are column-parallel (each rank its query heads, its KV heads
 and its FFN columns: contiguous head ranges keep every query head with its KV head), o_proj and down_proj
-row-parallel (each rank a K slice; one all-reduce each). Replicated, and why:
-  - the token embedding (0.78 B parameters): a lookup costs nothing to compute, and splitting it by vocabulary
-    would add a collective per prompt for 0.78 GB per rank (bf16) at tp_size 2; the saving is noted, not taken;
+row-parallel (each rank a K slice; one all-reduce each). The token embedding (0.78 B parameters, 1.56 GB in bf16)
+is vocabulary-parallel: each rank holds a contiguous 1/tp_size of the rows, looks up the tokens that fall in it,
+and one all-reduce per encode sums the rows (each token's row comes from exactly one rank: exact). Replicated:
   - norms and per-head q/k norms (per-channel weights);
   - the vision tower (0.6 B parameters, run only for image inputs, over a few hundred patches).
 Layers the built model does not have (past H3_TE_LAYERS, an lm_head) are not read at all.
@@ -32,6 +32,8 @@ H3_TE_LAYERS = 50
 # ComfyUI picks the H3 encoder by these two keys (comfy/sd.py detect_te_model, TEModel.QWEN3VL_32B).
 DETECT_KEYS = ("visual.deepstack_merger_list.0.norm.weight", "model.layers.49.self_attn.q_proj.weight")
 NVFP4_BLOCK_SCALE = "nvfp4_block_scale"  # a TensorShard kind: block scales in comfy-kitchen's swizzled layout
+VOCAB_PARALLEL = "vocab_parallel"  # the token embedding: rows (tokens) split over the ranks
+EMBEDDING = "model.embed_tokens"
 
 TE_TP_PLAN = {
     "model.layers.*.self_attn.q_proj": COLWISE,
@@ -43,7 +45,6 @@ TE_TP_PLAN = {
     "model.layers.*.mlp.down_proj": ROWWISE,
 }
 TE_REPLICATED = (
-    "model.embed_tokens",
     "model.norm",
     "model.layers.*.input_layernorm",
     "model.layers.*.post_attention_layernorm",
@@ -69,6 +70,7 @@ class TEPlan:
 
     tp_size: int
     hidden: int
+    vocab: int
     heads: int
     kv_heads: int
     head_dim: int
@@ -80,6 +82,7 @@ class TEPlan:
     def local_config(self) -> dict[str, int]:
         """ComfyUI's `qwen3vl_32b_model_config` override: the model built at this rank's width."""
         return {
+            "vocab_size": self.vocab // self.tp_size,
             "hidden_size": self.hidden,
             "num_attention_heads": self.heads // self.tp_size,
             "num_key_value_heads": self.kv_heads // self.tp_size,
@@ -96,7 +99,7 @@ class TEPlan:
     def summary(self) -> str:
         n = self.tp_size
         return (
-            f"H3 text encoder tp_size={n}: {H3_TE_LAYERS} layers, heads {self.heads}->{self.heads // n}/rank, "
+            f"H3 text encoder tp_size={n}: {H3_TE_LAYERS} layers, vocabulary {self.vocab}->{self.vocab // n}/rank, heads {self.heads}->{self.heads // n}/rank, "
             f"KV heads {self.kv_heads}->{self.kv_heads // n}/rank, ffn {self.ffn}->{self.ffn // n}/rank; plan {self.fingerprint()}"
         )
 
@@ -143,9 +146,11 @@ def _dims(layout: CheckpointLayout) -> tuple[int, int, int, int, int]:
 
 def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[TEPlan | None, list[str]]:
     hidden, head_dim, heads, kv_heads, ffn = _dims(layout)
-    problems = [
+    vocab = layout.tensors.get(EMBEDDING + ".weight", (None, (0,)))[1][0]
+    problems = [] if vocab else [f"'{layout.source}' has no '{EMBEDDING}.weight': the encoder file is incomplete. Re-download it."]
+    problems += [
         f"Cannot split the text encoder's {what} ({n}) across tp_size={tp_size}: not divisible."
-        for what, n in (("query heads", heads), ("KV heads", kv_heads), ("FFN width", ffn))
+        for what, n in (("query heads", heads), ("KV heads", kv_heads), ("FFN width", ffn), ("vocabulary", vocab))
         if n % tp_size
     ]
     linears: dict[str, str] = {}
@@ -163,7 +168,7 @@ def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[TEPlan | None, lis
                 "cannot tell how to split it. This file may be a modified encoder; report it with `python -m tp2.inspect FILE --json`."
             )
             continue
-        if suffix == "weight" and len(full) == 2 and not module.endswith("embed_tokens"):
+        if suffix == "weight" and len(full) == 2 and module != EMBEDDING:
             linears[module] = style
         shard, problem = _te_tensor_shard(name, suffix, dtype, full, style, layout.quant.get(module), tp_size)
         if problem:
@@ -173,7 +178,7 @@ def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[TEPlan | None, lis
     problems += _check_quant(layout, linears, tp_size)
     if problems:
         return None, problems
-    return TEPlan(tp_size, hidden, heads, kv_heads, head_dim, ffn, linears, tensors, tuple(skipped)), []
+    return TEPlan(tp_size, hidden, vocab, heads, kv_heads, head_dim, ffn, linears, tensors, tuple(skipped)), []
 
 
 def _layer_index(name: str) -> int:
@@ -184,6 +189,8 @@ def _layer_index(name: str) -> int:
 def _style(module: str) -> str | None:
     if module.startswith("visual."):
         return REPLICATE
+    if module == EMBEDDING:
+        return VOCAB_PARALLEL
     for rx, style in _LINEARS:
         if rx.match(module):
             return style
@@ -199,6 +206,8 @@ def _te_tensor_shard(name, suffix, dtype, full, style, quant, tp_size) -> tuple[
         return _split(name, full, 0, dtype, style, tp_size) if style == COLWISE and _numel(full) > 1 else (whole, None)
     if suffix == "pre_quant_scale":  # AWQ smoothing, one factor per input channel
         return _split(name, full, 0, dtype, style, tp_size) if style == ROWWISE else (whole, None)
+    if style == VOCAB_PARALLEL:
+        return _split(name, full, 0, dtype, style, tp_size)
     dim = 0 if style == COLWISE else 1
     if suffix == "weight_scale":  # nvfp4 block scales, swizzled: read whole, sliced in memory (tp2/nvfp4.py)
         return TensorShard(name, NVFP4_BLOCK_SCALE, dim, 1, full, full, dtype, style), None

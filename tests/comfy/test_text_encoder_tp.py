@@ -171,13 +171,13 @@ def tp4(request, tmp_path_factory, models):
 
 
 def test_follower_never_holds_the_whole_encoder(request, tmp_path_factory, models):
-    """Each rank's peak resident memory never holds the whole file while it loads and runs the encoder (it reads
-    its slices only; reading the file whole would add the file's size on top of the rank's own model): 4 ranks, a file whose decoder is most of it (FFN 4096), weights kept in the file's bf16
+    """Each rank's peak resident memory grows by less than the file while it loads and runs the encoder (it reads
+    its slices only): 4 ranks, a file whose decoder is most of it (FFN 4096), weights kept in the file's bf16
     (--bf16-text-enc: ComfyUI's CPU default would store them in fp32, twice the file), the peak reset after a
     first encoder load (which imports transformers and builds the tokenizer, some 150 MiB whatever the file).
     On a CPU-only ComfyUI the state dict is copied into the built model (its patcher is not dynamic), so the peak
-    is over twice this rank's share (measured 2.6x: 208 MiB for an 83 MiB share of a 207 MiB file, below the 290 MiB
-    bound); with dynamic VRAM (CUDA) ComfyUI assigns the tensors instead of copying them."""
+    is about three times this rank's share (measured: 153 MiB for a 53 MiB share of a 207 MiB file); with dynamic
+    VRAM (CUDA) ComfyUI assigns the tensors instead of copying them (1x H200: 9.9 GiB for a 15.3 GiB file)."""
     root = str(tmp_path_factory.mktemp("te_rss"))
     for r in range(4):
         _base(root, f"rank{r}")
@@ -210,8 +210,7 @@ def test_follower_never_holds_the_whole_encoder(request, tmp_path_factory, model
         print(
             f"rank {r}/4: peak RSS grew by {grew / 1024:.1f} MiB loading a {size_kb / 1024:.1f} MiB encoder (share {share_kb / 1024:.1f} MiB)"
         )
-        # holding the whole file even for a moment would add the file on top of this rank's own model
-        assert 0 < grew < size_kb + share_kb, f"rank {r}'s peak RSS grew by {grew} KiB with a {size_kb} KiB file: it held the whole encoder"
+        assert 0 < grew < size_kb, f"rank {r}'s peak RSS grew by {grew} KiB with a {size_kb} KiB file: it held the whole encoder"
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "int8"])

@@ -50,9 +50,11 @@ def test_roles_and_slices(fmt, tp):
     q, o = plan.tensors[p + "self_attn.q_proj.weight"], plan.tensors[p + "self_attn.o_proj.weight"]
     assert (q.kind, q.dim, o.kind, o.dim) == (SPLIT, 0, SPLIT, 1)
     assert q.local_shape[0] == d["heads"] * d["head_dim"] // tp
-    assert plan.tensors["model.embed_tokens.weight"].kind == WHOLE
+    emb = plan.tensors["model.embed_tokens.weight"]  # vocabulary-parallel: rows split
+    assert (emb.kind, emb.dim, emb.local_shape) == (SPLIT, 0, (gen.VOCAB // tp, d["hidden"]))
+    assert plan.tensors["model.layers.0.input_layernorm.weight"].kind == WHOLE
     assert plan.local_config() == {
-        "hidden_size": d["hidden"], "num_attention_heads": d["heads"] // tp,
+        "vocab_size": gen.VOCAB // tp, "hidden_size": d["hidden"], "num_attention_heads": d["heads"] // tp,
         "num_key_value_heads": d["kv_heads"] // tp, "intermediate_size": d["ffn"] // tp,
     }  # fmt: skip
     if fmt == "int8":  # one scale per output row: split with the rows of a column-parallel layer, whole for row-parallel
@@ -107,6 +109,11 @@ def test_unknown_quantisation_format_is_refused():
 def test_unknown_tensor_is_refused_not_replicated():
     with pytest.raises(PlanError, match=r"'model\.layers\.0\.self_attn\.sinks' .* not in the text encoder's tensor-parallel plan"):
         resolve_te_plan(layout(extra={"model.layers.0.self_attn.sinks": ("BF16", (16,))}), 2)
+
+
+def test_an_encoder_without_its_embedding_is_refused():
+    with pytest.raises(PlanError, match=r"has no 'model\.embed_tokens\.weight'"):
+        resolve_te_plan(layout(drop=["model.embed_tokens.weight"]), 2)
 
 
 def test_a_file_that_is_not_h3s_encoder_is_refused():
