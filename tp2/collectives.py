@@ -61,13 +61,14 @@ class TPGroup:
 def init_tp_group(
     env: TPEnv, device: torch.device | None = None, store: dist.Store | None = None, stop_check=None, loss_check=None
 ) -> TPGroup:
-    """Join the TP world (NCCL on CUDA, gloo on CPU); a peer that never arrives is an error after the timeout.
+    """Join the TP world (NCCL on CUDA, gloo on CPU, or gloo on CUDA for the benchmarks' one-GPU mode,
+    TP2_BENCH_GLOO_ON_CUDA); a peer that never arrives is an error after the timeout.
 
     With `store`, the group forms over it (a session's generation-prefixed store); otherwise over
     MASTER_ADDR:MASTER_PORT.
     """
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" and not settings.value("TP2_BENCH_GLOO_ON_CUDA") else "gloo"
     timeout = timedelta(seconds=env.timeout_s)
     where = {"store": store} if store is not None else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
     try:

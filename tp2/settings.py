@@ -62,6 +62,8 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once"),
         Setting("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose"),
         Setting("TP2_TEST_AVAILABLE_GIB", "float", None, "tests only: GPU memory the capacity check takes as available", low=0),
+        Setting("TP2_BENCH_GLOO_ON_CUDA", "bool", "0", "benchmarks only: ranks sharing one GPU form their group over gloo"),
+        Setting("TP2_BENCH_GPU_CAP_GIB", "float", None, "benchmarks only: this process may allocate at most this much GPU memory", low=0),
     )
 }
 RENAMED = {"TP2_SP_PIECES": ("TP2_SP_MLP_CHUNKS", "it now pipelines out_proj too")}  # new name: (old name, why)
