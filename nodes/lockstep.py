@@ -7,6 +7,8 @@
     OUTER_SAMPLE wrapper   before any collective: ranks agree (over the store, bounded wait) on prompt, sampler
                            index, seed, sigmas, model and its weight patches (LoRA digests and strengths); a
                            process group is (re)made if needed
+    step_key(kind)         the rendezvous key of this prompt's next step of a kind (the split decode, the encode)
+    in_step()              a TP step every rank runs together: interrupts wait for its end, a failure is told
     refiner wrapper        rank 0's text states go to every rank before the (sharded) token refiner runs
     DIFFUSION_MODEL        rank 0's x, timestep, context and payload tensors go to every rank; the forward runs
                            under the role guard with the chosen attention backend
@@ -19,6 +21,7 @@ at the sampler rendezvous (a bounded wait, a clear error) and cleared the same w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -64,6 +67,39 @@ class _Prompt:
 
 
 CURRENT = _Prompt()
+
+
+class _Steps:
+    """Steps of each kind within the running prompt (every rank counts the same steps, so keys match)."""
+
+    prompt_id: str | None = None
+    counts: dict[str, int] = {}
+
+
+STEPS = _Steps()
+
+
+def step_key(kind: str) -> str:
+    """The rendezvous key of this prompt's next `kind` step, e.g. '<run>/vae-decode2'."""
+    if STEPS.prompt_id != CURRENT.prompt_id:
+        STEPS.prompt_id, STEPS.counts = CURRENT.prompt_id, {}
+    STEPS.counts[kind] = STEPS.counts.get(kind, 0) + 1
+    return f"{CURRENT.run or 'no-prompt'}/{kind}{STEPS.counts[kind]}"
+
+
+@contextlib.contextmanager
+def in_step():
+    """A TP step every rank runs together outside sampling (the split decode, the encode): an interrupt waits for its
+    end on every rank, and a failure in it is this rank's to tell every rank (leave_run)."""
+    was_sampling = getattr(SAMPLING, "active", False)
+    SAMPLING.active = True
+    try:
+        yield
+    except BaseException as e:
+        leave_run(e)
+        raise
+    finally:
+        SAMPLING.active = was_sampling
 
 
 def prompt_fingerprint(prompt: dict) -> str:

@@ -40,8 +40,7 @@ from ..tp2.layers import ROLE_ATTR
 from ..tp2.plan import ROWWISE
 from ..tp2.shard import read_te_shard
 from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
-from .interrupts import SAMPLING
-from .lockstep import CURRENT, leave_run, rank0_abort, tensor_digest
+from .lockstep import CURRENT, in_step, rank0_abort, step_key, tensor_digest
 from .lora import TE_PLAN_ATTR
 from .parallel import ROLE_OF_STYLE, _is_comfy_linear, role_guard, tp_group
 from .patches import PATCHES
@@ -50,16 +49,6 @@ from .state import STATE, LoadedModel, log
 _original_load_clip = comfy.sd.load_clip
 CONFIG_KEY = "qwen3vl_32b_model_config"  # ComfyUI's per-model config override (comfy/sd1_clip.py SDClipModel)
 TE_ATTR = "qwen3vl_32b"  # MiniMaxH3TEModel's SDClipModel attribute (its name)
-
-
-class _Encodes:
-    """Encodes within the running prompt (every rank counts the same encodes, so keys match)."""
-
-    prompt_id: str | None = None
-    count: int = 0
-
-
-ENCODES = _Encodes()
 
 
 def install_text_encoder_hook() -> None:
@@ -184,7 +173,7 @@ def _vocab_parallel_forward(own, plan: TEPlan):
 def _encoding_in_step(original, plan: TEPlan):
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        key = f"{CURRENT.run or 'no-prompt'}/text-encode{_next_encode()}"
+        key = step_key("text-encode")
         fields = {
             "pack_version": __version__,
             "prompt": CURRENT.fingerprint,
@@ -201,17 +190,9 @@ def _encoding_in_step(original, plan: TEPlan):
                 "prompt again (every rank's node cache is cleared first)."
             ) from e
         STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
-        was_sampling = getattr(SAMPLING, "active", False)
-        SAMPLING.active = True  # an interrupt waits for the end of the encode, on every rank
         t0 = time.monotonic()
-        try:
-            with role_guard():
-                out = original(*args, **kwargs)
-        except BaseException as e:
-            leave_run(e)
-            raise
-        finally:
-            SAMPLING.active = was_sampling
+        with in_step(), role_guard():  # an interrupt waits for the end of the encode, on every rank
+            out = original(*args, **kwargs)
         log.info("%s text encode over %d ranks: %.2f s", STATE.tag, plan.tp_size, time.monotonic() - t0)
         return out
 
@@ -236,10 +217,3 @@ def inputs_digest(args, kwargs) -> str:
 
     walk((args, kwargs))
     return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:16]
-
-
-def _next_encode() -> int:
-    if ENCODES.prompt_id != CURRENT.prompt_id:
-        ENCODES.prompt_id, ENCODES.count = CURRENT.prompt_id, 0
-    ENCODES.count += 1
-    return ENCODES.count

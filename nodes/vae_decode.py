@@ -30,22 +30,11 @@ import comfy.model_management as mm
 from ..tp2 import __version__, settings
 from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
-from .interrupts import SAMPLING
-from .lockstep import CURRENT, leave_run, rank0_abort, tensor_digest
+from .lockstep import CURRENT, in_step, rank0_abort, step_key, tensor_digest
 from .patches import PATCHES
 from .state import STATE, log
 
 ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
-
-
-class _Decodes:
-    """Decode calls within the running prompt (every rank counts the same calls, so keys match)."""
-
-    prompt_id: str | None = None
-    count: int = 0
-
-
-DECODES = _Decodes()
 
 
 def install_parallel_vae_decode() -> None:
@@ -77,7 +66,7 @@ def _decode_temporal(original, vae, z, output_buffer):
     if num_chunks < 2:
         log.info("%s VAE decode: latent of %d frames is one chunk, nothing to split: decoding on this rank alone", STATE.tag, z.shape[2])
         return original(vae, z, output_buffer)
-    key = f"{CURRENT.run or 'no-prompt'}/vae-decode{_next_decode()}"
+    key = step_key("vae-decode")
     fields = {
         "pack_version": __version__,
         "prompt": CURRENT.fingerprint,
@@ -104,21 +93,16 @@ def _decode_split(original, vae, z, output_buffer, clips, group):
     decoder = RoundRobinDecoder(clips, _local_decode(vae._adaptive_decode), group)
     had_own = "_adaptive_decode" in vae.__dict__
     vae._adaptive_decode = decoder.serve
-    was_sampling = getattr(SAMPLING, "active", False)
-    SAMPLING.active = True  # an interrupt now waits for the end of the decode, on every rank
     t0 = time.monotonic()
     try:
-        out = original(vae, z, output_buffer)
-        if not decoder.done:
-            raise TP2Error(
-                f"{STATE.tag} the VAE decoded {decoder.served} of {len(clips)} chunks the parallel schedule made: ComfyUI's "
-                f"temporal chunking changed. Set {ENV_PARALLEL_VAE}=0 and report this with your ComfyUI version."
-            )
-    except BaseException as e:  # the failed prompt clears every rank's node cache before the next (lockstep)
-        leave_run(e)
-        raise
+        with in_step():  # interrupts wait for the end of the decode; a failure clears every rank's cache before the next prompt
+            out = original(vae, z, output_buffer)
+            if not decoder.done:
+                raise TP2Error(
+                    f"{STATE.tag} the VAE decoded {decoder.served} of {len(clips)} chunks the parallel schedule made: ComfyUI's "
+                    f"temporal chunking changed. Set {ENV_PARALLEL_VAE}=0 and report this with your ComfyUI version."
+                )
     finally:
-        SAMPLING.active = was_sampling
         if not had_own:
             del vae._adaptive_decode
     shares = "; ".join(f"rank {r}: {','.join(map(str, s)) or '-'}" for r, s in enumerate(rank_shares(len(clips), group.tp_size)))
@@ -143,10 +127,3 @@ def _local_decode(decode):
             ) from e
 
     return run
-
-
-def _next_decode() -> int:
-    if DECODES.prompt_id != CURRENT.prompt_id:
-        DECODES.prompt_id, DECODES.count = CURRENT.prompt_id, 0
-    DECODES.count += 1
-    return DECODES.count

@@ -105,35 +105,36 @@ def shard_state_dict(path: str, tp_size: int, tp_rank: int) -> tuple[dict[str, t
     """Shard-on-read: this rank's state dict, the file's metadata, and the plan (validated before any read)."""
     _check_rank(tp_rank, tp_size)
     plan = resolve_plan(CheckpointLayout.from_file(path), tp_size)
-    t0 = time.monotonic()
-    with TensorReader(path) as reader:
-        sd = {name: read_local_tensor(reader, ts, tp_rank, tp_size) for name, ts in plan.tensors.items()}
-        metadata = dict(reader.header.metadata)
-    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    log.info("read %.2f GB for rank %d/%d from %s in %.1f s", nbytes / 1e9, tp_rank, tp_size, os.path.basename(path), time.monotonic() - t0)
+    sd, metadata = _read_shard(path, plan.tensors, tp_rank, tp_size, "")
     return sd, metadata, plan
 
 
 def read_te_shard(path: str, plan: TEPlan, tp_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Shard-on-read of H3's text encoder: this rank's tensors of `plan` (resolved before), and the file's metadata.
-    nvfp4 block scales are stored swizzled: each is read whole (1/16 of its weight's bytes) and sliced in memory."""
+    """Shard-on-read of H3's text encoder: this rank's tensors of `plan` (resolved before), and the file's metadata."""
     _check_rank(tp_rank, plan.tp_size)
+    return _read_shard(path, plan.tensors, tp_rank, plan.tp_size, " of the text encoder")
+
+
+def _read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size: int, what: str) -> tuple[dict, dict[str, str]]:
+    """Every tensor of a plan as this rank holds it. nvfp4 block scales are stored swizzled: each is read whole
+    (1/8 of its weight's bytes) and re-cut in memory; everything else reads only this rank's bytes."""
     t0 = time.monotonic()
     sd = {}
     with TensorReader(path) as reader:
-        for name, ts in plan.tensors.items():
+        for name, ts in tensors.items():
             if ts.kind == NVFP4_BLOCK_SCALE:
-                n, k = nvfp4_logical_shape(plan.tensors[name[: -len("_scale")]].full_shape)
-                sd[name] = slice_block_scales(reader.read(name), n, k, ts.dim, tp_rank, plan.tp_size)
+                n, k = nvfp4_logical_shape(tensors[name[: -len("_scale")]].full_shape)
+                sd[name] = slice_block_scales(reader.read(name), n, k, ts.dim, tp_rank, tp_size)
             else:
-                sd[name] = read_local_tensor(reader, ts, tp_rank, plan.tp_size)
+                sd[name] = read_local_tensor(reader, ts, tp_rank, tp_size)
         metadata = dict(reader.header.metadata)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     log.info(
-        "read %.2f GB of the text encoder for rank %d/%d from %s in %.1f s",
+        "read %.2f GB%s for rank %d/%d from %s in %.1f s",
         nbytes / 1e9,
+        what,
         tp_rank,
-        plan.tp_size,
+        tp_size,
         os.path.basename(path),
         time.monotonic() - t0,
     )

@@ -209,7 +209,8 @@ def _te_tensor_shard(name, suffix, dtype, full, style, quant, tp_size) -> tuple[
     if style == VOCAB_PARALLEL:
         return _split(name, full, 0, dtype, style, tp_size)
     dim = 0 if style == COLWISE else 1
-    if suffix == "weight_scale":  # nvfp4 block scales, swizzled: read whole, sliced in memory (tp2/nvfp4.py)
+    if suffix == "weight_scale":  # nvfp4 block scales, swizzled: read whole, re-cut in memory (tp2/nvfp4.py); the
+        # local shape depends on the layer's padded rows, so the shard records the stored (whole) shape
         return TensorShard(name, NVFP4_BLOCK_SCALE, dim, 1, full, full, dtype, style), None
     if suffix in ("weight", "bias") and not (suffix == "bias" and style == ROWWISE):
         return _split(name, full, dim if suffix == "weight" else 0, dtype, style, tp_size)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,15 +25,11 @@ import time
 import urllib.request
 import uuid
 
+from bench_comfy import free_port  # this folder: scripts/bench
+
 PROMPT = (
     "A red fox trots through fresh snow in a quiet birch forest at dawn, breath steaming, soft crunch of footsteps and distant birdsong."
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ProcessGpuMemory:

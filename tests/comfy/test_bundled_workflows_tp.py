@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from comfy_harness import COMFYUI_DIR, ROOT, Server, assert_success, have_comfyui, new_id, output_files, start_tp, stop_at_teardown
+from comfy_harness import COMFYUI_DIR, ROOT, Server, assert_success, have_comfyui, output_files, run_everywhere, start_tp, stop_at_teardown
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -110,10 +110,7 @@ def bundled(name: str, prefix: str) -> dict:
 @pytest.mark.parametrize("name", ["h3_tp2_t2v_832x480", "h3_tp2_i2v_832x480", "h3_tp2_flf2v_832x480"])
 def test_bundled_workflow_runs_on_tp2_to_an_mp4(servers, name):
     r0, r1, plain = servers
-    pid = new_id()
-    for s in servers:
-        s.submit(bundled(name, f"{name}_small"), pid)
-    histories = [s.wait_history(pid, 600) for s in servers]
+    histories = run_everywhere(servers, bundled(name, f"{name}_small"), 600)
     assert_success(servers, histories)
     files = [output_files(s, h) for s, h in zip(servers, histories)]
     videos = [{k: v for k, v in f.items() if k.endswith(".mp4")} for f in files]
@@ -146,11 +143,7 @@ def test_a_lora_on_the_split_text_encoder_is_refused(servers):
         "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["3", 1], "text": "a fox"}},
         "5": {"class_type": "SaveH3Conditioning", "inputs": {"conditioning": ["4", 0], "filename_prefix": "te_lora"}},
     }  # fmt: skip
-    pid = new_id()
-    for s in (r0, r1):
-        s.submit(wf, pid)
-    for s in (r0, r1):
-        h = s.wait_history(pid, 300)
+    for s, h in zip((r0, r1), run_everywhere([r0, r1], wf, 300)):
         assert h["status"]["status_str"] == "error", s.tail()
         assert "'model.layers.0.self_attn.q_proj.weight', which is split over the ranks" in error_message(h), error_message(h)
 
@@ -201,10 +194,7 @@ def test_comfyuis_r2v_template_runs_on_tp2(servers):
     assert {int(k): v["class_type"] for k, v in wf.items()} == nodes  # the template's nodes, by id and type
     ours = {(int(v[0]), int(k)) for k, n in wf.items() for v in n["inputs"].values() if isinstance(v, list)}
     assert {lk for lk in links if lk[0] in nodes} == ours  # and its links between them
-    pid = new_id()
-    for s in servers:
-        s.submit(wf, pid)
-    histories = [s.wait_history(pid, 600) for s in servers]
+    histories = run_everywhere(servers, wf, 600)
     assert_success(servers, histories)
     videos = [[v for k, v in output_files(s, h).items() if k.endswith(".mp4")] for s, h in zip(servers, histories)]
     assert len(videos[0]) == len(videos[1]) == 1 and videos[0] == videos[1], "the ranks' r2v MP4 files differ"

@@ -32,6 +32,7 @@ from comfy_harness import (
     have_comfyui,
     new_id,
     output_files,
+    run_everywhere,
     start_tp,
     stop_at_teardown,
 )
@@ -100,10 +101,7 @@ def encode_workflow(clip: str, prefix: str, text: str = PROMPT) -> dict:
 
 
 def encode_everywhere(servers: list[Server], workflow: dict) -> list[dict]:
-    pid = new_id()
-    for s in servers:
-        s.submit(workflow, pid)
-    histories = [s.wait_history(pid, 300) for s in servers]
+    histories = run_everywhere(servers, workflow, 300)
     assert_success(servers, histories)
     return [load(next(iter(output_files(s, h).values()))) for s, h in zip(servers, histories)]
 
