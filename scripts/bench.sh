@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU benchmark, run on a 2-GPU machine from the pack's folder (after scripts/bench/stage.sh made .device/):
 #   bash scripts/bench.sh [bench_comfy.py options, e.g. --tp-sizes 1,2 --resolutions 832x480]
+#   bash scripts/bench.sh --whole-video [whole_video.py options, e.g. --configs tp1,tp2 --fast]
 # Unpacks ComfyUI and the missing packages into /tmp/tp2bench, writes a full-size random-weight int8 ConvRot H3
 # checkpoint with the real key layout (scripts/make_tiny_h3.py --full-size --int8, ~20 GB) and a conditioning
 # file, then runs TP1 and TP2 side by side (scripts/bench/bench_comfy.py). Results go to $OUT (or ./bench-out).
+# --whole-video: instead, all four models of the bundled workflows at full size (scripts/bench/make_models.py,
+# ~41 GB, kept in /tmp/tp2bench/base between calls) and the bundled T2V+audio workflow to an MP4 with real PyAV
+# (scripts/bench/whole_video.py: per phase, cold and warm).
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,7 +18,8 @@ t0=$(date +%s)
 if [[ ! -d "$W/site/comfy_kitchen" ]]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$PACK_DIR"/.device/wheels/*.whl
   tar -C "$W/site" -xJf "$PACK_DIR/.device/comfy_kitchen.tar.xz"
-  cp -r "$PACK_DIR/scripts/bench/avstub/av" "$W/site/"   # benchmark-only stand-in for PyAV (latent-only workflow)
+  if [[ -f "$PACK_DIR/.device/av.tar.xz" ]]; then tar -C "$W/site" -xJf "$PACK_DIR/.device/av.tar.xz"   # real PyAV (MP4s)
+  else cp -r "$PACK_DIR/scripts/bench/avstub/av" "$W/site/"; fi   # benchmark-only stand-in for PyAV (latent-only workflows)
 fi
 rm -rf "$W/ComfyUI" && mkdir -p "$W/ComfyUI" && tar -C "$W/ComfyUI" -xJf "$PACK_DIR/.device/comfyui.tar.xz"
 echo '<html><body>minimax-h3-tp2 benchmark</body></html>' > "$W/fe/index.html"
@@ -24,6 +29,12 @@ ln -sfn "$PACK_DIR" "$BASE/custom_nodes/minimax-h3-tp2"
 ln -sfn "$PACK_DIR/scripts/bench/profiler_node" "$BASE/custom_nodes/tp2_bench_profiler"   # inert unless --profile
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch, comfy_kitchen; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'int8 attention', comfy_kitchen.int8_attention_is_available())"
+if [[ "${1:-}" == --whole-video ]]; then
+  shift
+  "$PY" "$PACK_DIR/scripts/bench/make_models.py" --comfyui "$W/ComfyUI" --models "$BASE/models"
+  echo "set-up took $(( $(date +%s) - t0 )) s"
+  exec "$PY" "$PACK_DIR/scripts/bench/whole_video.py" --comfyui "$W/ComfyUI" --base "$BASE" --front-end "$W/fe" --out "$OUTDIR" "$@"
+fi
 if [[ "${TP2_BENCH_SMOKE:-1}" == 1 ]]; then
 echo "== smoke: tiny checkpoint, TP1 and TP2, to catch set-up problems before the 20 GB checkpoint =="
 "$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$BASE/models/diffusion_models/h3_tiny_int8.safetensors" --int8 --hidden 512 --heads 4 --ffn 1024 --text-dim 256

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build .device/ (git-ignored) for the GPU benchmark: what the device image lacks for ComfyUI 0.33, trimmed to
 # travel in one call (< 64 MiB): ComfyUI's source (no tests, API nodes, blueprints), comfy-kitchen's CUDA build
-# (no HIP backend) for Python 3.12, and the small pure/compiled wheels ComfyUI imports at start-up.
+# (no HIP backend) for Python 3.12, real PyAV, and the small pure/compiled wheels ComfyUI imports at start-up.
 #   scripts/bench/stage.sh [--comfyui DIR]
 set -euo pipefail
 PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -14,6 +14,8 @@ dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version
 for p in comfy-aimdo==0.4.13 alembic sqlalchemy greenlet mako pydantic==2.14.4 pydantic-core==2.50.5 pydantic-settings \
          annotated-types typing-inspection python-dotenv torchsde trampoline blake3 simpleeval; do dl "$OUT/wheels" "$p"; done
 dl "$OUT/tmp" comfy-kitchen==0.2.31
+dl "$OUT/tmp" av   # real PyAV for the MP4s of the whole-video benchmark: unpacked and xz'd (~24 MB, the wheel is 35)
+( mkdir "$OUT/tmp/av" && cd "$OUT/tmp/av" && unzip -q ../av-*.whl && tar -cf - . | xz -9e -T0 > "$OUT/av.tar.xz" )
 ( cd "$OUT/tmp" && unzip -q comfy_kitchen-*.whl && rm -rf comfy_kitchen/backends/hip comfy_kitchen-*.whl \
   && tar -cJf "$OUT/comfy_kitchen.tar.xz" comfy_kitchen comfy_kitchen-*.dist-info )
 # anchored excludes: a bare "models" would also drop comfy/ldm/models

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""The four H3 models of the bundled workflows, with random weights and the released key layouts, under the
+file names the bundled workflows load (scripts/make_workflows.py), so a benchmark runs those workflows unchanged.
+
+    python scripts/bench/make_models.py --comfyui DIR --models BASE/models [--tiny]
+
+Full size (the default; on a GPU machine, ~41 GB written):
+  diffusion_models/  the int8 ConvRot DiT                  scripts/make_tiny_h3.py --full-size --int8
+  text_encoders/     the nvfp4 AWQ Qwen3-VL-32B encoder     scripts/make_tiny_qwen3vl.py --full-size --format nvfp4
+  vae/ (video)       ComfyUI's MiniMaxH3VideoVAE, fp16      its own state dict, random weights
+  vae/ (audio)       ComfyUI's MiniMaxH3AudioVAE, fp32      its own state dict, random weights
+--tiny (CPU): the tiny int8 DiT and tiny nvfp4 encoder of the tests, the small video VAE of the test fixture
+h3_small_vae (servers need H3_TEST_SMALL_VAE=1 and H3_TEST_TINY_TE=1 and both fixtures in custom_nodes), and the
+audio VAE at its real size. A file that exists is kept (delete it to write it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from make_workflows import AUDIO_VAE, DIT, TEXT_ENCODER, VIDEO_VAE  # noqa: E402
+
+FIXTURES = os.path.join(ROOT, "tests", "comfy", "fixtures")
+TINY_ENV = {"H3_TEST_SMALL_VAE": "1", "H3_TEST_TINY_TE": "1"}  # what servers need to build the tiny stand-ins
+
+
+def fill_random(module, seed: int, device: str = "cpu") -> None:
+    """Seeded random weights that keep activations O(1) (ComfyUI's ops leave parameters uninitialised)."""
+    import torch
+
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            r = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
+            if name.endswith("bias"):
+                r *= 0.02
+            elif p.ndim >= 2 and "register_tokens" not in name:
+                r /= p[0].numel() ** 0.5
+            else:  # norm weights, layer scales, register tokens
+                r = 0.5 + 0.1 * r
+            p.copy_(r)
+        for name, b in module.named_buffers():
+            if name.endswith("mask_token"):
+                b.zero_()
+
+
+def _write_vae(kind: str, path: str, comfyui: str, tiny: bool) -> None:
+    """ComfyUI's own VAE class, random weights, its state dict saved (runs in a child with ComfyUI importable)."""
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path[:0] = [comfyui, FIXTURES]
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = tiny
+    if tiny:
+        import h3_small_vae  # noqa: F401 - with H3_TEST_SMALL_VAE=1 it makes ComfyUI build its VAE class small
+    device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
+    if kind == "video":
+        from comfy.ldm.minimax.vae import MiniMaxH3VideoVAE as cls
+
+        dtype = torch.float32 if tiny else torch.float16
+    else:
+        from comfy.ldm.minimax.audio_vae import MiniMaxH3AudioVAE as cls
+
+        dtype = torch.float32
+    with torch.device(device):
+        vae = cls()
+    fill_random(vae, seed=0 if kind == "video" else 1, device=device)
+    save_file({k: v.to(dtype).contiguous().cpu() for k, v in vae.state_dict().items()}, path)
+
+
+def write_models(models: str, comfyui: str, tiny: bool = False) -> dict[str, str]:
+    """Write what is missing; returns {relative path under models/: absolute path}."""
+    files = {f"diffusion_models/{DIT}": None, f"text_encoders/{TEXT_ENCODER}": None, f"vae/{VIDEO_VAE}": None, f"vae/{AUDIO_VAE}": None}
+    py, scripts = sys.executable, os.path.join(ROOT, "scripts")
+    size = [] if tiny else ["--full-size"]
+    makers = {
+        f"diffusion_models/{DIT}": lambda p: [py, os.path.join(scripts, "make_tiny_h3.py"), p, "--int8", *size],
+        f"text_encoders/{TEXT_ENCODER}": lambda p: [py, os.path.join(scripts, "make_tiny_qwen3vl.py"), p, "--format", "nvfp4", *size],
+        f"vae/{VIDEO_VAE}": lambda p: [py, __file__, "--vae", "video", p, "--comfyui", comfyui, *(["--tiny"] if tiny else [])],
+        f"vae/{AUDIO_VAE}": lambda p: [py, __file__, "--vae", "audio", p, "--comfyui", comfyui, *(["--tiny"] if tiny else [])],
+    }
+    env = dict(os.environ, **(TINY_ENV if tiny else {}))
+    for rel in files:
+        path = files[rel] = os.path.join(models, rel)
+        if os.path.exists(path):
+            continue
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        t0 = time.monotonic()
+        subprocess.run(makers[rel](path + ".part"), check=True, env=env, cwd=comfyui)
+        os.replace(path + ".part", path)
+        print(f"make_models: {rel} {os.path.getsize(path) / 2**30:.2f} GiB in {time.monotonic() - t0:.0f} s", flush=True)
+    return files
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--comfyui", required=True, help="a ComfyUI checkout with MiniMax-H3 (its VAE classes are used)")
+    ap.add_argument("--models", help="a ComfyUI models/ folder to fill")
+    ap.add_argument("--tiny", action="store_true", help="the CPU test stand-ins instead of the full-size models")
+    ap.add_argument("--vae", nargs=2, metavar=("video|audio", "PATH"), help=argparse.SUPPRESS)  # the child's job
+    a = ap.parse_args(argv)
+    if a.vae:
+        _write_vae(a.vae[0], a.vae[1], os.path.abspath(a.comfyui), a.tiny)
+        return 0
+    if not a.models:
+        ap.error("--models is required")
+    write_models(os.path.abspath(a.models), os.path.abspath(a.comfyui), a.tiny)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""The whole video as a user waits for it: a bundled text-to-video-with-audio workflow, unchanged, on real ComfyUI
+servers, TP1 and TP2 side by side in one invocation, cold and warm, timed per phase from ComfyUI's own events.
+
+    python scripts/bench/whole_video.py --comfyui DIR --base DIR --front-end DIR --out DIR
+        [--configs tp1,tp2] [--workflow h3_tp2_t2v_832x480] [--one-gpu] [--fast] [--steps N] [--tiny]
+
+BASE is a ComfyUI --base-directory whose models/ holds the four files the bundled workflows load (write them with
+scripts/bench/make_models.py); the pack is linked into BASE/custom_nodes here. Each config runs on its own servers:
+`tp1` is stock ComfyUI on one GPU (the pack linked but inactive), `tp1pack` the pack at tp_size 1, `tpN` is N ranks (GPU r each, NCCL; with
+--one-gpu all on GPU 0 over gloo: memory real, speed meaningless), and `@G` caps every process at G GiB of GPU
+memory (`tp2@22`): ComfyUI is told to leave the rest of the card alone (--reserve-vram, which its dynamic VRAM
+obeys) and the pack's ranks are also capped in the allocator (TP2_BENCH_GPU_CAP_GIB). Per config: the workflow
+as shipped (cold: the first prompt after start, models from disk or page cache), then the same workflow with
+another text and seed (warm: models loaded, every node but the loaders runs again).
+
+Per prompt and process: each phase's wall time (the span between ComfyUI's `executing` events: load = the loader
+nodes, text encode = MiniMaxH3ImageToVideo, sampling = KSampler, with s/step from its progress events, video
+decode, audio decode, mux and save = CreateVideo + SaveVideo), the whole prompt, the peak GPU memory (nvidia-smi,
+per process, every 0.5 s), the peak host RSS split into anonymous and file-backed pages (/proc/PID/status), the
+models ComfyUI (re)loaded during the prompt (its "Requested to load" lines: none in a warm prompt means encoder and
+DiT stayed resident), and the MP4's size and sha256 (the ranks' must be equal). Writes OUT/whole_video.jsonl (a
+line per prompt, as it goes) and prints a table with the ratio to stock TP1 per phase. --tiny: CPU, the test stand-ins, 64x64,
+5 frames, 2 steps (a check of the script, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import aiohttp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from bench_comfy import free_port  # noqa: E402
+from make_models import FIXTURES, TINY_ENV  # noqa: E402
+
+PHASES = {
+    "UNETLoader": "load", "CLIPLoader": "load", "VAELoader": "load", "MiniMaxH3ImageToVideo": "text encode",
+    "KSampler": "sampling", "VAEDecode": "video decode", "VAEDecodeAudio": "audio decode",
+    "CreateVideo": "mux and save", "SaveVideo": "mux and save",
+}  # fmt: skip
+PHASE_ORDER = ("load", "text encode", "sampling", "video decode", "audio decode", "mux and save", "other")
+FAST = {"TP2_REDUCE_DTYPE": "bf16", "TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_FUSED_NORM": "1"}  # the launcher's --fast
+LOAD_LINE = re.compile(r"Requested to load (\w+)")
+WARM_TEXT = " The camera slowly pans left as the fox stops and looks back."
+
+
+class ProcessSampler:
+    """Every 0.5 s, per process: GPU MiB (nvidia-smi --query-compute-apps) and host RSS / anonymous / file-backed KiB."""
+
+    def __init__(self):
+        self.pids: set[int] = set()
+        self.samples: list[tuple[float, int, str, int]] = []  # (time, pid, what, value)
+        self._stop = threading.Event()
+        self._gpu = True
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        cmd = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+        while not self._stop.wait(0.5):
+            t = time.time()
+            if self._gpu:
+                try:
+                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+                except (FileNotFoundError, subprocess.TimeoutExpired):  # a CPU dry run
+                    self._gpu, out = False, ""
+                for line in out.splitlines():
+                    try:
+                        pid, mib = (int(x) for x in line.split(","))
+                    except ValueError:
+                        continue
+                    self.samples.append((t, pid, "gpu_mib", mib))
+            for pid in list(self.pids):
+                try:
+                    with open(f"/proc/{pid}/status") as f:
+                        status = dict(line.split(":", 1) for line in f if ":" in line)
+                except OSError:
+                    continue
+                for key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                    if key in status:
+                        self.samples.append((t, pid, key, int(status[key].split()[0])))
+
+    def peak(self, pid: int, what: str, t0: float, t1: float) -> int | None:
+        return max((v for t, p, w, v in self.samples if p == pid and w == what and t0 <= t <= t1), default=None)
+
+    def stop(self):
+        self._stop.set()
+
+
+def parse_config(config: str) -> tuple[int, bool, float | None]:
+    """'tp2@22' -> (2, True, 22.0): tp_size, the pack active, the cap; 'tp1' -> (1, False, None): stock ComfyUI;
+    'tp1pack' -> (1, True, None): the pack at tp_size 1 (its kernels, no collectives)."""
+    m = re.fullmatch(r"tp(\d+)(pack)?(?:@(\d+(?:\.\d+)?))?", config)
+    if not m or int(m.group(1)) < 1:
+        raise SystemExit(f"unknown config {config!r}: use tpN, tp1pack or either with @GIB (e.g. tp1,tp1pack,tp2,tp2@22)")
+    tp = int(m.group(1))
+    return tp, tp > 1 or bool(m.group(2)), float(m.group(3)) if m.group(3) else None
+
+
+def gpu_total_gib() -> float | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+        return int(out.split()[0]) / 1024
+    except (FileNotFoundError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def start_servers(args, config: str) -> list[dict]:
+    tp, pack, cap = parse_config(config)
+    master, servers = free_port(), []
+    total = gpu_total_gib()
+    for r in reversed(range(tp)):
+        name = f"{config.replace('@', '_cap')}_rank{r}" if tp > 1 else config.replace("@", "_cap")
+        d = os.path.join(args.out, "run", name)
+        for sub in ("output", "temp", "user"):
+            os.makedirs(os.path.join(d, sub), exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
+        env.update(TINY_ENV if args.tiny else {}, CUDA_VISIBLE_DEVICES="0" if args.one_gpu else str(r))
+        extra = []
+        if pack:
+            env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
+                       TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900", **(FAST if args.fast else {}))  # fmt: skip
+            if args.one_gpu:
+                env["TP2_BENCH_GLOO_ON_CUDA"] = "1"
+            if cap:
+                env["TP2_BENCH_GPU_CAP_GIB"] = str(cap)
+        if cap and total:  # ComfyUI leaves the rest of the card alone: the processes on a GPU share cap x their number
+            sharing = tp if args.one_gpu else 1
+            extra = ["--reserve-vram", f"{max(0.0, total - cap * sharing):.1f}"]
+        cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(free_port()), "--base-directory", args.base,
+               "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
+               "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
+               "--front-end-root", args.front_end, *(["--cpu"] if args.tiny else []), *args.comfy_args.split(), *extra]  # fmt: skip
+        log = os.path.join(d, "comfyui.log")
+        proc = subprocess.Popen(cmd, cwd=args.comfyui, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        servers.insert(0, {"name": name, "rank": r, "proc": proc, "port": int(cmd[cmd.index("--port") + 1]), "dir": d, "log": log})
+    return servers
+
+
+async def wait_ready(session, servers, timeout_s=900):
+    deadline = time.monotonic() + timeout_s
+    for s in servers:
+        while True:
+            if s["proc"].poll() is not None:
+                raise RuntimeError(f"{s['name']} exited:\n" + open(s["log"], errors="replace").read()[-4000:])
+            try:
+                async with session.get(f"http://127.0.0.1:{s['port']}/system_stats") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{s['name']} not ready after {timeout_s} s")
+            await asyncio.sleep(0.5)
+
+
+def bundled_workflow(args, tag: str, config: str) -> dict:
+    """The bundled API workflow as shipped; warm: another text and seed; --tiny/--steps/--frames override sizes."""
+    with open(os.path.join(ROOT, "workflows", "api", f"{args.workflow}.json")) as f:
+        wf = json.load(f)
+    for node in wf.values():
+        inputs, kind = node["inputs"], node["class_type"]
+        if kind == "MiniMaxH3ImageToVideo":
+            if tag == "warm":
+                inputs["prompt"] += WARM_TEXT
+            if args.tiny:
+                inputs.update(width=64, height=64, length=5)
+            if args.frames:
+                inputs["length"] = args.frames
+        elif kind == "KSampler":
+            if tag == "warm":
+                inputs["seed"] += 1
+            if args.steps or args.tiny:
+                inputs["steps"] = args.steps or 2
+        elif kind == "SaveVideo":
+            inputs["filename_prefix"] = f"video/{config.replace('@', '_cap')}_{tag}"
+    return wf
+
+
+def phases(events: list[tuple[float, str, dict]], classes: dict[str, str]) -> dict:
+    """Per-phase seconds from one server's event stream (node spans between `executing` events)."""
+    start = next((t for t, kind, _ in events if kind == "execution_start"), None)
+    marks = [(t, d.get("node")) for t, kind, d in events if kind == "executing"]
+    out = {p: 0.0 for p in PHASE_ORDER}
+    for (t, node), (t_next, _) in zip(marks, marks[1:]):
+        if node is not None:
+            out[PHASES.get(classes.get(node, ""), "other")] += t_next - t
+    end = next((t for t, node in marks if node is None), None) or next((t for t, kind, _ in events if kind == "execution_success"), None)
+    out = {k: round(v, 2) for k, v in out.items()}
+    out["whole prompt"] = round(end - start, 2) if start and end else None
+    sampler = next((n for n, c in classes.items() if c == "KSampler"), None)
+    first_seen: dict[int, float] = {}
+    for t, kind, d in events:
+        if kind == "progress" and d.get("node") == sampler:
+            first_seen.setdefault(d["value"], t)
+    steps = [first_seen[v] for v in sorted(first_seen)]
+    per_step = [b - a for a, b in zip(steps, steps[1:])]
+    out["s/step"] = round(statistics.median(per_step), 3) if per_step else None
+    return out
+
+
+async def run_prompt(session, servers, wf, sampler: ProcessSampler) -> list[dict]:
+    pid, cids = str(uuid.uuid4()), [uuid.uuid4().hex for _ in servers]
+    events: list[list] = [[] for _ in servers]
+    log_at = [os.path.getsize(s["log"]) for s in servers]
+
+    async def watch(i, s):
+        async with session.ws_connect(f"ws://127.0.0.1:{s['port']}/ws?clientId={cids[i]}") as sock:
+            async for msg in sock:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    d = json.loads(msg.data)
+                    events[i].append((time.time(), d["type"], d.get("data", {})))
+
+    watchers = [asyncio.create_task(watch(i, s)) for i, s in enumerate(servers)]
+    await asyncio.sleep(0.5)
+    t0 = time.time()
+    for s, cid in zip(servers, cids):
+        async with session.post(f"http://127.0.0.1:{s['port']}/prompt", json={"prompt": wf, "prompt_id": pid, "client_id": cid}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{s['name']} refused the prompt: {await r.text()}")
+    hists = []
+    for s in servers:
+        while True:
+            async with session.get(f"http://127.0.0.1:{s['port']}/history/{pid}") as r:
+                h = (await r.json()).get(pid)
+            if h and h["status"].get("status_str") in ("success", "error"):
+                hists.append(h)
+                break
+            if s["proc"].poll() is not None:
+                raise RuntimeError(f"{s['name']} died:\n" + open(s["log"], errors="replace").read()[-4000:])
+            await asyncio.sleep(0.2)
+    t1 = time.time()
+    await asyncio.sleep(0.6)  # one more sample of every process after the end
+    for w in watchers:
+        w.cancel()
+    classes = {n: node["class_type"] for n, node in wf.items()}
+    results = []
+    for s, h, ev, at in zip(servers, hists, events, log_at):
+        with open(s["log"], errors="replace") as f:
+            f.seek(at)
+            loaded = LOAD_LINE.findall(f.read())
+        errors = [m.get("exception_message", "")[:1500] for k, m in h["status"].get("messages", []) if k == "execution_error"]
+        videos = [i for o in h.get("outputs", {}).values() for i in o.get("images", []) + o.get("videos", []) if i["filename"].endswith(".mp4")]
+        mp4 = os.path.join(s["dir"], "output", videos[0]["subfolder"], videos[0]["filename"]) if videos else None
+        pid_ = s["proc"].pid
+        gib = lambda what, scale: None if (v := sampler.peak(pid_, what, t0, t1 + 0.6)) is None else round(v / scale, 2)  # noqa: E731
+        results.append({
+            "server": s["name"], "ok": not errors, "error": errors[0] if errors else None, **phases(ev, classes),
+            "gpu_peak_gib": gib("gpu_mib", 1024), "host_peak_rss_gib": gib("VmRSS", 2**20),
+            "host_peak_anon_gib": gib("RssAnon", 2**20), "host_peak_file_gib": gib("RssFile", 2**20),
+            "loaded": loaded, "mp4_bytes": os.path.getsize(mp4) if mp4 else None,
+            "mp4_sha256": hashlib.sha256(open(mp4, "rb").read()).hexdigest()[:16] if mp4 else None,
+        })  # fmt: skip
+    return results
+
+
+def stop_servers(servers):
+    for s in servers:
+        if s["proc"].poll() is None:
+            os.killpg(s["proc"].pid, signal.SIGTERM)
+    for s in servers:
+        try:
+            s["proc"].wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(s["proc"].pid, signal.SIGKILL)
+
+
+def environment(args) -> dict:
+    env = {"commit": args.commit}
+    try:
+        env["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader", "-i", "0"],
+                                    capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        env["gpu"] = "none (CPU)"
+    code = "import torch, importlib.metadata as m; print(torch.__version__, m.version('comfy-kitchen'))"
+    try:
+        env["torch"], env["comfy_kitchen"] = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
+    except ValueError:
+        pass
+    return env
+
+
+async def main_async(args) -> list[dict]:
+    sampler, rows = ProcessSampler(), []
+    env = environment(args)
+    print(json.dumps({"environment": env}), flush=True)
+    out = open(os.path.join(args.out, "whole_video.jsonl"), "a")
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            for config in args.configs:
+                servers = start_servers(args, config)
+                sampler.pids.update(s["proc"].pid for s in servers)
+                try:
+                    await wait_ready(session, servers)
+                    for tag in ("cold", "warm"):
+                        results = await run_prompt(session, servers, bundled_workflow(args, tag, config), sampler)
+                        shas = {r["mp4_sha256"] for r in results}
+                        row = {"config": config, "prompt": tag, "workflow": args.workflow, "one_gpu": args.one_gpu, "fast": args.fast,
+                               "ranks_identical": len(shas) == 1 and None not in shas, "results": results, "environment": env}  # fmt: skip
+                        rows.append(row)
+                        out.write(json.dumps(row) + "\n")
+                        out.flush()
+                        print(json.dumps({k: v for k, v in row.items() if k != "environment"}), flush=True)
+                finally:
+                    stop_servers(servers)
+    finally:
+        sampler.stop()
+        out.close()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """One line per config and prompt (rank 0's phases; memory as the max over ranks), TP1/TPn beside each phase."""
+    cols = ("load", "text encode", "sampling", "s/step", "video decode", "audio decode", "mux and save", "whole prompt")
+    base = {r["prompt"]: r["results"][0] for r in rows if parse_config(r["config"]) == (1, False, None)}
+    lines = ["| config | prompt | " + " | ".join(cols) + " | GPU peak GiB (max rank) | host RSS GiB (anon / file) | reloaded | ranks identical |",
+             "|" + "---|" * (len(cols) + 6)]  # fmt: skip
+    for r in rows:
+        res, ref = r["results"][0], base.get(r["prompt"])
+        if not res["ok"]:
+            lines.append(f"| {r['config']} | {r['prompt']} | error: {res['error'][:200]} |")
+            continue
+
+        def cell(c):
+            v = res.get(c)
+            if v is None:
+                return "-"
+            ratio = ref.get(c) / v if ref and ref is not res and ref.get(c) and v else None
+            return f"{v:g}" + (f" ({ratio:.2f}x)" if ratio else "")
+
+        peak = lambda k: max((x[k] for x in r["results"] if x[k] is not None), default=None)  # noqa: E731
+        rss = f"{peak('host_peak_rss_gib')} ({peak('host_peak_anon_gib')} / {peak('host_peak_file_gib')})"
+        reloaded = sorted({m for x in r["results"] for m in x["loaded"]})
+        lines.append(f"| {r['config']} | {r['prompt']} | " + " | ".join(cell(c) for c in cols)
+                     + f" | {peak('gpu_peak_gib')} | {rss} | {', '.join(reloaded) or 'none'} | {r['ranks_identical']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--comfyui", required=True)
+    ap.add_argument("--base", required=True, help="ComfyUI --base-directory with the four models in models/")
+    ap.add_argument("--front-end", required=True, help="a folder with an index.html (the frontend package is not needed)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="tp1,tp2", type=lambda s: s.split(","), help="tpN or tpN@GIB, comma-separated")
+    ap.add_argument("--workflow", default="h3_tp2_t2v_832x480", help="a bundled workflow in workflows/api/")
+    ap.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0, gloo (the one-GPU measuring mode)")
+    ap.add_argument("--fast", action="store_true", help="the TP ranks with the launcher's --fast settings")
+    ap.add_argument("--steps", type=int, help="override the workflow's steps")
+    ap.add_argument("--frames", type=int, help="override the workflow's length")
+    ap.add_argument("--comfy-args", help="ComfyUI arguments for every server (default --use-ck-attention; none with --tiny)")
+    ap.add_argument("--tiny", action="store_true", help="CPU, the tests' stand-in models, 64x64x5, 2 steps")
+    ap.add_argument("--commit", default=_commit(), help="the pack's commit, recorded in every row")
+    args = ap.parse_args(argv)
+    for c in args.configs:
+        parse_config(c)
+    if args.comfy_args is None:
+        args.comfy_args = "" if args.tiny else "--use-ck-attention"
+    args.base, args.out = os.path.abspath(args.base), os.path.abspath(args.out)
+    os.makedirs(os.path.join(args.base, "custom_nodes"), exist_ok=True)
+    links = {"minimax-h3-tp2": ROOT}
+    if args.tiny:  # the test-only nodes that make ComfyUI build the small VAE and the tiny encoder
+        links.update({fx: os.path.join(FIXTURES, fx) for fx in ("h3_small_vae", "h3_tiny_text_encoder")})
+    for name, target in links.items():
+        link = os.path.join(args.base, "custom_nodes", name)
+        if not os.path.lexists(link):
+            os.symlink(target, link)
+    os.makedirs(args.out, exist_ok=True)
+    rows = asyncio.run(main_async(args))
+    print(table(rows), flush=True)
+    with open(os.path.join(args.out, "whole_video_table.md"), "w") as f:
+        f.write(table(rows) + "\n")
+    return 0 if rows and all(x["ok"] for r in rows for x in r["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
