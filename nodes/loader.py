@@ -12,14 +12,17 @@ from __future__ import annotations
 import os
 import time
 
+import comfy.memory_management
 import comfy.sd
+import comfy.utils
 import torch
 
+from ..tp2 import settings
 from ..tp2.checkpoint import CheckpointLayout
 from ..tp2.errors import PlanError, UnknownPrefixError
 from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan, find_prefix
+from ..tp2.rank_cache import open_rank_shard
 from ..tp2.safetensors_io import read_header
-from ..tp2.shard import open_rank_shard
 from . import sequence_parallel
 from .lockstep import install_lockstep
 from .numerics_check import check_int8_path
@@ -46,11 +49,23 @@ def is_h3_file(path: str) -> bool:
         return False
 
 
+def rank_cache_args() -> tuple[str | None, object]:
+    """(cache dir, file reader) for tp2.rank_cache; the cache dir is None when the rank cache is off. At tp_size 1
+    the file is mapped whole by the reader (nothing to cut).
+
+    TP2_RANK_CACHE=auto turns it on when ComfyUI runs with dynamic VRAM, which keeps a pinned host copy of every
+    weight and fills it straight from the file only for weights mapped from one (tp2/rank_cache.py says why).
+    The reader is ComfyUI's own, so the cached slices are mapped exactly as a whole checkpoint would be."""
+    mode = settings.value("TP2_RANK_CACHE")
+    on = mode == "on" or (mode == "auto" and comfy.memory_management.aimdo_enabled)
+    return (settings.cache_dir() if on else None), lambda path: comfy.utils.load_torch_file(path, safe_load=True)
+
+
 def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):  # noqa: B006 - ComfyUI's signature
     if not STATE.active or not is_h3_file(unet_path):
         return _original_load_diffusion_model(unet_path, model_options=model_options, disable_dynamic=disable_dynamic)
     t0 = time.monotonic()
-    shard = open_rank_shard(unet_path, STATE.env.tp_rank, STATE.env.tp_size)
+    shard = open_rank_shard(unet_path, STATE.env.tp_rank, STATE.env.tp_size, *rank_cache_args())
     sd, metadata, plan, source_fp, rank_file = shard.state_dict, shard.metadata, shard.plan, shard.source_fingerprint, shard.rank_file
     split_input = _pop_split_input(sd, plan)
     patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=metadata, disable_dynamic=disable_dynamic)
@@ -75,7 +90,7 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
         "%s loaded %s%s in %.1f s: %s",
         STATE.tag,
         os.path.basename(unet_path),
-        f" from {os.path.basename(rank_file)}" if rank_file else " (shard-on-read)",
+        f" ({shard.origin})",
         secs,
         plan.summary(),
     )

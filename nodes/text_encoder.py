@@ -6,7 +6,7 @@ encode every rank runs together.
 
 For H3's Qwen3-VL-32B file (CLIPLoader type 'minimax') on an active rank with tp_size > 1: the plan
 (tp2/te_plan.py) is resolved and checked before any weight is read, this rank reads only its slices
-(tp2.shard.read_te_shard: a follower never holds the whole file), and ComfyUI builds its own encoder classes at
+(tp2.rank_cache.read_rank_slices: a follower never holds the whole file), and ComfyUI builds its own encoder classes at
 this rank's width (its `qwen3vl_32b_model_config` override: local heads, KV heads and FFN) through its own
 `load_text_encoder_state_dicts`, so every quantised format loads exactly as without the pack. Then:
   - every linear gets its plan role; o_proj and down_proj run ComfyUI's own forward on their K slice (AWQ
@@ -38,8 +38,9 @@ from ..tp2.collectives import all_reduce
 from ..tp2.errors import PeerLostError, PlanError, TP2Error
 from ..tp2.layers import ROLE_ATTR
 from ..tp2.plan import ROWWISE
-from ..tp2.shard import read_te_shard
+from ..tp2.rank_cache import read_rank_slices
 from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
+from .loader import rank_cache_args
 from .lockstep import CURRENT, in_step, rank0_abort, step_key, tensor_digest
 from .lora import TE_PLAN_ATTR
 from .parallel import ROLE_OF_STYLE, _is_comfy_linear, role_guard, tp_group
@@ -68,7 +69,8 @@ def tp_load_clip(
     t0 = time.monotonic()
     path = ckpt_paths[0]
     plan = resolve_te_plan(layout, STATE.env.tp_size)  # refuses before a byte of weights is read
-    sd, metadata = read_te_shard(path, plan, STATE.env.tp_rank)
+    rank, what = STATE.env.tp_rank, " of the text encoder"
+    sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), rank, plan.tp_size, what, *rank_cache_args())
     if model_options.get("custom_operations") is None:
         sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
     options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config()}})
@@ -78,7 +80,7 @@ def tp_load_clip(
     wire_text_encoder(clip, plan)
     secs = time.monotonic() - t0
     STATE.models.append(LoadedModel(os.path.basename(path), plan.summary(), plan.fingerprint(), "-", False, secs))
-    log.info("%s loaded text encoder %s (shard-on-read) in %.1f s: %s", STATE.tag, os.path.basename(path), secs, plan.summary())
+    log.info("%s loaded text encoder %s (%s) in %.1f s: %s", STATE.tag, os.path.basename(path), origin, secs, plan.summary())
     return clip
 
 

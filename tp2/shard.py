@@ -22,7 +22,6 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +31,7 @@ from .errors import PlanError, ShardMismatchError, TP2Error
 from .nvfp4 import slice_block_scales
 from .plan import RANK0, SPLIT, Plan, TensorShard, resolve_plan
 from .safetensors_io import DTYPES, PendingTensor, TensorReader, file_fingerprint, read_header, tensor_digest, write_streaming
-from .te_plan import NVFP4_BLOCK_SCALE, TEPlan, nvfp4_logical_shape
+from .te_plan import NVFP4_BLOCK_SCALE, nvfp4_logical_shape
 
 log = logging.getLogger(__name__)
 
@@ -96,37 +95,34 @@ def read_local_tensor(reader: TensorReader, ts: TensorShard, tp_rank: int, tp_si
     return reader.read(ts.name)
 
 
-def _check_rank(tp_rank: int, tp_size: int) -> None:
+def check_rank(tp_rank: int, tp_size: int) -> None:
     if not 0 <= tp_rank < tp_size:
         raise TP2Error(f"tp_rank={tp_rank} is outside 0..{tp_size - 1} for tp_size={tp_size}. Set TP2_RANK below TP2_WORLD_SIZE.")
 
 
 def shard_state_dict(path: str, tp_size: int, tp_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str], Plan]:
     """Shard-on-read: this rank's state dict, the file's metadata, and the plan (validated before any read)."""
-    _check_rank(tp_rank, tp_size)
+    check_rank(tp_rank, tp_size)
     plan = resolve_plan(CheckpointLayout.from_file(path), tp_size)
-    sd, metadata = _read_shard(path, plan.tensors, tp_rank, tp_size, "")
+    sd, metadata = read_shard(path, plan.tensors, tp_rank, tp_size, "")
     return sd, metadata, plan
 
 
-def read_te_shard(path: str, plan: TEPlan, tp_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Shard-on-read of H3's text encoder: this rank's tensors of `plan` (resolved before), and the file's metadata."""
-    _check_rank(tp_rank, plan.tp_size)
-    return _read_shard(path, plan.tensors, tp_rank, plan.tp_size, " of the text encoder")
+def read_shard_tensor(reader: TensorReader, tensors: dict[str, TensorShard], name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """One tensor of a plan as this rank holds it. nvfp4 block scales are stored swizzled: each is read whole (1/8 of
+    its weight's bytes) and re-cut in memory; everything else reads only this rank's bytes."""
+    ts = tensors[name]
+    if ts.kind == NVFP4_BLOCK_SCALE:
+        n, k = nvfp4_logical_shape(tensors[name[: -len("_scale")]].full_shape)
+        return slice_block_scales(reader.read(name), n, k, ts.dim, tp_rank, tp_size)
+    return read_local_tensor(reader, ts, tp_rank, tp_size)
 
 
-def _read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size: int, what: str) -> tuple[dict, dict[str, str]]:
-    """Every tensor of a plan as this rank holds it. nvfp4 block scales are stored swizzled: each is read whole
-    (1/8 of its weight's bytes) and re-cut in memory; everything else reads only this rank's bytes."""
+def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size: int, what: str) -> tuple[dict, dict[str, str]]:
+    """Every tensor of a plan as this rank holds it, and the file's metadata."""
     t0 = time.monotonic()
-    sd = {}
     with TensorReader(path) as reader:
-        for name, ts in tensors.items():
-            if ts.kind == NVFP4_BLOCK_SCALE:
-                n, k = nvfp4_logical_shape(tensors[name[: -len("_scale")]].full_shape)
-                sd[name] = slice_block_scales(reader.read(name), n, k, ts.dim, tp_rank, tp_size)
-            else:
-                sd[name] = read_local_tensor(reader, ts, tp_rank, tp_size)
+        sd = {name: read_shard_tensor(reader, tensors, name, tp_rank, tp_size) for name in tensors}
         metadata = dict(reader.header.metadata)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     log.info(
@@ -161,31 +157,7 @@ def without_pack_metadata(md: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in md.items() if not k.startswith(META_PREFIX)}
 
 
-@dataclass(frozen=True)
-class RankShard:
-    """What a rank loads: its state dict, the checkpoint's own metadata, the plan, the source checkpoint's
-    fingerprint, and the pre-sharded file it came from (None: read from the full checkpoint)."""
-
-    state_dict: dict[str, torch.Tensor]
-    metadata: dict[str, str]
-    plan: Plan
-    source_fingerprint: str
-    rank_file: str | None
-
-
-def open_rank_shard(path: str, tp_rank: int, tp_size: int) -> RankShard:
-    """This rank's shard of checkpoint `path`: from its pre-sharded file when one exists beside it (or `path` is one),
-    checked against its digests and against `path`'s fingerprint; else read from `path` (shard-on-read)."""
-    rank_path = _rank_file_for(path, tp_rank, tp_size)
-    if rank_path is None:
-        sd, metadata, plan = shard_state_dict(path, tp_size, tp_rank)
-        return RankShard(sd, metadata, plan, file_fingerprint(read_header(path)), None)
-    expected = None if is_rank_file(path) else file_fingerprint(read_header(path))
-    sd, metadata, plan = load_rank_file(rank_path, tp_rank, tp_size, expected_source=expected)
-    return RankShard(sd, without_pack_metadata(metadata), plan, metadata[META_SOURCE], rank_path)
-
-
-def _rank_file_for(path: str, tp_rank: int, tp_size: int) -> str | None:
+def rank_file_for(path: str, tp_rank: int, tp_size: int) -> str | None:
     """The rank file to use: the chosen one's sibling for this rank, or `<stem>.tpN-rankR` next to a full file."""
     if is_rank_file(path):
         sibling = rank_file_sibling(path, tp_size, tp_rank)
@@ -204,7 +176,7 @@ def _rank_file_for(path: str, tp_rank: int, tp_size: int) -> str | None:
 
 def write_rank_file(source: str, out_dir: str, tp_size: int, tp_rank: int, progress=None) -> str:
     """Write rank `tp_rank`'s pre-sharded file into `out_dir`, streaming; returns its path."""
-    _check_rank(tp_rank, tp_size)
+    check_rank(tp_rank, tp_size)
     layout = CheckpointLayout.from_file(source)
     plan = resolve_plan(layout, tp_size)
     header = read_header(source)

@@ -5,7 +5,7 @@ share built on its own (its weights' GPU memory and host peak), without collecti
     python scripts/bench/te_bench.py ENCODER.safetensors --comfyui DIR [--tp-size 2] [--out results.json]
 
 Mode "tp1": ComfyUI's own CLIPLoader path (comfy.sd.load_clip, type minimax), then CLIPTextEncode's calls twice.
-Mode "rank R": this pack's shard-on-read (tp2.shard.read_te_shard) and ComfyUI's build at the rank's width (the
+Mode "rank R": this pack's shard-on-read (tp2.rank_cache.read_rank_slices, no cache) and ComfyUI's build at the rank's width (the
 `qwen3vl_32b_model_config` override the pack passes), loaded to the GPU; no encode (it needs the other ranks).
 Each mode runs in a fresh process (the script calls itself), so each peak is its own. JSON lines on stdout.
 """
@@ -65,12 +65,12 @@ def run_rank(path: str, comfyui: str, tp_size: int, rank: int) -> dict:
     import torch
 
     from tp2.checkpoint import CheckpointLayout
-    from tp2.shard import read_te_shard
+    from tp2.rank_cache import read_rank_slices
     from tp2.te_plan import resolve_te_plan
 
     t0 = time.monotonic()
     plan = resolve_te_plan(CheckpointLayout.from_file(path), tp_size)
-    sd, metadata = read_te_shard(path, plan, rank)
+    sd, metadata, _ = read_rank_slices(path, plan.tensors, plan.fingerprint(), rank, plan.tp_size, " of the text encoder")
     sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
     clip = comfy.sd.load_text_encoder_state_dicts([sd], None, comfy.sd.CLIPType.MINIMAX, {"qwen3vl_32b_model_config": plan.local_config()})
     del sd

@@ -198,3 +198,46 @@ def test_comfyuis_r2v_template_runs_on_tp2(servers):
     assert_success(servers, histories)
     videos = [[v for k, v in output_files(s, h).items() if k.endswith(".mp4")] for s, h in zip(servers, histories)]
     assert len(videos[0]) == len(videos[1]) == 1 and videos[0] == videos[1], "the ranks' r2v MP4 files differ"
+
+
+def test_the_rank_cache_gives_the_same_video(servers, models, tmp_path_factory):
+    """TP2_RANK_CACHE=on (what 'auto' picks under ComfyUI's dynamic VRAM, which CPU servers lack): each rank cuts its
+    slices of the DiT and of the text encoder into a file once and ComfyUI maps them from there; the MP4 equals the
+    shard-on-read ranks' byte for byte, and a restarted rank maps the same files without cutting them again."""
+    root = str(tmp_path_factory.mktemp("wf_cache"))
+    cache = os.path.join(root, "cache")
+    for name in ("rank0", "rank1"):
+        os.makedirs(os.path.join(root, name, "custom_nodes"))
+        for fx in FIXTURES:
+            os.symlink(os.path.join(FIXTURE_DIR, fx), os.path.join(root, name, "custom_nodes", fx))
+    env = dict(TP_ENV, TP2_RANK_CACHE="on", TP2_CACHE_DIR=cache)
+    wf = bundled("h3_tp2_t2v_832x480", "t2v_cache")
+    reference = run_everywhere(servers[:2], wf, 600)
+    assert_success(servers[:2], reference)
+    cached = start_tp(root, 2, models, env)
+    try:
+        histories = run_everywhere(cached, wf, 600)
+        assert_success(cached, histories)
+        for s, h, ref_s, ref_h in zip(cached, histories, servers, reference):
+            mp4 = [v for k, v in output_files(s, h).items() if k.endswith(".mp4")]
+            ref = [v for k, v in output_files(ref_s, ref_h).items() if k.endswith(".mp4")]
+            assert len(mp4) == 1 and mp4 == ref, "the rank cache changed the video"
+            with open(s.log_path, errors="replace") as f:
+                log = f.read()
+            assert f"loaded {NAMES['unet']} (rank cache " in log and f"loaded text encoder {NAMES['clip']} (rank cache " in log, s.tail()
+            assert log.count("rank cache: wrote ") == 2, s.tail()
+        files = sorted(os.listdir(os.path.join(cache, "rank_cache")))
+        assert len(files) == 4 and all(".tp2-rank" in f for f in files), files
+    finally:
+        for s in cached:
+            s.stop()
+    again = start_tp(root, 2, models, env)
+    try:
+        assert_success(again, run_everywhere(again, bundled("h3_tp2_t2v_832x480", "t2v_cache_again"), 600))
+        for s in again:
+            with open(s.log_path, errors="replace") as f:
+                log = f.read()
+            assert log.count("rank cache: wrote ") == 2, "a restarted rank cut its slices again"  # the log appends
+    finally:
+        for s in again:
+            s.stop()

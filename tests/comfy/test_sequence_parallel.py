@@ -156,4 +156,4 @@ def test_tp_size_1_with_the_pack_equals_tp2(request, tp1_pack, tp2, unet):
     pieces = request.node.callspec.params["tp1_pack"]
     assert "this rank holds" in line and f"({pieces} pieces" in line, line  # the pack's block path ran, on one rank
     with open(tp1_pack[0].log_path, "rb") as f:
-        assert f"loaded {unet} (shard-on-read)" in f.read().decode(errors="replace")
+        assert f"loaded {unet} (mapped whole)" in f.read().decode(errors="replace")  # tp 1: nothing to cut

@@ -163,7 +163,7 @@ def test_every_checkpoint_form_splits_byte_identical_and_matches_one_server(requ
     assert rel(other, latent(ref_files, "video")) > 0.05
     log = open(servers[0].log_path).read()
     pre = unet.endswith("_sharded.safetensors")
-    how = f"from {unet[: -len('.safetensors')]}.tp{tp_size}-rank0.safetensors" if pre else "(shard-on-read)"
+    how = f"(rank file {unet[: -len('.safetensors')]}.tp{tp_size}-rank0.safetensors)" if pre else "(shard-on-read)"
     assert f"loaded {unet} {how}" in log  # split, not the whole model on every rank
 
 

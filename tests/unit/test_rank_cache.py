@@ -1,0 +1,124 @@
+"""The rank cache (tp2/rank_cache.py): a rank's slices cut once to a file and mapped from it equal shard-on-read bit
+for bit (the DiT's int8 and the text encoder's nvfp4 block scales); the file is reused, a damaged one is deleted and
+cut again, a full disk falls back to shard-on-read, and a rank file beside the checkpoint still wins."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tp2.rank_cache as rank_cache
+from tp2.checkpoint import CheckpointLayout
+from tp2.rank_cache import open_rank_shard, read_rank_slices
+from tp2.shard import read_shard, shard_state_dict, write_rank_file
+from tp2.te_plan import resolve_te_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TP2_CACHE_DIR", str(tmp_path / "verified"))
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+def _cache_files(cache: str) -> list[str]:
+    d = os.path.join(cache, "rank_cache")
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+@pytest.mark.parametrize("tp_size", [2])  # the tiny int8 file's ConvRot group allows 1 and 2 (1: mapped whole)
+def test_dit_slices_from_the_cache_equal_shard_on_read(tiny_int8, tmp_path, tp_size):
+    cache = str(tmp_path / "cache")
+    for rank in range(tp_size):
+        ref, ref_md, plan = shard_state_dict(tiny_int8, tp_size, rank)
+        shard = open_rank_shard(tiny_int8, rank, tp_size, cache, load_file)
+        _equal(shard.state_dict, ref)
+        assert shard.metadata == ref_md and shard.plan.fingerprint() == plan.fingerprint() and shard.rank_file is None
+        assert shard.origin.startswith("rank cache ") and f"tp{tp_size}-rank{rank}" in shard.origin
+    files = _cache_files(cache)
+    assert len(files) == tp_size
+    mtimes = [os.stat(os.path.join(cache, "rank_cache", f)).st_mtime_ns for f in files]
+    last = tp_size - 1
+    _equal(open_rank_shard(tiny_int8, last, tp_size, cache, load_file).state_dict, shard_state_dict(tiny_int8, tp_size, last)[0])
+    assert [os.stat(os.path.join(cache, "rank_cache", f)).st_mtime_ns for f in files] == mtimes, "a cache file was rewritten"
+
+
+def test_tp_size_1_maps_the_file_whole(tiny_int8, tmp_path):
+    shard = open_rank_shard(tiny_int8, 0, 1, str(tmp_path / "cache"), load_file)
+    assert shard.origin == "mapped whole" and _cache_files(str(tmp_path / "cache")) == []
+    _equal(shard.state_dict, shard_state_dict(tiny_int8, 1, 0)[0])
+
+
+def test_without_a_cache_dir_it_is_shard_on_read(tiny_int8):
+    shard = open_rank_shard(tiny_int8, 0, 2)
+    assert shard.origin == "shard-on-read"
+    _equal(shard.state_dict, shard_state_dict(tiny_int8, 2, 0)[0])
+
+
+@pytest.fixture(scope="module")
+def tiny_te_nvfp4(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("te") / "te_nvfp4.safetensors")
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_tiny_qwen3vl.py"), path, "--format", "nvfp4"], check=True)
+    return path
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_text_encoder_nvfp4_slices_from_the_cache_equal_shard_on_read(tiny_te_nvfp4, tmp_path, tp_size):
+    plan = resolve_te_plan(CheckpointLayout.from_file(tiny_te_nvfp4), tp_size)
+    cache = str(tmp_path / "cache")
+    for rank in range(tp_size):
+        ref, ref_md = read_shard(tiny_te_nvfp4, plan.tensors, rank, tp_size, "")
+        sd, md, origin = read_rank_slices(tiny_te_nvfp4, plan.tensors, plan.fingerprint(), rank, tp_size, "", cache, load_file)
+        _equal(sd, ref)
+        assert md == ref_md and origin.startswith("rank cache ")
+
+
+def test_a_damaged_cache_file_is_deleted_and_cut_again(tiny_int8, tmp_path, caplog):
+    cache = str(tmp_path / "cache")
+    ref = shard_state_dict(tiny_int8, 2, 1)[0]
+    open_rank_shard(tiny_int8, 1, 2, cache, load_file)
+    (name,) = _cache_files(cache)
+    path = os.path.join(cache, "rank_cache", name)
+    with open(path, "r+b") as f:  # flip one byte of the last tensor's data
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with caplog.at_level(logging.WARNING, logger="tp2.rank_cache"):
+        shard = open_rank_shard(tiny_int8, 1, 2, cache, load_file)
+    assert "does not match its digest" in caplog.text and "cutting it again" in caplog.text
+    _equal(shard.state_dict, ref)
+    assert shard.origin.startswith("rank cache ")
+
+
+def test_no_room_on_disk_falls_back_to_shard_on_read(tiny_int8, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(rank_cache, "SPARE_BYTES", 1 << 60)
+    cache = str(tmp_path / "cache")
+    with caplog.at_level(logging.WARNING, logger="tp2.rank_cache"):
+        shard = open_rank_shard(tiny_int8, 0, 2, cache, load_file)
+    assert shard.origin == "shard-on-read" and _cache_files(cache) == []
+    assert "GB needed" in caplog.text and "TP2_CACHE_DIR" in caplog.text
+    _equal(shard.state_dict, shard_state_dict(tiny_int8, 2, 0)[0])
+
+
+def test_a_rank_file_beside_the_checkpoint_wins_over_the_cache(tiny_int8, tmp_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    ckpt = folder / os.path.basename(tiny_int8)
+    os.symlink(tiny_int8, ckpt)
+    write_rank_file(str(ckpt), str(folder), 2, 0)
+    cache = str(tmp_path / "cache")
+    shard = open_rank_shard(str(ckpt), 0, 2, cache, load_file)
+    assert shard.rank_file and shard.origin.startswith("rank file ") and _cache_files(cache) == []

@@ -1,0 +1,173 @@
+"""What a rank loads of a checkpoint, and the rank cache: this rank's slices of a checkpoint, cut once into a file
+under TP2_CACHE_DIR, so the loader maps them from disk as it maps any checkpoint.
+
+Why: ComfyUI's dynamic VRAM keeps a pinned host copy of every weight. For a tensor mapped from a file it fills that
+copy straight from the file and holds nothing else; for a tensor in ordinary memory (a rank's slices as
+shard-on-read makes them) it copies it, and both copies stay alive. Measured: a TP2 rank held 41.7 GiB of
+anonymous memory for a 23.5 GiB share (docs/PERFORMANCE.md). From a rank-cache file a rank holds one copy.
+
+A cache file is named by the checkpoint's name, its fingerprint and the plan's fingerprint, for this rank and
+tp_size; it carries a digest per tensor, checked (one tensor at a time, read into a scratch buffer) the first time
+the file is loaded, remembered by path, size and mtime. A file that fails the check is deleted and cut again. A
+disk without room for the file leaves the rank on shard-on-read, with a warning.
+
+    shard = open_rank_shard(path, tp_rank, tp_size, cache_dir, read_all)   # the DiT (a rank file beside it wins)
+    sd, metadata, origin = read_rank_slices(path, te_plan.tensors, te_plan.fingerprint(), tp_rank, tp_size, what,
+                                            cache_dir, read_all)                # the text encoder
+
+Imports nothing from `comfy`: `read_all(path) -> state dict` is the loader's own file reader.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import __version__
+from .checkpoint import CheckpointLayout
+from .errors import ShardMismatchError
+from .plan import Plan, TensorShard, resolve_plan
+from .safetensors_io import DTYPES, PendingTensor, TensorReader, file_fingerprint, read_header, tensor_digest, write_streaming
+from .shard import (
+    META_DIGESTS,
+    META_PLAN,
+    META_RANK,
+    META_SIZE,
+    META_SOURCE,
+    META_VERSION,
+    check_rank,
+    is_rank_file,
+    load_rank_file,
+    rank_file_for,
+    read_shard,
+    read_shard_tensor,
+    remember_verified,
+    verified_before,
+    without_pack_metadata,
+)  # fmt: skip
+from .te_plan import NVFP4_BLOCK_SCALE
+
+log = logging.getLogger(__name__)
+
+SPARE_BYTES = 2 << 30  # a cache file is written only if the disk keeps this much free after it
+ReadAll = Callable[[str], dict[str, torch.Tensor]]
+
+
+def cache_file(cache_dir: str, source: str, source_fp: str, plan_fp: str, tp_rank: int, tp_size: int) -> str:
+    stem = os.path.splitext(os.path.basename(source))[0]
+    return os.path.join(cache_dir, "rank_cache", f"{stem}.{source_fp[:12]}.{plan_fp[:12]}.tp{tp_size}-rank{tp_rank}.safetensors")
+
+
+def _nbytes(tensors: dict[str, TensorShard]) -> int:
+    return sum(torch.Size(ts.local_shape).numel() * DTYPES[ts.dtype].itemsize for ts in tensors.values())
+
+
+def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], identity: dict[str, str], tp_rank: int, tp_size: int) -> bool:
+    """Cut this rank's tensors from `source` into `out` (streaming, digests in the header); False if there is no room."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    need, free = _nbytes(tensors), shutil.disk_usage(os.path.dirname(out)).free
+    if free < need + SPARE_BYTES:
+        log.warning(
+            "rank cache: %.1f GB free in %s, %.1f GB needed for %s: this rank reads its slices from the checkpoint and "
+            "holds them twice in host memory (free disk space or point TP2_CACHE_DIR elsewhere)",
+            free / 1e9, os.path.dirname(out), need / 1e9, os.path.basename(out),
+        )  # fmt: skip
+        return False
+    t0 = time.monotonic()
+    with TensorReader(source) as reader:
+        # nvfp4 block scales: their local shape is known once cut (swizzle padding), so they are cut first and held
+        scales = {n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size) for n, ts in tensors.items() if ts.kind == NVFP4_BLOCK_SCALE}
+        pending = [
+            PendingTensor(n, scales[n].dtype, tuple(scales[n].shape), lambda n=n: scales.pop(n))
+            if n in scales
+            else PendingTensor(n, DTYPES[ts.dtype], tuple(ts.local_shape), lambda n=n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size))
+            for n, ts in tensors.items()
+        ]
+        write_streaming(out, pending, {**identity, META_VERSION: __version__}, digests_key=META_DIGESTS)
+    log.info("rank cache: wrote %s (%.2f GB) in %.1f s", out, need / 1e9, time.monotonic() - t0)
+    return True
+
+
+def load_cache_file(path: str, tensors: dict[str, TensorShard], identity: dict[str, str], read_all: ReadAll) -> dict[str, torch.Tensor]:
+    """This rank's tensors from a cache file, checked against `identity` and, once per file, against its digests."""
+    header = read_header(path)
+    md, name = header.metadata, os.path.basename(path)
+    wrong = {k: (md.get(k), v) for k, v in identity.items() if md.get(k) != v}
+    if wrong or set(header.tensors) != set(tensors) or META_DIGESTS not in md:
+        raise ShardMismatchError(f"rank cache file '{name}' is not this rank's cut of its checkpoint ({wrong or 'its tensors differ'})")
+    for tname, ts in tensors.items():
+        info = header.tensors[tname]
+        if info.dtype != ts.dtype or (ts.kind != NVFP4_BLOCK_SCALE and tuple(info.shape) != tuple(ts.local_shape)):
+            raise ShardMismatchError(f"rank cache file '{name}': tensor '{tname}' is {info.dtype} {list(info.shape)}, the plan wants {ts.dtype} {list(ts.local_shape)}")
+    if not verified_before(path, md[META_DIGESTS]):
+        t0, digests = time.monotonic(), json.loads(md[META_DIGESTS])
+        with TensorReader(path) as reader:
+            for tname in tensors:
+                if digests.get(tname) != tensor_digest(reader.read(tname)):
+                    raise ShardMismatchError(f"rank cache file '{name}': the data of tensor '{tname}' does not match its digest (the file is damaged)")
+        remember_verified(path, md[META_DIGESTS])
+        log.info("rank cache: checked %d tensors of %s against their digests in %.1f s", len(tensors), name, time.monotonic() - t0)
+    sd = read_all(path)
+    return {n: sd[n] for n in tensors}
+
+
+def read_rank_slices(
+    source: str, tensors: dict[str, TensorShard], plan_fp: str, tp_rank: int, tp_size: int, what: str,
+    cache_dir: str | None = None, read_all: ReadAll | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:  # fmt: skip
+    """This rank's tensors of `source` and the file's own metadata: at tp_size 1 the file itself through `read_all`;
+    else from the rank cache when `cache_dir` is given (cut first if missing or damaged), else read from `source`
+    (shard-on-read). The third value says which ("mapped whole", "rank cache FILE" or "shard-on-read")."""
+    if tp_size == 1 and read_all is not None:  # nothing to cut: the file itself, mapped by the loader's reader
+        sd = read_all(source)
+        return {n: sd[n] for n in tensors}, dict(read_header(source).metadata), "mapped whole"
+    if cache_dir is None or read_all is None:
+        return (*read_shard(source, tensors, tp_rank, tp_size, what), "shard-on-read")
+    header = read_header(source)
+    identity = {META_RANK: str(tp_rank), META_SIZE: str(tp_size), META_PLAN: plan_fp, META_SOURCE: file_fingerprint(header)}
+    path = cache_file(cache_dir, source, identity[META_SOURCE], plan_fp, tp_rank, tp_size)
+    for attempt in (1, 2):
+        if not os.path.exists(path) and not write_cache_file(path, source, tensors, identity, tp_rank, tp_size):
+            break
+        try:
+            return load_cache_file(path, tensors, identity, read_all), dict(header.metadata), f"rank cache {os.path.basename(path)}"
+        except ShardMismatchError as e:
+            log.warning("%s: deleting it and %s", e, "cutting it again" if attempt == 1 else "reading from the checkpoint")
+            os.remove(path)
+    return (*read_shard(source, tensors, tp_rank, tp_size, what), "shard-on-read")
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """What a rank loads: its state dict, the checkpoint's own metadata, the plan, the source checkpoint's
+    fingerprint, the pre-sharded file it came from (None: read from the full checkpoint), and where its tensors
+    came from, in words (for the log)."""
+
+    state_dict: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    plan: Plan
+    source_fingerprint: str
+    rank_file: str | None
+    origin: str
+
+
+def open_rank_shard(path: str, tp_rank: int, tp_size: int, cache_dir: str | None = None, read_all: ReadAll | None = None) -> RankShard:
+    """This rank's shard of checkpoint `path`: from its pre-sharded file when one exists beside it (or `path` is one),
+    checked against its digests and against `path`'s fingerprint; else this rank's slices of `path`, through the
+    rank cache when `cache_dir` and `read_all` are given (tp2.rank_cache), else read from `path` (shard-on-read)."""
+    rank_path = rank_file_for(path, tp_rank, tp_size)
+    if rank_path is None:
+        check_rank(tp_rank, tp_size)
+        plan = resolve_plan(CheckpointLayout.from_file(path), tp_size)
+        sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), tp_rank, tp_size, "", cache_dir, read_all)
+        return RankShard(sd, metadata, plan, file_fingerprint(read_header(path)), None, origin)
+    expected = None if is_rank_file(path) else file_fingerprint(read_header(path))
+    sd, metadata, plan = load_rank_file(rank_path, tp_rank, tp_size, expected_source=expected)
+    return RankShard(sd, without_pack_metadata(metadata), plan, metadata[META_SOURCE], rank_path, f"rank file {os.path.basename(rank_path)}")
