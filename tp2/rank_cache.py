@@ -7,9 +7,10 @@ shard-on-read makes them) it copies it, and both copies stay alive. Measured: a 
 anonymous memory for a 23.5 GiB share (docs/PERFORMANCE.md). From a rank-cache file a rank holds one copy.
 
 A cache file is named by the checkpoint's name, its fingerprint and the plan's fingerprint, for this rank and
-tp_size; it carries a digest per tensor, checked (one tensor at a time, read into a scratch buffer) the first time
-the file is loaded, remembered by path, size and mtime. A file that fails the check is deleted and cut again. A
-disk without room for the file leaves the rank on shard-on-read, with a warning.
+tp_size; it carries a digest per tensor, computed as it is written and checked (one tensor at a time, read into a
+scratch buffer) when the file is loaded after a change of its size or mtime (checks are remembered by path, size
+and mtime). A file that fails the check is deleted and cut again. A disk without room for the file leaves the rank
+on shard-on-read, with a warning.
 
     shard = open_rank_shard(path, tp_rank, tp_size, cache_dir, read_all)   # the DiT (a rank file beside it wins)
     sd, metadata, origin = read_rank_slices(path, te_plan.tensors, te_plan.fingerprint(), tp_rank, tp_size, what,
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -60,9 +62,24 @@ SPARE_BYTES = 2 << 30  # a cache file is written only if the disk keeps this muc
 ReadAll = Callable[[str], dict[str, torch.Tensor]]
 
 
+_CACHE_NAME = re.compile(r"(?P<stem>.+)\.[0-9a-f]{12}\.[0-9a-f]{12}(?P<tail>\.tp\d+-rank\d+\.safetensors)")
+
+
 def cache_file(cache_dir: str, source: str, source_fp: str, plan_fp: str, tp_rank: int, tp_size: int) -> str:
     stem = os.path.splitext(os.path.basename(source))[0]
     return os.path.join(cache_dir, "rank_cache", f"{stem}.{source_fp[:12]}.{plan_fp[:12]}.tp{tp_size}-rank{tp_rank}.safetensors")
+
+
+def _remove_stale(out: str) -> None:
+    """Delete this rank's cache files of an earlier version of the same checkpoint name (same rank and tp_size,
+    another fingerprint or plan): a replaced checkpoint would otherwise leave its slices on disk for good."""
+    folder, name = os.path.split(out)
+    m = _CACHE_NAME.fullmatch(name)
+    same = re.compile(re.escape(m["stem"]) + r"\.[0-9a-f]{12}\.[0-9a-f]{12}" + re.escape(m["tail"]))
+    for other in os.listdir(folder):
+        if other != name and same.fullmatch(other):
+            os.remove(os.path.join(folder, other))
+            log.info("rank cache: removed %s (cut from an earlier version of %s)", other, m["stem"])
 
 
 def _nbytes(tensors: dict[str, TensorShard]) -> int:
@@ -72,6 +89,7 @@ def _nbytes(tensors: dict[str, TensorShard]) -> int:
 def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], identity: dict[str, str], tp_rank: int, tp_size: int) -> bool:
     """Cut this rank's tensors from `source` into `out` (streaming, digests in the header); False if there is no room."""
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    _remove_stale(out)
     need, free = _nbytes(tensors), shutil.disk_usage(os.path.dirname(out)).free
     if free < need + SPARE_BYTES:
         log.warning(
@@ -91,6 +109,7 @@ def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], ide
             for n, ts in tensors.items()
         ]
         write_streaming(out, pending, {**identity, META_VERSION: __version__}, digests_key=META_DIGESTS)
+    remember_verified(out, read_header(out).metadata[META_DIGESTS])  # hashed as written: the first load needs no re-read
     log.info("rank cache: wrote %s (%.2f GB) in %.1f s", out, need / 1e9, time.monotonic() - t0)
     return True
 

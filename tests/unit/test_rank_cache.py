@@ -122,3 +122,18 @@ def test_a_rank_file_beside_the_checkpoint_wins_over_the_cache(tiny_int8, tmp_pa
     cache = str(tmp_path / "cache")
     shard = open_rank_shard(str(ckpt), 0, 2, cache, load_file)
     assert shard.rank_file and shard.origin.startswith("rank file ") and _cache_files(cache) == []
+
+
+def test_an_earlier_versions_cache_file_is_removed_when_a_new_one_is_cut(tiny_int8, tmp_path):
+    cache = str(tmp_path / "cache")
+    folder = os.path.join(cache, "rank_cache")
+    os.makedirs(folder)
+    stem = os.path.splitext(os.path.basename(tiny_int8))[0]
+    stale = f"{stem}.{'a' * 12}.{'b' * 12}.tp2-rank0.safetensors"  # another checkpoint version, same rank and size
+    other_rank = f"{stem}.{'a' * 12}.{'b' * 12}.tp2-rank1.safetensors"
+    other_model = f"other.{'a' * 12}.{'b' * 12}.tp2-rank0.safetensors"
+    for name in (stale, other_rank, other_model):
+        open(os.path.join(folder, name), "wb").close()
+    open_rank_shard(tiny_int8, 0, 2, cache, load_file)
+    left = _cache_files(cache)
+    assert stale not in left and other_rank in left and other_model in left and len(left) == 3, left

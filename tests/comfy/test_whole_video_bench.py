@@ -1,0 +1,46 @@
+"""The whole-video benchmark (scripts/bench/make_models.py + scripts/bench/whole_video.py) against real servers on
+CPU, so a device run does not find its bugs: the tiny stand-ins under the bundled workflow's own file names, stock
+TP1 and TP2 (gloo), cold then warm. Checks what the benchmark reports, not its timings: every prompt succeeded,
+the ranks' MP4s are byte-identical, the cold prompt loaded the four models and the warm one none, the warm
+prompt re-ran the encode and the sampler, and the table was written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
+
+BENCH = os.path.join(ROOT, "scripts", "bench")
+MODELS = {"MiniMaxH3", "MiniMaxH3TEModel_", "MiniMaxH3VideoVAE", "MiniMaxH3AudioVAE"}
+
+
+def test_the_whole_video_benchmark_runs_tp1_and_tp2_on_cpu(tmp_path):
+    base, out, fe = tmp_path / "base", tmp_path / "out", tmp_path / "fe"
+    fe.mkdir()
+    (fe / "index.html").write_text("<html></html>")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
+    subprocess.run([sys.executable, os.path.join(BENCH, "make_models.py"), "--comfyui", COMFYUI_DIR, "--models", str(base / "models"), "--tiny"],
+                   check=True, timeout=600, env=env)  # fmt: skip
+    cmd = [sys.executable, os.path.join(BENCH, "whole_video.py"), "--comfyui", COMFYUI_DIR, "--base", str(base), "--front-end", str(fe),
+           "--out", str(out), "--tiny", "--configs", "tp1,tp2", "--commit", "test"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [json.loads(line) for line in open(out / "whole_video.jsonl")]
+    assert [(r["config"], r["prompt"]) for r in rows] == [("tp1", "cold"), ("tp1", "warm"), ("tp2", "cold"), ("tp2", "warm")]
+    for r in rows:
+        assert all(x["ok"] for x in r["results"]), r
+        assert r["ranks_identical"] and all(x["mp4_bytes"] > 1000 for x in r["results"]), r
+        assert r["environment"]["commit"] == "test" and r["environment"]["torch"]
+        for x in r["results"]:
+            assert x["whole prompt"] > 0 and x["sampling"] > 0 and x["text encode"] > 0 and x["s/step"] > 0, x
+            assert set(x["loaded"]) == (MODELS if r["prompt"] == "cold" else set()), x["loaded"]
+            assert x["host_peak_rss_gib"] > 0.1 and x["host_peak_anon_gib"] > 0.1, x
+    assert len(rows[2]["results"]) == 2 and rows[0]["results"][0]["mp4_sha256"] != rows[1]["results"][0]["mp4_sha256"]
+    table = (out / "whole_video_table.md").read_text()
+    assert "| tp2 | warm |" in table and "x)" in table  # the TP2 rows carry their ratio to stock TP1
