@@ -33,6 +33,9 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_models import fill_random  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORK = "/tmp/tp2bench"
 
@@ -79,17 +82,7 @@ def build_vae(h3_vae, device: torch.device, dtype: torch.dtype):
         vae = h3_vae.MiniMaxH3VideoVAE()
     del vae.encoder, vae.quant_conv
     vae = vae.eval().to(device, dtype)
-    gen = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in sorted(vae.named_parameters()):
-            r = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
-            if name.endswith("bias"):
-                r *= 0.02
-            elif p.ndim >= 2 and "register_tokens" not in name:
-                r /= p[0].numel() ** 0.5
-            else:  # norm weights, layer scales, register tokens
-                r = 0.5 + 0.1 * r
-            p.copy_(r)
+    fill_random(vae, seed=0, device=device.type if device.type == "cpu" else str(device))
     return vae
 
 
