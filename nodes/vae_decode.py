@@ -1,14 +1,16 @@
-"""Parallel H3 video VAE decode: the temporal chunks of one decode are spread over the TP ranks.
+"""Parallel H3 video VAE decode: the tile decodes of one video decode are spread over the TP ranks.
 
     install_parallel_vae_decode()   wraps comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal (once)
 
 ComfyUI's `decode_temporal` pads the latent with its last token, decodes chunks of tokens_chunk_size +
-token_overlap tokens one after another (the spatially tiled ViT decode: the expensive part, independent per
-chunk), and blends each chunk into the previous one. Here rank r decodes chunks r, r + tp_size, ... and each
-decoded chunk is broadcast from its owner (tp2.chunk_decode); ComfyUI's own serial blend then runs unchanged on
-every rank, on exactly the tensors a single-rank decode makes, so every rank ends with the single-rank video,
-bit for bit. Each chunk ComfyUI asks for is checked against the chunk decoded for it (a changed chunking in
-ComfyUI is an error, never a wrong video).
+token_overlap tokens one after another, each in spatial tiles (`tiled_decode`: one `_decode_pixels` call, the
+36-layer ViT, per tile: the expensive part, independent per tile), blending the tiles of a chunk and each chunk
+into the previous one. Here every chunk's tiles form one list, in ComfyUI's order; rank r decodes tiles r,
+r + tp_size, ... (equal shares: 84 tiles at 832x480x124 are 42 per rank, where the 7 chunks gave 4 and 3) and
+each decoded tile is broadcast from its owner (tp2.chunk_decode); ComfyUI's own tiling and blends then run
+unchanged on every rank, on exactly the tensors a single-rank decode makes, so every rank ends with the
+single-rank video, bit for bit. Each tile ComfyUI asks for is checked against the tile decoded for it (a changed
+chunking or tiling in ComfyUI is an error, never a wrong video).
 
 Falls back to ComfyUI's decode on this rank alone, with one log line: TP2_PARALLEL_VAE=0 or tp_size 1 (read
 at start-up: no hook), fewer than 2 chunks, or a peer that does not reach the decode within
@@ -28,7 +30,7 @@ import time
 import comfy.model_management as mm
 
 from ..tp2 import __version__, settings
-from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, temporal_chunks
+from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, spatial_tiles, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
 from .lockstep import CURRENT, in_step, rank0_abort, step_key, tensor_digest
 from .patches import PATCHES
@@ -66,6 +68,8 @@ def _decode_temporal(original, vae, z, output_buffer):
     if num_chunks < 2:
         log.info("%s VAE decode: latent of %d frames is one chunk, nothing to split: decoding on this rank alone", STATE.tag, z.shape[2])
         return original(vae, z, output_buffer)
+    clips = temporal_chunks(z, pad_tokens, num_chunks, vae.tokens_chunk_size, vae.token_overlap)
+    units = _decode_units(vae, clips)
     key = step_key("vae-decode")
     fields = {
         "pack_version": __version__,
@@ -74,6 +78,7 @@ def _decode_temporal(original, vae, z, output_buffer):
         "latent": tensor_digest(z),
         "dtype": f"{z.dtype} on {z.device.type}",
         "chunks": f"{num_chunks} x ({vae.tokens_chunk_size}+{vae.token_overlap}), pad {pad_tokens}",
+        "tiles": f"{len(units)} of {tuple(units[0].shape)}",
     }
     session = STATE.session
     try:
@@ -83,37 +88,48 @@ def _decode_temporal(original, vae, z, output_buffer):
         log.warning("%s %s; decoding the whole video on this rank alone (same result, not split)", STATE.tag, e)
         return original(vae, z, output_buffer)
     STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
-    return _decode_split(
-        original, vae, z, output_buffer, temporal_chunks(z, pad_tokens, num_chunks, vae.tokens_chunk_size, vae.token_overlap), group
-    )
+    return _decode_split(original, vae, z, output_buffer, num_chunks, units, group)
 
 
-def _decode_split(original, vae, z, output_buffer, clips, group):
-    """ComfyUI's decode_temporal with its chunk decodes served by a RoundRobinDecoder."""
-    decoder = RoundRobinDecoder(clips, _local_decode(vae._adaptive_decode), group)
-    had_own = "_adaptive_decode" in vae.__dict__
-    vae._adaptive_decode = decoder.serve
+def _decode_units(vae, clips):
+    """Every chunk's tile inputs in the order ComfyUI's decode asks for them (`tiled_decode` row by row, from
+    ComfyUI's own `split_tiles`); untiled, the chunks themselves."""
+    if not vae.tiling:
+        return list(clips)
+    ratio, units = vae.vae_ratio, []
+    for clip in clips:
+        ys, xs = (vae.split_tiles(n * ratio) for n in clip.shape[-2:])
+        units += spatial_tiles(clip, list(zip(ys[0], ys[1])), list(zip(xs[0], xs[1])), ratio)
+    return units
+
+
+def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
+    """ComfyUI's decode_temporal with its tile decodes served by a RoundRobinDecoder."""
+    decoder = RoundRobinDecoder(units, _local_decode(vae._decode_pixels), group)
+    had_own = "_decode_pixels" in vae.__dict__
+    vae._decode_pixels = decoder.serve
     t0 = time.monotonic()
     try:
         with in_step():  # interrupts wait for the end of the decode; a failure clears every rank's cache before the next prompt
             out = original(vae, z, output_buffer)
             if not decoder.done:
                 raise TP2Error(
-                    f"{STATE.tag} the VAE decoded {decoder.served} of {len(clips)} chunks the parallel schedule made: ComfyUI's "
-                    f"temporal chunking changed. Set {ENV_PARALLEL_VAE}=0 and report this with your ComfyUI version."
+                    f"{STATE.tag} the VAE decoded {decoder.served} of {len(units)} tiles the parallel schedule made: ComfyUI's "
+                    f"temporal chunking or spatial tiling changed. Set {ENV_PARALLEL_VAE}=0 and report this with your ComfyUI version."
                 )
     finally:
         if not had_own:
-            del vae._adaptive_decode
-    shares = "; ".join(f"rank {r}: {','.join(map(str, s)) or '-'}" for r, s in enumerate(rank_shares(len(clips), group.tp_size)))
+            del vae._decode_pixels
+    shares = "; ".join(f"rank {r}: {len(s)}" for r, s in enumerate(rank_shares(len(units), group.tp_size)))
     log.info(
-        "%s VAE decode split over %d ranks: %d chunks (%s), %.2f s", STATE.tag, group.tp_size, len(clips), shares, time.monotonic() - t0
-    )
+        "%s VAE decode split over %d ranks: %d chunks, %d tiles (%s), %.2f s",
+        STATE.tag, group.tp_size, num_chunks, len(units), shares, time.monotonic() - t0,
+    )  # fmt: skip
     return out
 
 
 def _local_decode(decode):
-    """This rank's chunk decode; an OOM becomes a TP2Error so ComfyUI does not retry on this rank alone."""
+    """This rank's tile decode; an OOM becomes a TP2Error so ComfyUI does not retry on this rank alone."""
 
     def run(clip):
         try:
@@ -122,7 +138,7 @@ def _local_decode(decode):
             if not mm.is_oom(e):
                 raise
             raise TP2Error(
-                f"{STATE.tag} out of memory decoding a VAE chunk {tuple(clip.shape)} during the split decode ({e}). Free memory "
+                f"{STATE.tag} out of memory decoding a VAE tile {tuple(clip.shape)} during the split decode ({e}). Free memory "
                 f"(smaller resolution, or unload models) or set {ENV_PARALLEL_VAE}=0, then queue again."
             ) from e
 

@@ -1,16 +1,19 @@
-"""Independent decode chunks spread over TP ranks: who decodes which chunk, and the exchange that hands every rank
-every decoded chunk, in chunk order.
+"""Independent decodes spread over TP ranks: who decodes which unit, and the exchange that hands every rank every
+decoded unit, in order.
 
-A chunked video decode (the H3 VAE's temporal tiling) decodes chunks 0..n-1 one after another and blends each
-into the previous one; the decodes themselves are independent. `RoundRobinDecoder` decodes chunk i on rank
-i % tp_size, a round of tp_size chunks at a time, and broadcasts each decoded chunk from its owner, so every rank
+A chunked, tiled video decode (the H3 VAE: temporal chunks, each decoded in spatial tiles) decodes its tiles one
+after another and blends each into its neighbours; the tile decodes themselves are independent. The units dealt
+out are every chunk's tiles in one list, in the order the model asks for them, so the ranks get equal shares
+(84 tiles at 832x480x124: 42 each, where 7 chunks gave 4 and 3). `RoundRobinDecoder` decodes unit i on rank
+i % tp_size, a round of tp_size units at a time, and broadcasts each decoded unit from its owner, so every rank
 can run the model's own serial blend on exactly the tensors a single-rank decode would have made.
 
-    clips = temporal_chunks(z, pad, n, size, overlap)   chunk inputs, cut as the H3 VAE cuts them
-    dec = RoundRobinDecoder(clips, decode, tp)   decode(clip) -> decoded chunk
-    dec.serve(clip)                              the next chunk's decode; `clip` must equal clips[next]
+    clips = temporal_chunks(z, pad, n, size, overlap)       chunk inputs, cut as the H3 VAE cuts them
+    units = spatial_tiles(clip, y_tiles, x_tiles, ratio)    one chunk's tile inputs, cut as its tiled decode cuts them
+    dec = RoundRobinDecoder(units, decode, tp)               decode(unit) -> decoded unit
+    dec.serve(unit)                                          the next unit's decode; `unit` must equal units[next]
 
-Memory: at most one round (tp_size decoded chunks) is held at a time. Imports torch only; never `comfy`.
+Memory: at most one round (tp_size decoded units) is held at a time. Imports torch only; never `comfy`.
 """
 
 from __future__ import annotations
@@ -31,21 +34,27 @@ def temporal_chunks(z: torch.Tensor, pad_tokens: int, num_chunks: int, chunk_siz
     return [z[:, :, i * chunk_size : i * chunk_size + chunk_size + overlap] for i in range(num_chunks)]
 
 
+def spatial_tiles(clip: torch.Tensor, y_tiles: list[tuple[int, int]], x_tiles: list[tuple[int, int]], ratio: int) -> list[torch.Tensor]:
+    """The latent inputs of a spatially tiled decode of `clip` [..., H, W], row by row: each tile given in pixels as
+    (start, length), `ratio` pixels per latent cell (views, no copies)."""
+    return [clip[..., y // ratio : y // ratio + h // ratio, x // ratio : x // ratio + w // ratio] for y, h in y_tiles for x, w in x_tiles]
+
+
 def chunk_owner(index: int, tp_size: int) -> int:
-    """The rank that decodes chunk `index`."""
+    """The rank that decodes unit `index`."""
     return index % tp_size
 
 
 def rank_shares(num_chunks: int, tp_size: int) -> list[list[int]]:
-    """Each rank's chunk indices, in rank order."""
+    """Each rank's unit indices, in rank order."""
     return [[i for i in range(num_chunks) if chunk_owner(i, tp_size) == r] for r in range(tp_size)]
 
 
 class RoundRobinDecoder:
-    """Serve chunk decodes in order 0..n-1; chunk i is decoded on rank i % tp_size, then broadcast from it.
+    """Serve unit decodes in order 0..n-1; unit i is decoded on rank i % tp_size, then broadcast from it.
 
-    Contract per round of tp_size chunks: forward: each rank decodes at most one chunk, then one broadcast per
-    chunk from its owner (over `tp`); every rank ends the round with the same decoded tensors.
+    Contract per round of tp_size units: forward: each rank decodes at most one unit, then one broadcast per unit
+    from its owner (over `tp`); every rank ends the round with the same decoded tensors.
     """
 
     def __init__(self, clips: list[torch.Tensor], decode: Callable[[torch.Tensor], torch.Tensor], tp: TPGroup):
@@ -58,14 +67,14 @@ class RoundRobinDecoder:
         return self.served == len(self.clips)
 
     def serve(self, clip: torch.Tensor) -> torch.Tensor:
-        """The decode of the next chunk, checked to be the chunk the model passes (fail closed, never a wrong video)."""
+        """The decode of the next unit, checked to be the input the model passes (fail closed, never a wrong video)."""
         i = self.served
         if i >= len(self.clips) or clip.shape != self.clips[i].shape or not torch.equal(clip, self.clips[i]):
             raise ChunkingChangedError(
-                f"[tp2 r{self.tp.tp_rank}/{self.tp.tp_size}] the VAE asked for decode chunk {i} with input {tuple(clip.shape)}, "
-                f"but the parallel schedule cut the latent into {len(self.clips)} chunks and chunk {i} differs "
-                f"{'(there is none)' if i >= len(self.clips) else tuple(self.clips[i].shape)}: ComfyUI's temporal chunking "
-                "changed. Set TP2_PARALLEL_VAE=0 (decode on each rank alone) and report this with your ComfyUI version."
+                f"[tp2 r{self.tp.tp_rank}/{self.tp.tp_size}] the VAE asked for decode {i} with input {tuple(clip.shape)}, "
+                f"but the parallel schedule cut the latent into {len(self.clips)} decodes and decode {i} differs "
+                f"{'(there is none)' if i >= len(self.clips) else tuple(self.clips[i].shape)}: ComfyUI's temporal chunking or "
+                "spatial tiling changed. Set TP2_PARALLEL_VAE=0 (decode on each rank alone) and report this with your ComfyUI version."
             )
         if i % self.tp.tp_size == 0:
             self._decode_round(i)

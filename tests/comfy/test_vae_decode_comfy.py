@@ -78,7 +78,7 @@ def log_text(server: Server) -> str:
 @pytest.mark.parametrize(
     "t, frames, line",
     [
-        (17, 56, "VAE decode split over 2 ranks: 3 chunks (rank 0: 0,2; rank 1: 1)"),  # 3 chunks: rank 0 decodes two
+        (17, 56, "VAE decode split over 2 ranks: 3 chunks, 3 tiles (rank 0: 2; rank 1: 1)"),  # one tile per chunk: rank 0 decodes two
         (7, 22, "VAE decode: latent of 7 frames is one chunk, nothing to split: decoding on this rank alone"),
     ],
 )

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 H_LAT, W_LAT = 17, 4  # 272 x 64 pixels: two spatial tiles (256 px) per chunk, so ComfyUI's tiled decode runs too
+TILES_PER_CHUNK = 2
 
 
 def _import_pack():
@@ -69,9 +70,9 @@ def _rank(tp_rank, tp_size, lengths, extra_cases):
 
     vae = h3_vae.MiniMaxH3VideoVAE().eval()
     fixture.init_weights(vae, seed=0)
-    calls = []  # chunk decodes this rank really ran
-    original_adaptive = h3_vae.MiniMaxH3VideoVAE._adaptive_decode
-    h3_vae.MiniMaxH3VideoVAE._adaptive_decode = lambda self, z: calls.append(z.shape[2]) or original_adaptive(self, z)
+    calls = []  # tile decodes this rank really ran
+    original_pixels = h3_vae.MiniMaxH3VideoVAE._decode_pixels
+    h3_vae.MiniMaxH3VideoVAE._decode_pixels = lambda self, z: calls.append(z.shape[2]) or original_pixels(self, z)
 
     def latent(t, shift=0.0):
         return torch.randn(1, 24, t, H_LAT, W_LAT, generator=torch.Generator().manual_seed(t)) + shift
@@ -111,8 +112,9 @@ def _extra_case(case, tp_rank, vae, vd, latent, refs, messages, CURRENT, STATE):
 
 
 def _check(outs, tp_size, expected):
-    """Every rank: equal to the unsplit decode, byte-identical to rank 0, the chunk decodes it owns and no more."""
+    """Every rank: equal to the unsplit decode, byte-identical to rank 0, the tile decodes it owns and no more."""
     for t, chunks, fallback in expected:
+        tiles = chunks * TILES_PER_CHUNK
         per_rank = [next(o for o in outs[r] if o[0] == t) for r in range(tp_size)]
         for r, (_, equal, digest, ran, msgs, std) in enumerate(per_rank):
             assert equal, f"tp_size {tp_size}, T={t}: rank {r} differs from the single-process decode"
@@ -120,16 +122,16 @@ def _check(outs, tp_size, expected):
             assert std > 0.05, "decoded frames are (nearly) constant: the test could not see a wrong chunk"
             if fallback:
                 assert any("nothing to split: decoding on this rank alone" in m for m in msgs), msgs
-                assert ran == chunks
+                assert ran == tiles
             else:
-                shares = [list(range(r, chunks, tp_size)) for r in range(tp_size)]
-                assert ran == len(shares[r]), f"rank {r} ran {ran} chunk decodes, its share is {shares[r]}"
-                line = "; ".join(f"rank {q}: {','.join(map(str, s)) or '-'}" for q, s in enumerate(shares))
-                assert any(f"VAE decode split over {tp_size} ranks: {chunks} chunks ({line})" in m for m in msgs), msgs
+                shares = [list(range(r, tiles, tp_size)) for r in range(tp_size)]
+                assert ran == len(shares[r]), f"rank {r} ran {ran} tile decodes, its share is {shares[r]}"
+                line = "; ".join(f"rank {q}: {len(s)}" for q, s in enumerate(shares))
+                assert any(f"VAE decode split over {tp_size} ranks: {chunks} chunks, {tiles} tiles ({line})" in m for m in msgs), msgs
 
 
 def test_split_decode_equals_single_process_two_ranks():
-    # T=7: one chunk (fallback); 8: two chunks (4 pad tokens); 17: three (odd, a one-chunk last round); 25: five
+    # T=7: one chunk (fallback); 8: two chunks (4 pad tokens), 4 tiles; 17: three chunks, 6 tiles; 25: five, 10
     outs = values(run_ranks(_rank, 2, [7, 8, 17, 25], ["mismatch", "alone"], timeout_s=30))
     _check(outs, 2, [(7, 1, True), (8, 2, False), (17, 3, False), (25, 5, False)])
     for r in range(2):
@@ -143,6 +145,6 @@ def test_split_decode_equals_single_process_two_ranks():
 
 
 def test_split_decode_equals_single_process_three_ranks():
-    # T=8: two chunks on three ranks (rank 2 decodes none); 17: three; 22: four (a one-chunk last round)
+    # T=8: two chunks = four tiles on three ranks (rank 0 decodes two); 17: three chunks, six tiles; 22: four, eight
     outs = values(run_ranks(_rank, 3, [8, 17, 22], [], timeout_s=30))
     _check(outs, 3, [(8, 2, False), (17, 3, False), (22, 4, False)])
