@@ -98,6 +98,7 @@ def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], ide
             free / 1e9, os.path.dirname(out), need / 1e9, os.path.basename(out),
         )  # fmt: skip
         return False
+    log.info("rank cache: cutting this rank's slices of %s into %s (%.1f GB, once)", os.path.basename(source), out, need / 1e9)
     t0 = time.monotonic()
     with TensorReader(source) as reader:
         # nvfp4 block scales: their local shape is known once cut (swizzle padding), so they are cut first and held
