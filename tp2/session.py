@@ -153,15 +153,15 @@ class TPSession:
         polls = 0
         while True:
             present = self._store_op(timeout_s, lambda s: [s.check([k]) for k in keys])
-            if all(present):
-                break
             why = abort() if abort is not None else None
             if why:
                 self.stop_run(why)
             stop = self.watcher.stop_reason() or why
-            if stop:
+            if stop:  # before taking "all present" as arrival: a peer that sees the stop takes its key back
                 self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
                 raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {stop}")
+            if all(present):
+                break
             missing = [r for r, ok in enumerate(present) if not ok]
             polls += 1
             past = time.monotonic() > deadline
@@ -173,7 +173,13 @@ class TPSession:
                 self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
                 self._give_up(key, run, finished, missing, timeout_s)
             time.sleep(POLL_S)
-        everyone = [json.loads(v) for v in self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])]
+        try:
+            everyone = [json.loads(v) for v in self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])]
+        except (RuntimeError, dist.DistError):  # a peer took its key back between our check and our read: it saw a stop
+            why = self.watcher.stop_reason() or (self.watcher.read_stop(run) if run is not None else None)
+            if why:
+                raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}") from None
+            raise
         if self._store_op(timeout_s, lambda s: s.add(f"{base}/read", 1)) == self.env.tp_size:
             self._store_op(timeout_s, lambda s: [s.delete_key(k) for k in (*keys, f"{base}/read")])
         compare_fields(everyone, self.tag, f"prompt '{key}'", skip_prefix=_PRIVATE)  # the same verdict on every rank
