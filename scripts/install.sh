@@ -45,6 +45,21 @@ resolve_comfyui "$COMFYUI_ARG"
 say "ComfyUI: $COMFYUI ($COMFYUI_FROM)"
 PY="${PYTHON:-python3}"
 
+free_gib() {  # GiB free on the filesystem holding $1 (or the nearest folder above it that exists)
+  local d=$1; while [[ ! -e "$d" ]]; do d="$(dirname "$d")"; done
+  df -Pk "$d" | awk 'NR == 2 { printf "%.1f", $4 / 1048576 }'
+}
+have_torch() { [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "import torch, torchvision, torchaudio" 2>/dev/null; }
+free="$(free_gib "$VENV")"
+if ! have_torch && awk -v f="$free" 'BEGIN { exit !(f < 8) }'; then  # torch's CUDA build ~5.6 GB, ComfyUI's requirements ~1.3 GB
+  say "ERROR: $free GiB free on the disk of $VENV; installing needs about 8 GiB (torch's CUDA build alone is ~5.6 GB)."
+  say "Free some space there, or put the virtualenv on a disk with room: --venv DIR (or \$TP2_VENV)."
+  exit 1
+elif awk -v f="$free" 'BEGIN { exit !(f < 1.5) }'; then
+  say "WARNING: only $free GiB free on the disk of $VENV: a missing requirement may not fit (ComfyUI's are ~1.3 GB in all)"
+fi
+say "disk: $free GiB free for $VENV"
+
 if [[ ! -x "$VENV/bin/python" ]]; then
   say "creating virtualenv $VENV"
   "$PY" -m venv "$VENV"
@@ -57,7 +72,7 @@ pip_quiet() {  # pip, minus the noise of local index mirrors that some machines 
   "$VPY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 
-if "$VPY" -c "import torch, torchvision, torchaudio" 2>/dev/null; then
+if have_torch; then
   say "torch $("$VPY" -c 'import torch; print(torch.__version__)'): already there"
 else
   say "installing $TORCH_SPEC (+ torchaudio 2.11.1)"

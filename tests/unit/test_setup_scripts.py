@@ -146,3 +146,23 @@ def test_submit_without_aiohttp_or_venv_says_what_to_do(tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     assert f"there is no virtualenv at {tmp_path}/no-venv/bin/python" in res.stderr and "Run scripts/install.sh" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB filesystem (tmpfs), for the disk check; skipped where this user cannot mount one."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root): the disk check is not exercised")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_install_on_a_disk_without_room_stops_first_and_says_so(pack, tmp_path, small_disk):
+    comfy = stand_in_comfyui(tmp_path / "ComfyUI")
+    res = run(["bash", str(pack / "scripts" / "install.sh"), "--venv", str(small_disk / "venv"), "--comfyui", comfy], tmp_path, pack)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"GiB free on the disk of {small_disk}/venv; installing needs about 8 GiB" in res.stdout, res.stdout
+    assert "--venv DIR" in res.stdout
+    assert not (small_disk / "venv").exists(), "the virtualenv was created before the disk check refused"
