@@ -53,6 +53,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_SP_PIECES", "int", "1", "the sequence in N pieces, collectives overlapped", low=1, high=16, launcher=True),
         Setting("TP2_SP_CHUNK_ROWS", "int", "16384", "rows per chunk of the MLP at long sequences", low=2),
         Setting("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
+        Setting("TP2_HOST_PREFAULT", "bool", "1", "the video decode's host output is paged in ahead, beside the decode"),
         Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
         Setting("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
         Setting("TP2_CAPACITY_CHECK", "bool", "1", "a prompt predicted not to fit in GPU memory is refused before sampling"),

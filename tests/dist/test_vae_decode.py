@@ -53,6 +53,10 @@ def _rank(tp_rank, tp_size, lengths, extra_cases):
 
     fixture, vd = _import_pack()
     import comfy.ldm.minimax.vae as h3_vae
+    import tp2pack.tp2.host_prefault as host_prefault
+
+    host_prefault.MIN_BYTES = 0  # these small CPU videos' host buffers are paged in ahead too, so the tests see it
+    vd.PREFAULT_CPU_DECODES = True
     from tp2pack.nodes.lockstep import CURRENT
     from tp2pack.nodes.state import STATE
     from tp2pack.tp2.collectives import read_tp_env
@@ -66,7 +70,7 @@ def _rank(tp_rank, tp_size, lengths, extra_cases):
     handler = logging.Handler()
     handler.emit = lambda rec: messages.append(rec.getMessage())
     logging.getLogger("minimax_h3_tp2").addHandler(handler)
-    logging.getLogger("minimax_h3_tp2").setLevel(logging.INFO)
+    logging.getLogger("minimax_h3_tp2").setLevel(logging.DEBUG)
 
     vae = h3_vae.MiniMaxH3VideoVAE().eval()
     fixture.init_weights(vae, seed=0)
@@ -88,6 +92,10 @@ def _rank(tp_rank, tp_size, lengths, extra_cases):
             got = vae.decode(latent(t))
             frames = got.contiguous().numpy().tobytes()
             out.append((t, torch.equal(got, refs[t]), hashlib.sha256(frames).hexdigest(), len(calls), list(messages), got.std().item()))
+        del messages[:]
+        buffer = torch.empty(vae.decode_output_shape(latent(17).shape))  # ComfyUI's VAE.decode passes its own
+        got = vae.decode(latent(17), output_buffer=buffer)
+        out.append(("buffer", got is buffer, torch.equal(buffer, refs[17]), list(messages)))
         for case in extra_cases:
             out.append(_extra_case(case, tp_rank, vae, vd, latent, refs, messages, CURRENT, STATE))
     return out
@@ -113,6 +121,10 @@ def _extra_case(case, tp_rank, vae, vd, latent, refs, messages, CURRENT, STATE):
 
 def _check(outs, tp_size, expected):
     """Every rank: equal to the unsplit decode, byte-identical to rank 0, the tile decodes it owns and no more."""
+    for r in range(tp_size):
+        case, same, equal, msgs = next(o for o in outs[r] if o[0] == "buffer")
+        assert same and equal, f"rank {r}: the decode did not fill the output buffer it was given with the single-process video"
+        assert any("video decode's host output: " in m and "MB paged in ahead in" in m for m in msgs), msgs
     for t, chunks, fallback in expected:
         tiles = chunks * TILES_PER_CHUNK
         per_rank = [next(o for o in outs[r] if o[0] == t) for r in range(tp_size)]
@@ -135,9 +147,9 @@ def test_split_decode_equals_single_process_two_ranks():
     outs = values(run_ranks(_rank, 2, [7, 8, 17, 25], ["mismatch", "alone"], timeout_s=30))
     _check(outs, 2, [(7, 1, True), (8, 2, False), (17, 3, False), (25, 5, False)])
     for r in range(2):
-        case, kind, msg = outs[r][4]
+        case, kind, msg = next(o for o in outs[r] if o[0] == "mismatch")
         assert (case, kind) == ("mismatch", "RankMismatchError") and "'latent' (rank 0: " in msg, msg
-    case, equal, msgs = outs[0][5]
+    case, equal, msgs = next(o for o in outs[0] if o[0] == "alone")
     assert equal, "rank 0 alone: the local fallback decode differs"
     assert any(
         "rank(s) 1 did not reach 'prompt-alone/vae-decode1'" in m and "decoding the whole video on this rank alone" in m for m in msgs
