@@ -72,14 +72,17 @@ def cache_file(cache_dir: str, source: str, source_fp: str, plan_fp: str, tp_ran
 
 def _remove_stale(out: str) -> None:
     """Delete this rank's cache files of an earlier version of the same checkpoint name (same rank and tp_size,
-    another fingerprint or plan): a replaced checkpoint would otherwise leave its slices on disk for good."""
+    another fingerprint or plan), and any half-written `.partial` of them or of `out` (a cut that was stopped): a
+    replaced checkpoint or a stopped cut would otherwise leave gigabytes on disk for good, and count against the
+    room for this cut."""
     folder, name = os.path.split(out)
     m = _CACHE_NAME.fullmatch(name)
-    same = re.compile(re.escape(m["stem"]) + r"\.[0-9a-f]{12}\.[0-9a-f]{12}" + re.escape(m["tail"]))
+    same = re.compile(re.escape(m["stem"]) + r"\.[0-9a-f]{12}\.[0-9a-f]{12}" + re.escape(m["tail"]) + r"(\.partial)?")
     for other in os.listdir(folder):
         if other != name and same.fullmatch(other):
             os.remove(os.path.join(folder, other))
-            log.info("rank cache: removed %s (cut from an earlier version of %s)", other, m["stem"])
+            why = "a cut that was stopped before it ended" if other.endswith(".partial") else f"cut from an earlier version of {m['stem']}"
+            log.info("rank cache: removed %s (%s)", other, why)
 
 
 def _nbytes(tensors: dict[str, TensorShard]) -> int:

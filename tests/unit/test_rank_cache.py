@@ -132,8 +132,30 @@ def test_an_earlier_versions_cache_file_is_removed_when_a_new_one_is_cut(tiny_in
     stale = f"{stem}.{'a' * 12}.{'b' * 12}.tp2-rank0.safetensors"  # another checkpoint version, same rank and size
     other_rank = f"{stem}.{'a' * 12}.{'b' * 12}.tp2-rank1.safetensors"
     other_model = f"other.{'a' * 12}.{'b' * 12}.tp2-rank0.safetensors"
-    for name in (stale, other_rank, other_model):
+    for name in (stale, other_rank, other_model, stale + ".partial"):
         open(os.path.join(folder, name), "wb").close()
     open_rank_shard(tiny_int8, 0, 2, cache, load_file)
     left = _cache_files(cache)
     assert stale not in left and other_rank in left and other_model in left and len(left) == 3, left
+
+
+def test_a_stopped_cut_leaves_nothing_behind_once_the_next_cut_runs(tiny_int8, tmp_path, monkeypatch, caplog):
+    cache = str(tmp_path / "cache")
+
+    def stopped(path, pending, metadata, digests_key):  # the process ended mid-write: only the .partial is left
+        with open(path + ".partial", "wb") as f:
+            f.write(b"\0" * 4096)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rank_cache, "write_streaming", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        open_rank_shard(tiny_int8, 0, 2, cache, load_file)
+    (partial,) = _cache_files(cache)
+    assert partial.endswith(".tp2-rank0.safetensors.partial")
+    monkeypatch.undo()
+    monkeypatch.setenv("TP2_CACHE_DIR", str(tmp_path / "verified"))
+    with caplog.at_level(logging.INFO, logger="tp2.rank_cache"):
+        shard = open_rank_shard(tiny_int8, 0, 2, cache, load_file)
+    assert shard.origin.startswith("rank cache ")
+    assert _cache_files(cache) == [partial[: -len(".partial")]]
+    assert any("a cut that was stopped before it ended" in r.getMessage() for r in caplog.records), caplog.text
