@@ -36,7 +36,7 @@ from . import __version__
 from .checkpoint import CheckpointLayout
 from .errors import ShardMismatchError
 from .plan import Plan, TensorShard, resolve_plan
-from .safetensors_io import DTYPES, PendingTensor, TensorReader, file_fingerprint, read_header, tensor_digest, write_streaming
+from .safetensors_io import IO_WORKERS, DTYPES, PendingTensor, TensorReader, file_fingerprint, ordered_map, read_header, tensor_digest, write_streaming
 from .shard import (
     META_DIGESTS,
     META_PLAN,
@@ -112,7 +112,7 @@ def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], ide
             else PendingTensor(n, DTYPES[ts.dtype], tuple(ts.local_shape), lambda n=n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size))
             for n, ts in tensors.items()
         ]
-        write_streaming(out, pending, {**identity, META_VERSION: __version__}, digests_key=META_DIGESTS)
+        write_streaming(out, pending, {**identity, META_VERSION: __version__}, digests_key=META_DIGESTS, workers=IO_WORKERS)
     remember_verified(out, read_header(out).metadata[META_DIGESTS])  # hashed as written: the first load needs no re-read
     log.info("rank cache: wrote %s (%.2f GB) in %.1f s", out, need / 1e9, time.monotonic() - t0)
     return True
@@ -132,8 +132,9 @@ def load_cache_file(path: str, tensors: dict[str, TensorShard], identity: dict[s
     if not verified_before(path, md[META_DIGESTS]):
         t0, digests = time.monotonic(), json.loads(md[META_DIGESTS])
         with TensorReader(path) as reader:
-            for tname in tensors:
-                if digests.get(tname) != tensor_digest(reader.read(tname)):
+            names = list(tensors)  # read and hashed on IO_WORKERS threads at once
+            for digest, tname in zip(ordered_map(lambda n: tensor_digest(reader.read(n)), names), names):
+                if digests.get(tname) != digest:
                     raise ShardMismatchError(f"rank cache file '{name}': the data of tensor '{tname}' does not match its digest (the file is damaged)")
         remember_verified(path, md[META_DIGESTS])
         log.info("rank cache: checked %d tensors of %s against their digests in %.1f s", len(tensors), name, time.monotonic() - t0)

@@ -2,20 +2,27 @@
 
 Owns the byte-level view of a `.safetensors` file. Reads go through `os.pread` into buffers that
 this process owns (not an mmap), so a rank that takes half of a 20 GB checkpoint never has the other
-half resident, and its peak RSS is what it keeps plus one read chunk. Writes stream one tensor at a
-time, so neither the pre-sharder nor the synthetic generator holds a whole file.
+half resident, and its peak RSS is what it keeps plus one read chunk per reading thread. Writes stream
+one tensor at a time, so neither the pre-sharder nor the synthetic generator holds a whole file.
+
+Reading, hashing and writing release the GIL, so `ordered_map` runs them on IO_WORKERS threads: the
+reads and digests of the next tensors while this one is written (`write_streaming(..., workers=N)`), and
+several tensors read and checked at once (tp2.shard, tp2.rank_cache). Results keep their order.
 
 Imports torch only; never `comfy`.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +47,33 @@ DTYPE_CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 # Rows are read in chunks of about this many bytes when only some columns are kept.
 READ_CHUNK_BYTES = 16 << 20
+# Threads that read, hash and cut tensors at once (each holds at most one tensor and one read chunk).
+IO_WORKERS = max(4, min(8, os.cpu_count() or 1))  # 4 even on fewer cores: reads and page faults overlap
+
+
+def ordered_map(fn: Callable, items: Iterable, workers: int = IO_WORKERS) -> Iterator:
+    """fn(item) for every item, in order, computed on up to `workers` threads and at most `workers` items ahead of
+    the consumer (so at most that many results are held besides the one being used). workers <= 1: in this thread.
+    An exception in fn is raised at its item; the items after it are cancelled or waited for."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    it, pending = iter(items), collections.deque()
+    with ThreadPoolExecutor(workers, thread_name_prefix="tp2-io") as pool:
+        try:
+            for item in it:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= workers:
+                    break
+            while pending:
+                result = pending.popleft().result()
+                for item in it:
+                    pending.append(pool.submit(fn, item))
+                    break
+                yield result
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 @dataclass(frozen=True)
@@ -128,7 +162,7 @@ class TensorReader:
     def __init__(self, path: str):
         self.header = read_header(path)
         self._fd = os.open(path, os.O_RDONLY)
-        self._chunk: torch.Tensor | None = None  # reused by read_cols
+        self._local = threading.local()  # each thread's read_cols buffer (pread is safe from several threads)
 
     def __enter__(self) -> TensorReader:
         return self
@@ -140,7 +174,7 @@ class TensorReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        self._chunk = None
+        self._local = threading.local()
 
     def _read_into(self, info: TensorInfo, start: int, out: torch.Tensor) -> torch.Tensor:
         """Fill the contiguous tensor `out` with the bytes at `start` (relative to the tensor's data)."""
@@ -163,8 +197,8 @@ class TensorReader:
     def read_cols(self, name: str, col_start: int, col_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Columns [col_start, col_end) of a 2-D tensor: whole rows are read in chunks into one reused buffer.
 
-        The buffer lives as long as the reader, so slicing a 20 GB file allocates it once instead of
-        fragmenting the heap with a temporary per chunk.
+        The buffer (one per reading thread) lives as long as the reader, so slicing a 20 GB file allocates it
+        once instead of fragmenting the heap with a temporary per chunk.
         """
         info = self.header.tensors[name]
         rows, cols = info.shape
@@ -172,11 +206,12 @@ class TensorReader:
             out = torch.empty((rows, col_end - col_start), dtype=info.torch_dtype)
         row_bytes = max(1, cols * info.itemsize)
         rows_per_chunk = max(1, READ_CHUNK_BYTES // row_bytes)
-        if self._chunk is None or self._chunk.numel() < rows_per_chunk * row_bytes:
-            self._chunk = torch.empty(max(READ_CHUNK_BYTES, row_bytes), dtype=torch.uint8)
+        chunk = getattr(self._local, "chunk", None)
+        if chunk is None or chunk.numel() < rows_per_chunk * row_bytes:
+            chunk = self._local.chunk = torch.empty(max(READ_CHUNK_BYTES, row_bytes), dtype=torch.uint8)
         for r in range(0, rows, rows_per_chunk):
             r_end = min(rows, r + rows_per_chunk)
-            buf = self._chunk[: (r_end - r) * row_bytes].view(info.torch_dtype).view(r_end - r, cols)
+            buf = chunk[: (r_end - r) * row_bytes].view(info.torch_dtype).view(r_end - r, cols)
             out[r:r_end] = self.read_rows(name, r, r_end, out=buf)[:, col_start:col_end]
         return out
 
@@ -212,16 +247,29 @@ def write_streaming(
     metadata: dict[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
     digests_key: str | None = None,
+    workers: int = 1,
 ) -> None:
     """Write a safetensors file one tensor at a time (the header is computed from the layouts first).
 
     With `digests_key`, the metadata gets that key holding every tensor's `tensor_digest` as JSON: the header is
     written with placeholders of the same length and rewritten once the data is out. Writes to `path +
-    ".partial"` and renames at the end, so a crash never leaves a file that looks complete.
+    ".partial"` and renames at the end, so a crash never leaves a file that looks complete. `workers` > 1: the
+    next tensors are produced (and hashed) on that many threads while this one is written; only for `produce`
+    functions that may run on any thread in any order (reads of a file, not a shared random generator).
     """
 
     def header_blob(digests: dict[str, str]) -> bytes:
         return _header_blob(tensors, metadata, digests_key, digests)
+
+    def produced(t: PendingTensor) -> tuple[torch.Tensor, str | None]:
+        data = t.produce()
+        if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
+            raise ValueError(
+                f"Tensor '{t.name}' was declared {t.dtype} {list(t.shape)} but produced "
+                f"{data.dtype} {list(data.shape)}: the writer's plan and its data disagree."
+            )
+        data = data.contiguous()
+        return data, tensor_digest(data) if digests_key is not None else None
 
     digests = {t.name: "0" * DIGEST_CHARS for t in tensors}
     blob = header_blob(digests)
@@ -229,17 +277,12 @@ def write_streaming(
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for i, t in enumerate(tensors):
-            data = t.produce()
-            if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
-                raise ValueError(
-                    f"Tensor '{t.name}' was declared {t.dtype} {list(t.shape)} but produced "
-                    f"{data.dtype} {list(data.shape)}: the writer's plan and its data disagree."
-                )
-            raw = data.contiguous().reshape(-1).view(torch.uint8).numpy()
-            if digests_key is not None:
-                digests[t.name] = tensor_digest(data)
-            f.write(raw.tobytes())
+        for i, (data, digest) in enumerate(ordered_map(produced, tensors, workers)):
+            t = tensors[i]
+            if digest is not None:
+                digests[t.name] = digest
+            f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # no copy
+            del data
             if progress is not None:
                 progress(i + 1, len(tensors))
         if digests_key is not None:

@@ -30,7 +30,7 @@ from .checkpoint import CheckpointLayout
 from .errors import PlanError, ShardMismatchError, TP2Error
 from .nvfp4 import slice_block_scales
 from .plan import RANK0, SPLIT, Plan, TensorShard, resolve_plan
-from .safetensors_io import DTYPES, PendingTensor, TensorReader, file_fingerprint, read_header, tensor_digest, write_streaming
+from .safetensors_io import IO_WORKERS, DTYPES, PendingTensor, TensorReader, file_fingerprint, ordered_map, read_header, tensor_digest, write_streaming
 from .te_plan import NVFP4_BLOCK_SCALE, nvfp4_logical_shape
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,8 @@ def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size
     """Every tensor of a plan as this rank holds it, and the file's metadata."""
     t0 = time.monotonic()
     with TensorReader(path) as reader:
-        sd = {name: read_shard_tensor(reader, tensors, name, tp_rank, tp_size) for name in tensors}
+        names = list(tensors)  # read on IO_WORKERS threads at once
+        sd = {n: t for t, n in zip(ordered_map(lambda n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size), names), names)}
         metadata = dict(reader.header.metadata)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     log.info(
@@ -199,7 +200,7 @@ def write_rank_file(source: str, out_dir: str, tp_size: int, tp_rank: int, progr
             PendingTensor(ts.name, DTYPES[ts.dtype], ts.local_shape, lambda ts=ts: read_local_tensor(reader, ts, tp_rank, tp_size))
             for ts in plan.tensors.values()
         ]
-        write_streaming(out, pending, metadata, progress, digests_key=META_DIGESTS)
+        write_streaming(out, pending, metadata, progress, digests_key=META_DIGESTS, workers=IO_WORKERS)
     return out
 
 
@@ -262,10 +263,18 @@ def load_rank_file(
     check = not verified_before(path, md[META_DIGESTS])
     t0 = time.monotonic()
     with TensorReader(path) as reader:
-        sd = {n: reader.read(n) for n in plan.tensors}
+
+        def read_and_hash(name: str) -> tuple[torch.Tensor, str | None]:
+            t = reader.read(name)
+            return t, tensor_digest(t) if check else None
+
+        names = list(plan.tensors)  # read and hashed on IO_WORKERS threads at once
+        sd, found = {}, {}
+        for (t, digest), n in zip(ordered_map(read_and_hash, names), names):
+            sd[n], found[n] = t, digest
     if check:
-        for n, t in sd.items():
-            if digests.get(n) != tensor_digest(t):
+        for n in sd:
+            if digests.get(n) != found[n]:
                 raise ShardMismatchError(
                     f"'{os.path.basename(path)}': the data of tensor '{n}' does not match the digest `python -m tp2.shard` "
                     "wrote: the file is damaged (disk, copy, download) or was edited. Re-run `python -m tp2.shard`."

@@ -142,7 +142,7 @@ def test_an_earlier_versions_cache_file_is_removed_when_a_new_one_is_cut(tiny_in
 def test_a_stopped_cut_leaves_nothing_behind_once_the_next_cut_runs(tiny_int8, tmp_path, monkeypatch, caplog):
     cache = str(tmp_path / "cache")
 
-    def stopped(path, pending, metadata, digests_key):  # the process ended mid-write: only the .partial is left
+    def stopped(path, pending, metadata, **_):  # the process ended mid-write: only the .partial is left
         with open(path + ".partial", "wb") as f:
             f.write(b"\0" * 4096)
         raise KeyboardInterrupt
