@@ -36,7 +36,17 @@ from . import __version__
 from .checkpoint import CheckpointLayout
 from .errors import ShardMismatchError
 from .plan import Plan, TensorShard, resolve_plan
-from .safetensors_io import IO_WORKERS, DTYPES, PendingTensor, TensorReader, file_fingerprint, ordered_map, read_header, tensor_digest, write_streaming
+from .safetensors_io import (
+    DTYPES,
+    IO_WORKERS,
+    PendingTensor,
+    TensorReader,
+    file_fingerprint,
+    ordered_map,
+    read_header,
+    tensor_digest,
+    write_streaming,
+)
 from .shard import (
     META_DIGESTS,
     META_PLAN,
@@ -109,7 +119,9 @@ def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], ide
         pending = [
             PendingTensor(n, scales[n].dtype, tuple(scales[n].shape), lambda n=n: scales.pop(n))
             if n in scales
-            else PendingTensor(n, DTYPES[ts.dtype], tuple(ts.local_shape), lambda n=n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size))
+            else PendingTensor(
+                n, DTYPES[ts.dtype], tuple(ts.local_shape), lambda n=n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size)
+            )
             for n, ts in tensors.items()
         ]
         write_streaming(out, pending, {**identity, META_VERSION: __version__}, digests_key=META_DIGESTS, workers=IO_WORKERS)
@@ -128,14 +140,18 @@ def load_cache_file(path: str, tensors: dict[str, TensorShard], identity: dict[s
     for tname, ts in tensors.items():
         info = header.tensors[tname]
         if info.dtype != ts.dtype or (ts.kind != NVFP4_BLOCK_SCALE and tuple(info.shape) != tuple(ts.local_shape)):
-            raise ShardMismatchError(f"rank cache file '{name}': tensor '{tname}' is {info.dtype} {list(info.shape)}, the plan wants {ts.dtype} {list(ts.local_shape)}")
+            raise ShardMismatchError(
+                f"rank cache file '{name}': tensor '{tname}' is {info.dtype} {list(info.shape)}, the plan wants {ts.dtype} {list(ts.local_shape)}"
+            )
     if not verified_before(path, md[META_DIGESTS]):
         t0, digests = time.monotonic(), json.loads(md[META_DIGESTS])
         with TensorReader(path) as reader:
             names = list(tensors)  # read and hashed on IO_WORKERS threads at once
             for digest, tname in zip(ordered_map(lambda n: tensor_digest(reader.read(n)), names), names):
                 if digests.get(tname) != digest:
-                    raise ShardMismatchError(f"rank cache file '{name}': the data of tensor '{tname}' does not match its digest (the file is damaged)")
+                    raise ShardMismatchError(
+                        f"rank cache file '{name}': the data of tensor '{tname}' does not match its digest (the file is damaged)"
+                    )
         remember_verified(path, md[META_DIGESTS])
         log.info("rank cache: checked %d tensors of %s against their digests in %.1f s", len(tensors), name, time.monotonic() - t0)
     sd = read_all(path)
@@ -194,4 +210,6 @@ def open_rank_shard(path: str, tp_rank: int, tp_size: int, cache_dir: str | None
         return RankShard(sd, metadata, plan, file_fingerprint(read_header(path)), None, origin)
     expected = None if is_rank_file(path) else file_fingerprint(read_header(path))
     sd, metadata, plan = load_rank_file(rank_path, tp_rank, tp_size, expected_source=expected)
-    return RankShard(sd, without_pack_metadata(metadata), plan, metadata[META_SOURCE], rank_path, f"rank file {os.path.basename(rank_path)}")
+    return RankShard(
+        sd, without_pack_metadata(metadata), plan, metadata[META_SOURCE], rank_path, f"rank file {os.path.basename(rank_path)}"
+    )

@@ -57,8 +57,16 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
         Setting("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
         Setting("TP2_CAPACITY_CHECK", "bool", "1", "a prompt predicted not to fit in GPU memory is refused before sampling"),
-        Setting("TP2_CACHE_DIR", "path", None, "where checked rank files are remembered, and the rank cache", shown="~/.cache/minimax-h3-tp2"),
-        Setting("TP2_RANK_CACHE", "choice", "auto", "a rank's slices cut once to disk, then mapped (auto: with dynamic VRAM)", ("auto", "on", "off")),
+        Setting(
+            "TP2_CACHE_DIR", "path", None, "where checked rank files are remembered, and the rank cache", shown="~/.cache/minimax-h3-tp2"
+        ),
+        Setting(
+            "TP2_RANK_CACHE",
+            "choice",
+            "auto",
+            "a rank's slices cut once to disk, then mapped (auto: with dynamic VRAM)",
+            ("auto", "on", "off"),
+        ),
         Setting("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),
         Setting("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
         Setting("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once"),

@@ -30,7 +30,17 @@ from .checkpoint import CheckpointLayout
 from .errors import PlanError, ShardMismatchError, TP2Error
 from .nvfp4 import slice_block_scales
 from .plan import RANK0, SPLIT, Plan, TensorShard, resolve_plan
-from .safetensors_io import IO_WORKERS, DTYPES, PendingTensor, TensorReader, file_fingerprint, ordered_map, read_header, tensor_digest, write_streaming
+from .safetensors_io import (
+    DTYPES,
+    IO_WORKERS,
+    PendingTensor,
+    TensorReader,
+    file_fingerprint,
+    ordered_map,
+    read_header,
+    tensor_digest,
+    write_streaming,
+)
 from .te_plan import NVFP4_BLOCK_SCALE, nvfp4_logical_shape
 
 log = logging.getLogger(__name__)

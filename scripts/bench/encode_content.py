@@ -23,7 +23,10 @@ import torch
 def contents(t: int, h: int, w: int) -> dict[str, torch.Tensor]:
     yy, xx = torch.meshgrid(torch.linspace(0, 1, h), torch.linspace(0, 1, w), indexing="ij")
     smooth = torch.stack(
-        [torch.stack([torch.sin(6 * xx + 0.1 * i) * 0.5 + 0.5, torch.cos(5 * yy - 0.07 * i) * 0.5 + 0.5, (xx + yy + 0.01 * i) % 1.0], -1) for i in range(t)]
+        [
+            torch.stack([torch.sin(6 * xx + 0.1 * i) * 0.5 + 0.5, torch.cos(5 * yy - 0.07 * i) * 0.5 + 0.5, (xx + yy + 0.01 * i) % 1.0], -1)
+            for i in range(t)
+        ]
     )
     texture = 0.08 * torch.sin(80 * xx + 60 * yy)[None, ..., None]
     return {

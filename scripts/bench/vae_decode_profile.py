@@ -108,7 +108,9 @@ def main(argv=None) -> int:
     for res in a.resolutions.split(","):
         w, h = map(int, res.split("x"))
         t_lat = max(1, (a.frames - 5) // 17 * 5 + 2)  # ComfyUI's H3 VAE downscale formula (comfy/sd.py), as the decode bench
-        z = torch.randn(1, 24, t_lat, h // 16, w // 16, generator=torch.Generator().manual_seed(1)).to(device, vae.post_quant_conv.weight.dtype)
+        z = torch.randn(1, 24, t_lat, h // 16, w // 16, generator=torch.Generator().manual_seed(1)).to(
+            device, vae.post_quant_conv.weight.dtype
+        )
         profile_once(vae, z)  # warm-up
         runs = {False: [], True: []}
         for _ in range(a.reps):

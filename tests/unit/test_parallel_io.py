@@ -56,7 +56,9 @@ def test_an_error_is_raised_at_its_item():
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
-        f"t{i}": torch.randint(-128, 127, (64 + 16 * i, 48), generator=g, dtype=torch.int8) if i % 2 else torch.randn(33, 7 + i, generator=g)
+        f"t{i}": torch.randint(-128, 127, (64 + 16 * i, 48), generator=g, dtype=torch.int8)
+        if i % 2
+        else torch.randn(33, 7 + i, generator=g)
         for i in range(12)
     }
 
