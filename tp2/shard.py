@@ -15,6 +15,7 @@ Imports nothing from `comfy`.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import logging
@@ -313,18 +314,22 @@ def verified_before(path: str, digests: str) -> bool:
 
 
 def remember_verified(path: str, digests: str) -> None:
+    """Record that `path` was checked whole. The ranks of one machine share the record: the read, update and
+    replace run under an exclusive lock on `<record>.lock`, so two ranks recording at once both stay recorded."""
     cache = _cache_file()
     try:
-        with open(cache) as f:
-            known = [k for k in json.load(f) if json.loads(k)[0] != os.path.realpath(path)]
-    except (OSError, ValueError):
-        known = []
-    try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
-        tmp = f"{cache}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump([*known[-200:], _file_key(path, digests)], f)
-        os.replace(tmp, cache)
+        with open(cache + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                with open(cache) as f:
+                    known = [k for k in json.load(f) if json.loads(k)[0] != os.path.realpath(path)]
+            except (OSError, ValueError):
+                known = []
+            tmp = f"{cache}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump([*known[-200:], _file_key(path, digests)], f)
+            os.replace(tmp, cache)
     except OSError as e:  # a read-only home: the file is simply checked again next time
         log.warning("could not record that %s was checked (%s)", path, e)
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from tp2.shard import (
     slice_tensor,
     unshard_tensor,
     verify_rank_file,
+    verified_before,
     write_rank_file,
 )
 
@@ -204,3 +206,24 @@ def test_shard_cli(tiny_float, tmp_path):
     bad = _cli("tp2.shard", tiny_float, "--tp-size", "3", "--out-dir", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "heads (4) across tp_size=3: not divisible. Use tp_size 1, 2 or 4." in bad.stderr
     assert not os.path.exists(tmp_path / "bad")
+
+
+def test_ranks_recording_checks_at_once_all_stay_recorded(tmp_path, monkeypatch):
+    """Two processes (two ranks of one machine) record checked files into the shared record at the same time."""
+    files = [tmp_path / f"rank{r}_{i}.safetensors" for r in range(2) for i in range(100)]  # the record keeps 200
+    for f in files:
+        f.write_bytes(b"x")
+    go = tmp_path / "go"
+    code = (
+        "import os, sys, time; from tp2.shard import remember_verified\n"
+        "while not os.path.exists(sys.argv[1]): time.sleep(0.001)\n"  # both start writing at the same moment
+        "for p in sys.argv[2:]: remember_verified(p, 'digests')\n"
+    )
+    env = dict(os.environ, TP2_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(go), *map(str, files[r::2])], env=env) for r in range(2)]
+    time.sleep(3)  # both imported and waiting
+    go.write_text("")
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    monkeypatch.setenv("TP2_CACHE_DIR", str(tmp_path / "cache"))
+    missing = [f.name for f in files if not verified_before(str(f), "digests")]
+    assert missing == [], f"{len(missing)} of {len(files)} records lost to the other rank's writes: {missing[:5]}"
