@@ -22,8 +22,8 @@ from tp2.shard import (
     shard_state_dict,
     slice_tensor,
     unshard_tensor,
-    verify_rank_file,
     verified_before,
+    verify_rank_file,
     write_rank_file,
 )
 
