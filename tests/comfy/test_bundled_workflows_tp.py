@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 from comfy_harness import COMFYUI_DIR, ROOT, Server, assert_success, have_comfyui, output_files, run_everywhere, start_tp, stop_at_teardown
+from safetensors.torch import load
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -200,32 +201,62 @@ def test_comfyuis_r2v_template_runs_on_tp2(servers):
     assert len(videos[0]) == len(videos[1]) == 1 and videos[0] == videos[1], "the ranks' r2v MP4 files differ"
 
 
-def test_the_rank_cache_gives_the_same_video(servers, models, tmp_path_factory):
-    """TP2_RANK_CACHE=on (what 'auto' picks under ComfyUI's dynamic VRAM, which CPU servers lack): each rank cuts its
-    slices of the DiT and of the text encoder into a file once and ComfyUI maps them from there; the MP4 equals the
-    shard-on-read ranks' byte for byte, and a restarted rank maps the same files without cutting them again."""
-    root = str(tmp_path_factory.mktemp("wf_cache"))
-    cache = os.path.join(root, "cache")
+def _rank_dirs(root: str) -> str:
     for name in ("rank0", "rank1"):
         os.makedirs(os.path.join(root, name, "custom_nodes"))
         for fx in FIXTURES:
             os.symlink(os.path.join(FIXTURE_DIR, fx), os.path.join(root, name, "custom_nodes", fx))
+    return root
+
+
+def test_the_rank_cache_gives_the_same_video(models, tmp_path_factory):
+    """TP2_RANK_CACHE=on (what 'auto' picks under ComfyUI's dynamic VRAM, which CPU servers lack): each rank cuts its
+    slices of the DiT and of the text encoder into a file once and ComfyUI maps them from there; the sampler's output
+    (video and audio latents) equals the shard-on-read ranks' tensor for tensor, the cached ranks' MP4s are identical,
+    and a restarted rank maps the same files without cutting them again.
+
+    The MP4 is not compared with the shard-on-read pair's: on these CPU servers the decoded frames of one workflow
+    have differed between two runs, with or without the rank cache, while the latents matched (seen 2026-12-01 at
+    3308314 and after; cause not found). The test prints whether the frames matched."""
+    root = _rank_dirs(str(tmp_path_factory.mktemp("wf_cache")))
+    cache = os.path.join(root, "cache")
     env = dict(TP_ENV, TP2_RANK_CACHE="on", TP2_CACHE_DIR=cache)
     wf = bundled("h3_tp2_t2v_832x480", "t2v_cache")
-    reference = run_everywhere(servers[:2], wf, 600)
-    assert_success(servers[:2], reference)
+    wf["90"] = {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["8", 0]}}  # the sampler's output, saved
+    wf["91"] = {"class_type": "SaveLatent", "inputs": {"samples": ["90", 0], "filename_prefix": "latents/t2v_cache_video"}}
+    wf["92"] = {"class_type": "SaveLatent", "inputs": {"samples": ["90", 1], "filename_prefix": "latents/t2v_cache_audio"}}
+    wf["93"] = {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "frames/t2v_cache"}}
+    shard_on_read = start_tp(_rank_dirs(str(tmp_path_factory.mktemp("wf_reference"))), 2, models, TP_ENV)
+    try:
+        reference = run_everywhere(shard_on_read, wf, 600)
+        assert_success(shard_on_read, reference)
+    finally:
+        for s in shard_on_read:
+            s.stop()
     cached = start_tp(root, 2, models, env)
     try:
         histories = run_everywhere(cached, wf, 600)
         assert_success(cached, histories)
-        for s, h, ref_s, ref_h in zip(cached, histories, servers, reference):
-            mp4 = [v for k, v in output_files(s, h).items() if k.endswith(".mp4")]
-            ref = [v for k, v in output_files(ref_s, ref_h).items() if k.endswith(".mp4")]
-            assert len(mp4) == 1 and mp4 == ref, "the rank cache changed the video"
+        mp4s = []
+        for s, h, ref_s, ref_h in zip(cached, histories, shard_on_read, reference):
+            got, ref = output_files(s, h), output_files(ref_s, ref_h)
+            latents = sorted(k for k in got if k.endswith(".latent"))
+            assert len(latents) == 2 and latents == sorted(k for k in ref if k.endswith(".latent")), (sorted(got), sorted(ref))
+            for k in latents:  # what the weights make: the sampler's output, tensor for tensor
+                a, b = load(got[k]), load(ref[k])
+                assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a), (
+                    f"the rank cache changed the sampler's output ({k})"
+                )
+            mp4s.append([v for k, v in got.items() if k.endswith(".mp4")])
+            # Not asserted: the decoded frames and the MP4 against the reference pair. On these CPU servers they have
+            # differed between two runs of one workflow, with or without the rank cache (2026-12-01; cause not found).
+            frames_equal = [v for k, v in got.items() if k.endswith(".png")] == [v for k, v in ref.items() if k.endswith(".png")]
+            print(f"rank cache test, {s.base}: frames {'equal' if frames_equal else 'DIFFER'} to the shard-on-read pair's")
             with open(s.log_path, errors="replace") as f:
                 log = f.read()
             assert f"loaded {NAMES['unet']} (rank cache " in log and f"loaded text encoder {NAMES['clip']} (rank cache " in log, s.tail()
             assert log.count("rank cache: wrote ") == 2, s.tail()
+        assert len(mp4s[0]) == 1 and mp4s[0] == mp4s[1], "the cached ranks' MP4 files differ"
         files = sorted(os.listdir(os.path.join(cache, "rank_cache")))
         assert len(files) == 4 and all(".tp2-rank" in f for f in files), files
     finally:
