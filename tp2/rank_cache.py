@@ -42,9 +42,8 @@ from .safetensors_io import (
     PendingTensor,
     TensorReader,
     file_fingerprint,
-    ordered_map,
+    hashed_tensors,
     read_header,
-    tensor_digest,
     write_streaming,
 )
 from .shard import (
@@ -146,8 +145,7 @@ def load_cache_file(path: str, tensors: dict[str, TensorShard], identity: dict[s
     if not verified_before(path, md[META_DIGESTS]):
         t0, digests = time.monotonic(), json.loads(md[META_DIGESTS])
         with TensorReader(path) as reader:
-            names = list(tensors)  # read and hashed on IO_WORKERS threads at once
-            for digest, tname in zip(ordered_map(lambda n: tensor_digest(reader.read(n)), names), names):
+            for tname, _, digest in hashed_tensors(reader, list(tensors)):
                 if digests.get(tname) != digest:
                     raise ShardMismatchError(
                         f"rank cache file '{name}': the data of tensor '{tname}' does not match its digest (the file is damaged)"

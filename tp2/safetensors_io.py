@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import itertools
 import json
 import os
 import struct
@@ -58,22 +59,27 @@ def ordered_map(fn: Callable, items: Iterable, workers: int = IO_WORKERS) -> Ite
     if workers <= 1:
         yield from map(fn, items)
         return
-    it, pending = iter(items), collections.deque()
+    it = iter(items)
     with ThreadPoolExecutor(workers, thread_name_prefix="tp2-io") as pool:
+        pending = collections.deque(pool.submit(fn, item) for item in itertools.islice(it, workers))
         try:
-            for item in it:
-                pending.append(pool.submit(fn, item))
-                if len(pending) >= workers:
-                    break
             while pending:
                 result = pending.popleft().result()
-                for item in it:
-                    pending.append(pool.submit(fn, item))
-                    break
+                pending.extend(pool.submit(fn, item) for item in itertools.islice(it, 1))
                 yield result
         finally:
             for future in pending:
                 future.cancel()
+
+
+def hashed_tensors(reader: TensorReader, names: list[str], hashed: bool = True) -> Iterator[tuple[str, torch.Tensor, str | None]]:
+    """(name, tensor, its tensor_digest or None) for every name, in order, read and hashed on IO_WORKERS threads."""
+
+    def read(name: str) -> tuple[str, torch.Tensor, str | None]:
+        t = reader.read(name)
+        return name, t, tensor_digest(t) if hashed else None
+
+    return ordered_map(read, names)
 
 
 @dataclass(frozen=True)

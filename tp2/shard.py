@@ -37,9 +37,9 @@ from .safetensors_io import (
     PendingTensor,
     TensorReader,
     file_fingerprint,
+    hashed_tensors,
     ordered_map,
     read_header,
-    tensor_digest,
     write_streaming,
 )
 from .te_plan import NVFP4_BLOCK_SCALE, nvfp4_logical_shape
@@ -274,22 +274,15 @@ def load_rank_file(
     check = not verified_before(path, md[META_DIGESTS])
     t0 = time.monotonic()
     with TensorReader(path) as reader:
-
-        def read_and_hash(name: str) -> tuple[torch.Tensor, str | None]:
-            t = reader.read(name)
-            return t, tensor_digest(t) if check else None
-
-        names = list(plan.tensors)  # read and hashed on IO_WORKERS threads at once
-        sd, found = {}, {}
-        for (t, digest), n in zip(ordered_map(read_and_hash, names), names):
-            sd[n], found[n] = t, digest
-    if check:
-        for n in sd:
-            if digests.get(n) != found[n]:
+        sd = {}
+        for n, t, digest in hashed_tensors(reader, list(plan.tensors), hashed=check):
+            if check and digests.get(n) != digest:
                 raise ShardMismatchError(
                     f"'{os.path.basename(path)}': the data of tensor '{n}' does not match the digest `python -m tp2.shard` "
                     "wrote: the file is damaged (disk, copy, download) or was edited. Re-run `python -m tp2.shard`."
                 )
+            sd[n] = t
+    if check:
         remember_verified(path, md[META_DIGESTS])
         log.info("checked %d tensors of %s against their digests in %.1f s", len(sd), os.path.basename(path), time.monotonic() - t0)
     return sd, md, plan

@@ -146,13 +146,13 @@ def test_a_rank_file_with_changed_bytes_in_one_tensor_is_refused_naming_it(tiny_
 
 
 def test_a_verified_rank_file_is_not_hashed_again_until_it_changes(tiny_int8, tmp_path, monkeypatch):
-    import tp2.shard as shard
+    import tp2.safetensors_io as safetensors_io
 
     monkeypatch.setenv("TP2_CACHE_DIR", str(tmp_path / "cache"))
     r0 = write_rank_file(tiny_int8, str(tmp_path / "ranks"), 2, 0)
     calls = []
-    real = shard.tensor_digest
-    monkeypatch.setattr(shard, "tensor_digest", lambda t: calls.append(1) or real(t))
+    real = safetensors_io.tensor_digest  # what load_rank_file hashes with (through safetensors_io.hashed_tensors)
+    monkeypatch.setattr(safetensors_io, "tensor_digest", lambda t: calls.append(1) or real(t))
     load_rank_file(r0, 0, 2)
     first = len(calls)
     load_rank_file(r0, 0, 2)
