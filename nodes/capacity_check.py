@@ -1,17 +1,24 @@
 """The capacity check at the sampler: a prompt this rank cannot fit in GPU memory is refused before the ranks meet.
 
-    check_capacity(plan, latent_shapes, device)   raises CapacityError with the numbers and what would fit
+    check_capacity(plan, latent_shapes, device, patcher)   raises CapacityError with the numbers and what would fit
+    with sampling_peak(device): ...                         logs the sampler's peak of live tensors and of the cache
 
 The need is tp2/capacity.py's prediction for this rank (its shard's weights, the sequence the latent makes, the
-model's width); what is available is the device's free memory plus what this process already holds (its cached
-blocks, the models ComfyUI can move out). Off with TP2_CAPACITY_CHECK=0; on a CPU it runs only when a test sets
-TP2_TEST_AVAILABLE_GIB.
+model's width): with the weights resident, or, where ComfyUI's dynamic VRAM can stream them block by block, with
+only the blocks in flight. What is available is the device's free memory plus what this process already holds
+(its cached blocks, the weights dynamic VRAM can evict), less what ComfyUI is told to leave alone (--reserve-vram).
+The prediction is logged at every sampler. Not enforced with TP2_CAPACITY_CHECK=0; on a CPU it runs only when a
+test sets TP2_TEST_AVAILABLE_GIB.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
+import comfy.memory_management
+import comfy.model_management as mm
+import comfy_aimdo.model_vbar
 import torch
 
 from ..tp2 import capacity, settings
@@ -23,25 +30,65 @@ from .state import STATE, log
 GIB = 1 << 30
 
 
-def check_capacity(plan: Plan, latent_shapes, device: torch.device) -> None:
-    if not settings.value("TP2_CAPACITY_CHECK"):
-        return
+def check_capacity(plan: Plan, latent_shapes, device: torch.device, patcher=None) -> None:
+    """Refuse (CapacityError) a prompt this rank cannot fit; log the prediction either way. `patcher`: the DiT's
+    ModelPatcher (under ComfyUI's dynamic VRAM the weights may stream, so only the blocks in flight must fit)."""
     available = _available_gib(device)
     video = next((tuple(s) for s in latent_shapes or () if len(s) == 5), None)  # [B, C, T, H/16, W/16]
     if available is None or video is None:
         return
     width, height, frames = video[4] * 16, video[3] * 16, capacity.pixel_frames(video[2])
     rows = capacity.tokens(width, height, frames)
-    need = capacity.predict_peak_gib(rows, plan.tp_size, _shard_gib(plan), plan.hidden)
-    if need <= available:
+    shard, streams = _shard_gib(plan), _weights_can_stream(patcher)
+    resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden)
+    streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True)
+    need = streamed if streams else resident
+    enforced = settings.value("TP2_CAPACITY_CHECK")
+    log.info(
+        "%s capacity: %dx%dx%d, %d rows: predicted peak ~%.1f GiB with the weights resident, ~%.1f GiB streamed; "
+        "%.1f GiB available; weights %s; %s",
+        STATE.tag, width, height, frames, rows, resident, streamed, available,
+        "may stream (dynamic VRAM)" if streams else "resident (no dynamic VRAM)",
+        ("fits" if need <= available else "does not fit") + ("" if enforced else " (TP2_CAPACITY_CHECK=0: not enforced)"),
+    )  # fmt: skip
+    if need <= available or not enforced:
         return
-    what = capacity.advice(width, height, frames, plan.tp_size, available)
-    log.warning("%s capacity: %d rows need ~%.1f GiB, %.1f GiB available", STATE.tag, rows, need, available)
+    what = capacity.advice(width, height, frames, plan.tp_size, available, streamed=streams)
+    mode = "with the weights streamed (the least it can run with)" if streams else "with the weights resident"
     raise CapacityError(
         f"{STATE.tag} this prompt ({width}x{height}, {frames} frames, {rows} sequence rows) needs ~{need:.1f} GiB of GPU "
-        f"memory per rank at tp_size {plan.tp_size}, and {available:.1f} GiB is available on {device}: {what}. "
-        "(Predicted by tp2/capacity.py for weights resident; TP2_CAPACITY_CHECK=0 tries anyway.)"
+        f"memory per rank at tp_size {plan.tp_size} {mode}, and {available:.1f} GiB is available on {device}: {what}. "
+        "(Predicted by tp2/capacity.py; TP2_CAPACITY_CHECK=0 tries anyway.)"
     )
+
+
+def _weights_can_stream(patcher) -> bool:
+    """ComfyUI's dynamic VRAM (ModelPatcherDynamic) pages the DiT's weights in block by block as the forward
+    needs them, prefetching the next block (comfy.model_prefetch in H3's forward), and evicts them for activations;
+    the legacy patcher and --highvram keep them resident, which the check then counts."""
+    return bool(patcher is not None and patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
+
+
+@contextlib.contextmanager
+def sampling_peak(device: torch.device):
+    """Log the peak of this process's live tensors (torch's allocator) and of its cache over the block, the numbers
+    the capacity model is calibrated against beside nvidia-smi's (which also sees the CUDA context and dynamic
+    VRAM's weights)."""
+    if device.type != "cuda":
+        yield
+        return
+    try:
+        torch.cuda.reset_peak_memory_stats(device)
+    except RuntimeError:  # an allocator without peak statistics
+        yield
+        return
+    try:
+        yield
+    finally:
+        log.info(
+            "%s sampling peak: %.2f GiB of live tensors, %.2f GiB reserved by torch's allocator", STATE.tag,
+            torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB,
+        )  # fmt: skip
 
 
 def _shard_gib(plan: Plan) -> float:
@@ -55,4 +102,5 @@ def _available_gib(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info(device)
-    return (free + torch.cuda.memory_reserved(device)) / GIB
+    evictable = comfy_aimdo.model_vbar.vbars_analyze(device.index) if comfy.memory_management.aimdo_enabled else 0
+    return (free + torch.cuda.memory_reserved(device) + evictable - mm.extra_reserved_memory()) / GIB

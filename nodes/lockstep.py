@@ -39,7 +39,7 @@ from ..tp2.session import detail_key
 from ..tp2.watch import describe_failure
 from . import front_door
 from .attention_choice import attention_override
-from .capacity_check import check_capacity
+from .capacity_check import check_capacity, sampling_peak
 from .faults import inject_fault
 from .interrupts import SAMPLING
 from .lora import lora_patch_report
@@ -233,13 +233,15 @@ def _outer_sample(plan, model_fields, executor, *args, **kwargs):
     fields[detail_key("prompt")] = CURRENT.details  # names the node and input when the prompts differ
     key = f"{CURRENT.run or 'no-prompt'}/sampler{n}"
     inject_fault(STATE.env.tp_rank, 0)  # tests only (TP2_TEST_FAULT); inert by default
-    check_capacity(plan, args[8] if len(args) > 8 else kwargs.get("latent_shapes"), STATE.device)  # before the ranks meet
+    latent_shapes = args[8] if len(args) > 8 else kwargs.get("latent_shapes")
+    check_capacity(plan, latent_shapes, STATE.device, executor.class_obj.model_patcher)  # before the ranks meet
     session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
     STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
     STATE.sampling_key = key
     SAMPLING.active = True
     try:
-        return executor(*args, **kwargs)
+        with sampling_peak(STATE.device):
+            return executor(*args, **kwargs)
     except BaseException as e:
         leave_run(e, *_step_of(CURRENT.transformer_options))
         raise

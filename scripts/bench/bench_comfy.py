@@ -9,6 +9,13 @@ progress), checkpoint load time per rank (UNETLoader's span), peak GPU memory pe
 
     python scripts/bench/bench_comfy.py --comfyui DIR --base DIR --front-end DIR --out DIR [--tp-sizes 1,2]
         [--resolutions 832x480,1344x768] [--memory-resolutions 1600x896,1920x1088] [--steps 8] [--frames 124]
+        [--cap-gib G] [--one-gpu]
+
+--cap-gib G: every process as if on a G GiB card (ComfyUI's --reserve-vram leaves the rest alone, which its dynamic
+VRAM obeys; the pack's processes are also capped in torch's allocator, TP2_BENCH_GPU_CAP_GIB). --one-gpu: every rank
+on GPU 0, the ranks' group over gloo (the one-GPU measuring mode: each process's memory is real, the speed is not).
+Each row also has every process's own nvidia-smi peak and the pack's log lines of the capacity check (its
+prediction; the check is not enforced here) and of the sampler's peak of live tensors.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import uuid
 
 import aiohttp
 import torch
+from process_memory import ProcessSampler, gpu_total_gib
 
 
 def free_port() -> int:
@@ -76,14 +84,22 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
-        env["CUDA_VISIBLE_DEVICES"] = str(r)
+        env["CUDA_VISIBLE_DEVICES"] = "0" if args.one_gpu else str(r)
         if tp_size > 1 or "pack" in variant.split("+"):  # variant 'pack' at tp 1: the pack active on one GPU
+            # TP2_CAPACITY_CHECK=0: measured here, not refused (the check's log line says what it predicts)
             env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
-                       TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="600", TP2_TIMEOUT_S="600")  # fmt: skip
+                       TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900", TP2_CAPACITY_CHECK="0")  # fmt: skip
+            if args.one_gpu and tp_size > 1:
+                env["TP2_BENCH_GLOO_ON_CUDA"] = "1"
+            if args.cap_gib:
+                env["TP2_BENCH_GPU_CAP_GIB"] = str(args.cap_gib)
+        extra = []
+        if args.cap_gib and (total := gpu_total_gib()):  # the processes sharing a GPU share cap x their number
+            extra = ["--reserve-vram", f"{max(0.0, total - args.cap_gib * (tp_size if args.one_gpu else 1)):.1f}"]
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", args.base,
                "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
-               "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
+               "--front-end-root", args.front_end, *args.comfy_args.split(), *extra]  # fmt: skip
         options = set(variant.split("+")) - {""}
         known = {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm", "simple", "pack"}
         unknown = {
@@ -237,8 +253,15 @@ def stop_servers(servers):
             os.killpg(p.pid, signal.SIGKILL)
 
 
+def pack_lines(log: str, start: int) -> list[str]:
+    """The pack's capacity prediction and sampling peak lines a server logged since byte `start`."""
+    with open(log, errors="replace") as f:
+        f.seek(start)
+        return [line.strip()[-400:] for line in f if " capacity: " in line or " sampling peak: " in line]
+
+
 async def main_async(args) -> list[dict]:
-    mem = GpuMemory()
+    mem, procs = GpuMemory(), ProcessSampler()
     rows = []
     run_dir = os.path.join(args.out, "run")
     os.makedirs(run_dir, exist_ok=True)
@@ -254,6 +277,7 @@ async def main_async(args) -> list[dict]:
                         [(r, args.memory_steps, True) for r in args.memory_resolutions] if tp > 1 else []
                     )
                     for res, steps, memory_only in plan:
+                        marks = [os.path.getsize(log) for _, _, log in servers]
                         w, h, *f = (int(x) for x in res.split("x"))  # WxH, or WxHxFRAMES for a memory run at another length
                         frames = f[0] if f else args.frames
                         ckpt = args.half_ckpt if "half" in variant.split("+") else args.ckpt
@@ -261,13 +285,16 @@ async def main_async(args) -> list[dict]:
                         out.update(
                             tp_size=tp, variant=variant or ("fp32" if tp > 1 else "-"), resolution=res, steps=steps, memory_only=memory_only
                         )
-                        out["peak_mib"] = [mem.peak(g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
+                        out["peak_mib"] = [mem.peak(0 if args.one_gpu else g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
+                        out["process_peak_mib"] = [procs.peak(p.pid, "gpu_mib", out["t0"], out["t1"] + 1.0) for p, _, _ in servers]
+                        out["pack_log"] = [pack_lines(log, marks[i]) for i, (_, _, log) in enumerate(servers)]
                         rows.append(out)
                         print(json.dumps({k: v for k, v in out.items() if k not in ("t0", "t1")}), flush=True)
                 finally:
                     stop_servers(servers)
     finally:
         mem.stop()
+        procs.stop()
     return rows
 
 
@@ -297,21 +324,22 @@ def sqnr_vs_tp1(rows: list[dict]) -> None:
 def table(rows: list[dict]) -> str:
     tp1 = {_baseline_key(r): r for r in rows if _is_baseline(r) and "error" not in r}
     lines = [
-        "| resolution | tp | variant | steps | s/step | TP1/TPn | peak GiB per rank | load s per rank | ranks identical | SQNR vs TP1 dB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| resolution | tp | variant | steps | s/step | TP1/TPn | peak GiB per GPU | peak GiB per process | load s per rank | ranks identical | SQNR vs TP1 dB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['resolution']} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | ERROR: {r['error'][:120]} | | | | |"
+                f"| {r['resolution']} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | ERROR: {r['error'][:120]} | | | | | |"
             )
             continue
         base = tp1.get(_baseline_key(r))
         ratio = f"{base['s_per_step'] / r['s_per_step']:.2f}x" if base and r["s_per_step"] and not _is_baseline(r) else "-"
         sps = f"{r['s_per_step']:.3f}" if r["s_per_step"] else "-"
         mem = ", ".join(f"{m / 1024:.1f}" for m in r["peak_mib"])
+        own = ", ".join("-" if m is None else f"{m / 1024:.1f}" for m in r.get("process_peak_mib", []))
         lines.append(
-            f"| {r['resolution']}{' (memory)' if r['memory_only'] else ''} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | {sps} | {ratio} | {mem} | {r['load_s']} | {r['identical']} | {r.get('sqnr_db_vs_tp1', '-')} |"
+            f"| {r['resolution']}{' (memory)' if r['memory_only'] else ''} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | {sps} | {ratio} | {mem} | {own} | {r['load_s']} | {r['identical']} | {r.get('sqnr_db_vs_tp1', '-')} |"
         )
     return "\n".join(lines)
 
@@ -340,6 +368,8 @@ def main(argv=None) -> int:
     ap.add_argument("--frames", type=int, default=124)
     ap.add_argument("--attn", default="ck", help="TP2_ATTN_BACKEND for TP ranks (TP1 gets the same via --use-ck-attention)")
     ap.add_argument("--comfy-args", default="--highvram --disable-async-offload --use-ck-attention")
+    ap.add_argument("--cap-gib", type=float, help="every process as if on a card of this many GiB (see the docstring)")
+    ap.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0, their group over gloo (memory real, speed not)")
     args = ap.parse_args(argv)
     args.tp_sizes = [x.strip() for x in args.tp_sizes.split(",") if x.strip()]  # "2" or "2:bf16" (TP2_REDUCE_DTYPE=bf16)
     args.resolutions = [r for r in args.resolutions.split(",") if r]

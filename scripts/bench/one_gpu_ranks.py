@@ -20,43 +20,16 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
 
 from bench_comfy import free_port  # this folder: scripts/bench
+from process_memory import ProcessSampler
 
 PROMPT = (
     "A red fox trots through fresh snow in a quiet birch forest at dawn, breath steaming, soft crunch of footsteps and distant birdsong."
 )
-
-
-class ProcessGpuMemory:
-    """nvidia-smi's per-process GPU memory, sampled in a thread: pid -> peak MiB."""
-
-    def __init__(self):
-        self.peak: dict[int, int] = {}
-        self._stop = False
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self):
-        cmd = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
-        while not self._stop:
-            try:
-                out = subprocess.run(cmd, capture_output=True, text=True).stdout
-            except FileNotFoundError:  # a dry run without a GPU
-                return
-            for line in out.splitlines():
-                try:
-                    pid, mib = (int(x) for x in line.split(","))
-                except ValueError:
-                    continue
-                self.peak[pid] = max(self.peak.get(pid, 0), mib)
-            time.sleep(0.2)
-
-    def stop(self):
-        self._stop = True
 
 
 def start(args, name: str, env_extra: dict) -> dict:
@@ -149,7 +122,7 @@ def main(argv=None) -> int:
         rank_env["TP2_BENCH_GPU_CAP_GIB"] = str(a.cap_gib)
     servers = [start(a, f"rank{r}", dict(rank_env, TP2_RANK=str(r))) for r in reversed(range(a.tp_size))][::-1]
     servers.append(start(a, "plain", {}))
-    mem = ProcessGpuMemory()
+    mem = ProcessSampler()
     lines = []
     try:
         wait_ready(servers)
@@ -160,7 +133,13 @@ def main(argv=None) -> int:
         for s in servers:
             with open(f"/proc/{s['proc'].pid}/status") as f:
                 rss = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
-            lines.append({"server": s["name"], "gpu_peak_mib": mem.peak.get(s["proc"].pid), "host_peak_rss_gib": round(rss / 2**20, 2)})
+            lines.append(
+                {
+                    "server": s["name"],
+                    "gpu_peak_mib": mem.peak(s["proc"].pid, "gpu_mib", 0, float("inf")),
+                    "host_peak_rss_gib": round(rss / 2**20, 2),
+                }
+            )
             print(json.dumps(lines[-1]), flush=True)
     finally:
         mem.stop()

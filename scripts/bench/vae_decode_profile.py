@@ -14,7 +14,8 @@ does: a round of tp_size chunks waits for its slowest) or tiles round-robin (eve
 each plus the serial parts. Every rep runs twice, alternating: as ComfyUI runs it (the fresh output buffer's pages
 mapped at the decode's own writes) and with the buffer paged in beside the decode (tp2.host_prefault, as the pack
 does on every rank); and the copy of one output's worth of frames from the GPU into a fresh host buffer is timed
-against the same copy into a mapped one (the page faults alone). JSON on stdout and in OUT/vae_decode_profile.json.
+against the same copy into a mapped one (the page faults alone). The GPU peak (torch's live tensors: weights, latent,
+the decode in flight) says what a card must hold for the decode at that size. JSON on stdout and in OUT/vae_decode_profile.json.
 --tiny: CPU, the 2-layer decoder.
 """
 
@@ -76,6 +77,8 @@ def profile_once(vae, z, prefault: bool = False) -> dict:
     try:
         out = torch.empty(vae.decode_output_shape(z.shape), dtype=torch.float32)
         sync()
+        if z.is_cuda:
+            torch.cuda.reset_peak_memory_stats(z.device)
         t0 = time.perf_counter()
         with torch.no_grad(), populated_ahead(out if prefault else None, dim=2) as ahead:
             vae.decode(z, output_buffer=out)
@@ -83,7 +86,8 @@ def profile_once(vae, z, prefault: bool = False) -> dict:
         total = time.perf_counter() - t0
     finally:
         del vae._adaptive_decode, vae._decode_pixels
-    return {"total": total, **spans, "ahead": str(ahead) if prefault else None}
+    peak = torch.cuda.max_memory_allocated(z.device) / 2**30 if z.is_cuda else None  # weights, latent and one chunk's decode
+    return {"total": total, **spans, "ahead": str(ahead) if prefault else None, "gpu_peak_gib": peak}
 
 
 def main(argv=None) -> int:
@@ -127,6 +131,7 @@ def main(argv=None) -> int:
                 "resolution": res, "host_output": best["ahead"] or "mapped at the decode's writes (ComfyUI as is)",
                 "latent": list(z.shape), "chunks": len(best["chunk"]), "tiles": len(best["tile"]),
                 "total_s": [round(r["total"], 3) for r in runs[prefault]], "best_total_s": round(best["total"], 3),
+                "gpu_peak_gib": None if best["gpu_peak_gib"] is None else round(best["gpu_peak_gib"], 2),
                 "tile_decodes_s": round(tiles, 3), "blend_inside_chunks_s": round(blend_inside, 3), "outside_chunks_s": round(serial_outside, 3),
                 "tile_s_median": round(statistics.median(best["tile"]), 4), "tile_s_max": round(max(best["tile"]), 4),
                 f"tp{n}_chunk_round_robin_s": round(chunk_rr, 3), f"tp{n}_chunk_round_robin_x": round(best["total"] / chunk_rr, 2),

@@ -36,7 +36,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -47,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from bench_comfy import free_port  # noqa: E402
 from make_models import FIXTURES, TINY_ENV  # noqa: E402
+from process_memory import ProcessSampler, gpu_total_gib  # noqa: E402
 
 PHASES = {
     "UNETLoader": "load", "CLIPLoader": "load", "VAELoader": "load", "MiniMaxH3ImageToVideo": "text encode",
@@ -59,48 +59,6 @@ LOAD_LINE = re.compile(r"Requested to load (\w+)")
 WARM_TEXT = " The camera slowly pans left as the fox stops and looks back."
 
 
-class ProcessSampler:
-    """Every 0.5 s, per process: GPU MiB (nvidia-smi --query-compute-apps) and host RSS / anonymous / file-backed KiB."""
-
-    def __init__(self):
-        self.pids: set[int] = set()
-        self.samples: list[tuple[float, int, str, int]] = []  # (time, pid, what, value)
-        self._stop = threading.Event()
-        self._gpu = True
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self):
-        cmd = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
-        while not self._stop.wait(0.5):
-            t = time.time()
-            if self._gpu:
-                try:
-                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
-                except (FileNotFoundError, subprocess.TimeoutExpired):  # a CPU dry run
-                    self._gpu, out = False, ""
-                for line in out.splitlines():
-                    try:
-                        pid, mib = (int(x) for x in line.split(","))
-                    except ValueError:
-                        continue
-                    self.samples.append((t, pid, "gpu_mib", mib))
-            for pid in list(self.pids):
-                try:
-                    with open(f"/proc/{pid}/status") as f:
-                        status = dict(line.split(":", 1) for line in f if ":" in line)
-                except OSError:
-                    continue
-                for key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                    if key in status:
-                        self.samples.append((t, pid, key, int(status[key].split()[0])))
-
-    def peak(self, pid: int, what: str, t0: float, t1: float) -> int | None:
-        return max((v for t, p, w, v in self.samples if p == pid and w == what and t0 <= t <= t1), default=None)
-
-    def stop(self):
-        self._stop.set()
-
-
 def parse_config(config: str) -> tuple[int, bool, float | None]:
     """'tp2@22' -> (2, True, 22.0): tp_size, the pack active, the cap; 'tp1' -> (1, False, None): stock ComfyUI;
     'tp1pack' -> (1, True, None): the pack at tp_size 1 (its kernels, no collectives)."""
@@ -109,15 +67,6 @@ def parse_config(config: str) -> tuple[int, bool, float | None]:
         raise SystemExit(f"unknown config {config!r}: use tpN, tp1pack or either with @GIB (e.g. tp1,tp1pack,tp2,tp2@22)")
     tp = int(m.group(1))
     return tp, tp > 1 or bool(m.group(2)), float(m.group(3)) if m.group(3) else None
-
-
-def gpu_total_gib() -> float | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=30).stdout  # fmt: skip
-        return int(out.split()[0]) / 1024
-    except (FileNotFoundError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
 
 
 def start_servers(args, config: str) -> list[dict]:
@@ -255,7 +204,9 @@ async def run_prompt(session, servers, wf, sampler: ProcessSampler) -> list[dict
             f.seek(at)
             loaded = LOAD_LINE.findall(f.read())
         errors = [m.get("exception_message", "")[:1500] for k, m in h["status"].get("messages", []) if k == "execution_error"]
-        videos = [i for o in h.get("outputs", {}).values() for i in o.get("images", []) + o.get("videos", []) if i["filename"].endswith(".mp4")]
+        videos = [
+            i for o in h.get("outputs", {}).values() for i in o.get("images", []) + o.get("videos", []) if i["filename"].endswith(".mp4")
+        ]
         mp4 = os.path.join(s["dir"], "output", videos[0]["subfolder"], videos[0]["filename"]) if videos else None
         pid_ = s["proc"].pid
         gib = lambda what, scale: None if (v := sampler.peak(pid_, what, t0, t1 + 0.6)) is None else round(v / scale, 2)  # noqa: E731
@@ -353,7 +304,9 @@ def table(rows: list[dict]) -> str:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
