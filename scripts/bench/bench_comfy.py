@@ -11,9 +11,10 @@ progress), checkpoint load time per rank (UNETLoader's span), peak GPU memory pe
         [--resolutions 832x480,1344x768] [--memory-resolutions 1600x896,1920x1088] [--steps 8] [--frames 124]
         [--cap-gib G] [--one-gpu]
 
---cap-gib G: every process as if on a G GiB card (ComfyUI's --reserve-vram leaves the rest alone, which its dynamic
-VRAM obeys; the pack's processes are also capped in torch's allocator, TP2_BENCH_GPU_CAP_GIB). --one-gpu: every rank
-on GPU 0, the ranks' group over gloo (the one-GPU measuring mode: each process's memory is real, the speed is not).
+--cap-gib G: every GPU made a G GiB card per process on it before the servers start (scripts/bench/gpu_ballast.py
+holds the rest), so torch's allocator, ComfyUI and its dynamic VRAM meet a real limit. --one-gpu: every rank on
+GPU 0, the ranks' group over gloo (the one-GPU measuring mode: each process's memory is real, the speed is not;
+with --cap-gib the ranks share G x tp_size GiB).
 Each row also has every process's own nvidia-smi peak and the pack's log lines of the capacity check (its
 prediction; the check is not enforced here) and of the sampler's peak of live tensors.
 """
@@ -37,7 +38,7 @@ import uuid
 
 import aiohttp
 import torch
-from process_memory import ProcessSampler, gpu_total_gib
+from process_memory import ProcessSampler
 
 
 def free_port() -> int:
@@ -75,6 +76,24 @@ class GpuMemory:
             self.proc.terminate()
 
 
+def start_ballast(args, tp_size: int) -> list[subprocess.Popen]:
+    """--cap-gib: on every GPU the servers will use, a process holding all but cap x (servers on it) GiB."""
+    if not args.cap_gib:
+        return []
+    per_gpu = {0: tp_size} if args.one_gpu else {r: 1 for r in range(tp_size)}
+    held = []
+    for gpu, n in per_gpu.items():
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu))
+        p = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_ballast.py"),
+                              "--leave-gib", str(args.cap_gib * n)], env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        line = p.stdout.readline().strip()
+        if not line.startswith("held"):
+            raise RuntimeError(f"gpu_ballast on GPU {gpu}: {line or 'exited'}")
+        print(f"GPU {gpu}: {line}", flush=True)
+        held.append(p)
+    return held
+
+
 def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple[subprocess.Popen, int, str]]:
     master = free_port()
     servers = []
@@ -91,15 +110,10 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                        TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900", TP2_CAPACITY_CHECK="0")  # fmt: skip
             if args.one_gpu and tp_size > 1:
                 env["TP2_BENCH_GLOO_ON_CUDA"] = "1"
-            if args.cap_gib:
-                env["TP2_BENCH_GPU_CAP_GIB"] = str(args.cap_gib)
-        extra = []
-        if args.cap_gib and (total := gpu_total_gib()):  # the processes sharing a GPU share cap x their number
-            extra = ["--reserve-vram", f"{max(0.0, total - args.cap_gib * (tp_size if args.one_gpu else 1)):.1f}"]
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", args.base,
                "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
-               "--front-end-root", args.front_end, *args.comfy_args.split(), *extra]  # fmt: skip
+               "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
         options = set(variant.split("+")) - {""}
         known = {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm", "simple", "pack"}
         unknown = {
@@ -270,6 +284,7 @@ async def main_async(args) -> list[dict]:
             for config in args.tp_sizes:
                 tp, _, variant = config.partition(":")
                 tp = int(tp)
+                ballast = start_ballast(args, tp)
                 servers = start_servers(args, tp, run_dir, variant)
                 try:
                     await wait_ready(session, servers)
@@ -292,6 +307,9 @@ async def main_async(args) -> list[dict]:
                         print(json.dumps({k: v for k, v in out.items() if k not in ("t0", "t1")}), flush=True)
                 finally:
                     stop_servers(servers)
+                    for p in ballast:
+                        p.terminate()
+                        p.wait(30)
     finally:
         mem.stop()
         procs.stop()
