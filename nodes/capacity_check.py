@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import comfy.memory_management
 import comfy.model_management as mm
@@ -40,20 +41,21 @@ def check_capacity(plan: Plan, latent_shapes, device: torch.device, patcher=None
     width, height, frames = video[4] * 16, video[3] * 16, capacity.pixel_frames(video[2])
     rows = capacity.tokens(width, height, frames)
     shard, streams = _shard_gib(plan), _weights_can_stream(patcher)
+    allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden)
-    streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True)
+    streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator)
     need = streamed if streams else resident
     enforced = settings.value("TP2_CAPACITY_CHECK")
     log.info(
-        "%s capacity: %dx%dx%d, %d rows: predicted peak ~%.1f GiB with the weights resident, ~%.1f GiB streamed; "
+        "%s capacity: %dx%dx%d, %d rows: predicted peak ~%.1f GiB with the weights resident, ~%.1f GiB streamed (%s); "
         "%.1f GiB available; weights %s; %s",
-        STATE.tag, width, height, frames, rows, resident, streamed, available,
+        STATE.tag, width, height, frames, rows, resident, streamed, allocator, available,
         "may stream (dynamic VRAM)" if streams else "resident (no dynamic VRAM)",
         ("fits" if need <= available else "does not fit") + ("" if enforced else " (TP2_CAPACITY_CHECK=0: not enforced)"),
     )  # fmt: skip
     if need <= available or not enforced:
         return
-    what = capacity.advice(width, height, frames, plan.tp_size, available, streamed=streams)
+    what = capacity.advice(width, height, frames, plan.tp_size, available, streamed=streams, allocator=allocator)
     mode = "with the weights streamed (the least it can run with)" if streams else "with the weights resident"
     raise CapacityError(
         f"{STATE.tag} this prompt ({width}x{height}, {frames} frames, {rows} sequence rows) needs ~{need:.1f} GiB of GPU "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start, stop or inspect one ComfyUI per GPU, joined into one tensor-parallel world by minimax-h3-tp2.
 #
-#   scripts/start-tp2.sh [--comfyui DIR] [--tp-size N] [--gpus 0,1 | --cpu] [--fast] [--ckpt NAME] [--base-port 18188]
+#   scripts/start-tp2.sh [--comfyui DIR] [--tp-size N] [--gpus 0,1 | --cpu] [--fast] [--lean-memory] [--ckpt NAME] [--base-port 18188]
 #                        [--run-dir DIR] [--base-dir DIR] [--listen ADDR --allow-remote] [-- extra ComfyUI args]
 #   scripts/start-tp2.sh stop    --run-dir DIR
 #   scripts/start-tp2.sh status  --run-dir DIR
@@ -22,11 +22,17 @@
 # --fast starts with the fastest measured settings (bf16 reduce, sequence parallelism, fused Triton kernels; about
 # 1.9x one GPU at 832x480 on 2x H200, docs/PERFORMANCE.md) instead of the exact defaults; a variable set in the
 # environment still wins. ComfyUI runs under $PYTHON if set, else the pack's .venv (scripts/install.sh), else python3.
+# --lean-memory: torch's own CUDA allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,
+# ComfyUI's --disable-cuda-malloc) instead of ComfyUI's cudaMallocAsync: for the longest videos on small cards (at
+# 1920x1088x362 a rank's pool held 18.5 GiB for 14.1 GiB of tensors where cudaMallocAsync held ~1.39x; its speed is not
+# measured yet, docs/PERFORMANCE.md).
 set -euo pipefail
 
+LEAN_MEMORY=0
 for a in "$@"; do  # --fast changes the defaults below, so it is read first
   [[ "$a" == -- ]] && break
   [[ "$a" == --fast ]] && : "${TP2_REDUCE_DTYPE:=bf16}" "${TP2_SEQUENCE_PARALLEL:=1}" "${TP2_SP_FUSED_NORM:=1}"
+  [[ "$a" == --lean-memory ]] && LEAN_MEMORY=1
 done
 
 # ---- defaults: the one place they live (each can be overridden by the same env var) ----
@@ -59,7 +65,7 @@ while [[ $# -gt 0 ]]; do
     --tp-size) TP_SIZE="$2"; shift 2 ;;
     --gpus) GPUS="$2"; shift 2 ;;
     --cpu) CPU=1; shift ;;
-    --fast) shift ;;  # read above
+    --fast|--lean-memory) shift ;;  # read above
     --base-port) BASE_PORT="$2"; shift 2 ;;
     --run-dir) RUN_DIR="$2"; shift 2 ;;
     --base-dir) BASE_DIR="$2"; shift 2 ;;
@@ -254,7 +260,16 @@ resolve_comfyui "$COMFYUI_ARG"
 echo "ComfyUI: $COMFYUI ($COMFYUI_FROM)"
 [[ -f "$COMFYUI/main.py" ]] || die "no ComfyUI at '$COMFYUI' ($COMFYUI_FROM): give --comfyui DIR, or run $(pack_cmd install.sh) --comfyui DIR (it clones ComfyUI into DIR when there is none)"
 COMFYUI="$(cd "$COMFYUI" && pwd)"
+ALLOCATOR="ComfyUI's (cudaMallocAsync where it chooses it)"
+if [[ $LEAN_MEMORY -eq 1 ]]; then
+  [[ "${PYTORCH_CUDA_ALLOC_CONF:-}" == *cudaMallocAsync* ]] \
+    && die "--lean-memory uses torch's native allocator, but PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF asks for cudaMallocAsync: unset one of them"
+  export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:+$PYTORCH_CUDA_ALLOC_CONF,}expandable_segments:True"
+  EXTRA+=(--disable-cuda-malloc)
+  ALLOCATOR="torch's native, PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"
+fi
 echo "minimax-h3-tp2 settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_SP_PIECES=$TP2_SP_PIECES TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S"
+echo "minimax-h3-tp2 CUDA allocator: $ALLOCATOR"
 [[ "$TP_SIZE" =~ ^[1-9][0-9]*$ ]] || die "--tp-size must be a positive integer, got '$TP_SIZE'"
 if [[ -f "$PIDS" ]]; then
   while read -r rank pid port; do alive "$pid" && die "ranks of $RUN_DIR are already running (rank $rank pid $pid); run: $(pack_cmd start-tp2.sh) stop --run-dir $RUN_DIR"; done < "$PIDS"

@@ -2,22 +2,26 @@
 measurements, so a prompt that cannot fit is refused before sampling instead of failing mid-step.
 
     tokens(width, height, frames)                 the packed sequence length the DiT samples
-    predict_peak_gib(tokens, tp_size)             one rank's peak: its weights + fixed buffers + bytes per token
-    predict_peak_gib(..., streamed=True)          the same with the weights streamed block by block (ComfyUI's
-                                                  dynamic VRAM): only the blocks in flight are resident
+    predict_peak_gib(tokens, tp_size)             one rank's peak with its weights resident (--highvram)
+    predict_peak_gib(..., streamed=True)          the least it runs with when ComfyUI's dynamic VRAM streams the
+                                                  weights block by block (allocator: ComfyUI's cudaMallocAsync, or
+                                                  torch's native one with expandable segments: the launcher's --lean-memory)
     longest_frames(width, height, gpu_gib, tp)    the longest length on H3's 17k+5 grid under `gpu_gib`
     python -m tp2.capacity --gpu-mem 22 --tp-size 2    the table of longest lengths per resolution
 
-The model: peak = weights / tp + fixed + tokens x (shared + split / tp) GiB. Streamed, the weights term is the
-blocks ComfyUI holds at once (STREAMED_BLOCKS of BLOCKS: the one computing and the next, prefetched). Calibrated (least squares) on the peaks
-measured with all weights resident (nvidia-smi, ComfyUI --highvram, int8 ConvRot DiT; docs/PERFORMANCE.md): stock
-ComfyUI on one H200 at 832x480 and 1344x768 x124, and TP2 with --fast on 2x H200 at 832x480, 1344x768, 1600x896
-and 1920x1088 x124, 1920x1088 x158 and x175. The fit is within 0.6% of every
-point; the one-GPU points are stock ComfyUI (without the pack's savings) and the two-GPU ones the pack with --fast,
-so the split between shared and split bytes is approximate, and tp sizes other than 1 and 2 follow the model's form
-unmeasured. ComfyUI can
-offload weights where memory is short (lowvram); the prediction is for weights resident, so it errs towards more.
-Imports nothing from `comfy`.
+Resident: peak = weights / tp + fixed + tokens x (shared + split / tp) GiB, least squares on the peaks measured with
+all weights resident (nvidia-smi, ComfyUI --highvram, int8 ConvRot DiT; docs/PERFORMANCE.md): stock ComfyUI on one
+H200 at 832x480 and 1344x768 x124, and TP2 with --fast on 2x H200 at 832x480, 1344x768, 1600x896 and 1920x1088 x124,
+1920x1088 x158 and x175, within 0.6% of every point. Those TP2 peaks predate the chunked MLP (1.8 GiB less at
+1920x1088x175 on the one-GPU stand-in), so at TP2 this errs towards more.
+
+Streamed: peak = CUDA context + STREAMED_BLOCKS of BLOCKS of the weights (the block computing and the next, copied in
+beside it) + torch's pool, the pool being the live tensors times what the allocator holds on top of them. Live tensors
+grow per sequence row as the activation accounting of docs/PERFORMANCE.md says (21,504 bytes every rank holds whole:
+the video embedding and the stream outside the blocks; 75,264 / tp at the attention's peak: the stream's rows, qkv
+and its int8 copy), scaled to the one measured length, a TP2 rank at 1920x1088x362 (14.1 GiB live, 18.5 GiB pooled
+with expandable segments; 1.39x live measured for cudaMallocAsync on the one-GPU stand-in). One length, one tp size:
+other lengths and tp sizes follow the accounting unmeasured. Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ WEIGHTS_GIB = 18.9  # the int8 ConvRot DiT, whole (20.3 GB)
 H3_HIDDEN = 5376
 BLOCKS = 50  # H3's DiT blocks, nearly all of its weights
 STREAMED_BLOCKS = 2  # streamed: the block computing and the next one, copied in beside it (comfy.model_prefetch)
-# calibrated constants (see the module docstring and tests/unit/test_capacity.py for the fit's residuals)
+GIB = 1 << 30
+# resident: calibrated constants (see the module docstring and tests/unit/test_capacity.py for the fit's residuals)
 FIXED_GIB = {1: 0.72, 2: 1.96}  # CUDA context, ComfyUI's and the pack's fixed buffers, per tp (more with the pack)
 SHARED_PER_TOKEN_GIB = 5.61e-5  # activations every rank holds whole (gathered inputs, the stream at the ends)
 SPLIT_PER_TOKEN_GIB = 7.51e-5  # activations split over the ranks (heads: q/k/v and attention, the FFN slice)
@@ -40,6 +45,13 @@ MEASURED = (
     (832, 480, 124, 2, 12.9), (1344, 768, 124, 2, 14.9), (1600, 896, 124, 2, 16.3),
     (1920, 1088, 124, 2, 18.5), (1920, 1088, 158, 2, 20.5), (1920, 1088, 175, 2, 21.45),
 )  # fmt: skip
+# streamed: the accounting's bytes per sequence row at the released width, and its scale to the measured live peak
+SHARED_ROW_BYTES = 21_504  # the video embedding and the whole stream ComfyUI's forward holds outside the blocks
+SPLIT_ROW_BYTES = 75_264  # at the attention's peak, divided by tp: this rank's stream rows, qkv, int8 q/k/v
+CONTEXT_GIB = 1.2  # outside torch's pool: CUDA context, cuBLAS workspace, dynamic VRAM's buffers (30.8 - 29.6 measured)
+POOL_OVER_LIVE = {"cudaMallocAsync": 1.39, "expandable": 1.31}  # 20.06 / 14.42 and 18.52 / 14.14 GiB measured
+# (width, height, frames, tp_size, allocator, live GiB, pooled GiB) per rank, measured (one GPU, real 2 x 22 GiB)
+MEASURED_STREAMED = ((1920, 1088, 362, 2, "expandable", 14.14, 18.52),)
 RESOLUTIONS = ((832, 480), (1344, 768), (1600, 896), (1920, 1088))
 
 
@@ -68,36 +80,73 @@ def tokens(width: int, height: int, frames: int, text_tokens: int = TEXT_TOKENS)
     return latent_t * (height // 32) * (width // 32) + 2 * audio_t + text_tokens
 
 
+_W, _H, _F, _TP, _ALLOC, _LIVE, _POOLED = MEASURED_STREAMED[0]
+LIVE_SCALE = _LIVE / (tokens(_W, _H, _F) * (SHARED_ROW_BYTES + SPLIT_ROW_BYTES / _TP) / GIB)  # measured / accounted
+
+
+def allocator_of(backend: str, alloc_conf: str) -> str:
+    """torch's CUDA allocator as POOL_OVER_LIVE names it, from torch.cuda.get_allocator_backend() and
+    PYTORCH_CUDA_ALLOC_CONF: ComfyUI's default cudaMallocAsync, or the native one with expandable segments (the
+    launcher's --lean-memory); the native one without them is "native" (unmeasured: counted as cudaMallocAsync)."""
+    if backend == "cudaMallocAsync":
+        return backend
+    return "expandable" if "expandable_segments:true" in alloc_conf.replace(" ", "").lower() else "native"
+
+
+def live_gib(n_tokens: int, tp_size: int, hidden: int = H3_HIDDEN) -> float:
+    """One rank's live tensors at the sampler's peak: the accounting's bytes per row, scaled to the measured length."""
+    row_bytes = (SHARED_ROW_BYTES + SPLIT_ROW_BYTES / tp_size) * hidden / H3_HIDDEN
+    return LIVE_SCALE * n_tokens * row_bytes / GIB
+
+
 def predict_peak_gib(
-    n_tokens: int, tp_size: int, rank_weights_gib: float | None = None, hidden: int = H3_HIDDEN, streamed: bool = False
+    n_tokens: int,
+    tp_size: int,
+    rank_weights_gib: float | None = None,
+    hidden: int = H3_HIDDEN,
+    streamed: bool = False,
+    allocator: str = "cudaMallocAsync",
 ) -> float:
-    """One rank's peak: its weights (the released DiT's share unless given; `streamed`: only the blocks in flight),
-    the fixed buffers, and the activations per token, which scale with the model's width (`hidden`; the released
-    H3 is 5376 wide)."""
+    """One rank's peak: its weights (the released DiT's share unless given), the fixed buffers and the activations,
+    which scale with the model's width (`hidden`; the released H3 is 5376 wide). `streamed`: the least it runs with
+    under dynamic VRAM (only the blocks in flight resident), with torch's pool as `allocator` holds it."""
     weights = WEIGHTS_GIB / tp_size if rank_weights_gib is None else rank_weights_gib
     if streamed:
-        weights *= STREAMED_BLOCKS / BLOCKS
+        pool = live_gib(n_tokens, tp_size, hidden) * POOL_OVER_LIVE.get(allocator, POOL_OVER_LIVE["cudaMallocAsync"])
+        return CONTEXT_GIB + weights * STREAMED_BLOCKS / BLOCKS + pool
     per_token = (SHARED_PER_TOKEN_GIB + SPLIT_PER_TOKEN_GIB / tp_size) * hidden / H3_HIDDEN
     return weights + FIXED_GIB.get(tp_size, FIXED_GIB[2]) + n_tokens * per_token
 
 
-def longest_frames(width: int, height: int, gpu_gib: float, tp_size: int, up_to: int = 3600, streamed: bool = False) -> int | None:
+def longest_frames(
+    width: int, height: int, gpu_gib: float, tp_size: int, up_to: int = 3600, streamed: bool = False, allocator: str = "cudaMallocAsync"
+) -> int | None:
     """The longest length on the 17k+5 grid whose predicted peak is at most `gpu_gib` (None: not even 5 frames)."""
     best = None
     for frames in range(5, up_to + 1, 17):
-        if predict_peak_gib(tokens(width, height, frames), tp_size, streamed=streamed) > gpu_gib:
+        if predict_peak_gib(tokens(width, height, frames), tp_size, streamed=streamed, allocator=allocator) > gpu_gib:
             break
         best = frames
     return best
 
 
-def advice(width: int, height: int, frames: int, tp_size: int, available_gib: float, streamed: bool = False) -> str:
-    """What would fit instead: the longest length at this resolution, and the smallest tp_size for this length."""
-    fit = longest_frames(width, height, available_gib, tp_size, streamed=streamed)
+def advice(
+    width: int, height: int, frames: int, tp_size: int, available_gib: float, streamed: bool = False, allocator: str = "cudaMallocAsync"
+) -> str:
+    """What would fit instead: the longest length at this resolution, the smallest tp_size for this length, and (where
+    it is what stops the prompt) the leaner allocator."""
+    how = dict(streamed=streamed, allocator=allocator)
+    fit = longest_frames(width, height, available_gib, tp_size, **how)
     parts = [f"at {width}x{height} up to {fit} frames fit" if fit else f"not even 5 frames fit at {width}x{height}"]
     n = tokens(width, height, frames)
+    if (
+        streamed
+        and allocator != "expandable"
+        and (lean := predict_peak_gib(n, tp_size, streamed=True, allocator="expandable")) <= available_gib
+    ):
+        parts.append(f"or start the ranks with --lean-memory (~{lean:.1f} GiB per rank)")
     for bigger in (2, 4, 8):
-        need = predict_peak_gib(n, bigger, streamed=streamed)
+        need = predict_peak_gib(n, bigger, **how)
         if bigger > tp_size and need <= available_gib:
             parts.append(f"or use tp_size {bigger} (~{need:.1f} GiB per rank)")
             break
@@ -105,16 +154,18 @@ def advice(width: int, height: int, frames: int, tp_size: int, available_gib: fl
 
 
 def table(gpu_gib: float, tp_size: int) -> str:
-    lines = [f"longest H3 video per rank on {gpu_gib:g} GiB at tp_size {tp_size} (24 fps), with the DiT's weights resident "
-             "(--highvram) and streamed block by block (ComfyUI's dynamic VRAM, its default on NVIDIA):", "",
-             "| resolution | resident: frames | seconds | peak GiB | streamed: frames | seconds | peak GiB |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    modes = (("resident (--highvram)", False, "cudaMallocAsync"), ("streamed (dynamic VRAM)", True, "cudaMallocAsync"),
+             ("streamed, --lean-memory", True, "expandable"))  # fmt: skip
+    lines = [f"longest H3 video per rank on {gpu_gib:g} GiB at tp_size {tp_size} (frames, seconds at 24 fps, predicted peak GiB): "
+             "the DiT's weights resident, streamed block by block by ComfyUI's dynamic VRAM (its default on NVIDIA), and "
+             "streamed with the launcher's --lean-memory (torch's allocator with expandable segments)", "",
+             "| resolution | " + " | ".join(m for m, _, _ in modes) + " |", "|---|" + "---|" * len(modes)]  # fmt: skip
     for w, h in RESOLUTIONS:
         cells = []
-        for streamed in (False, True):
-            f = longest_frames(w, h, gpu_gib, tp_size, streamed=streamed)
-            peak = predict_peak_gib(tokens(w, h, f), tp_size, streamed=streamed) if f else None
-            cells += [str(f), f"{f / 24:.1f}", f"{peak:.1f}"] if f else ["none", "-", "-"]
+        for _, streamed, allocator in modes:
+            f = longest_frames(w, h, gpu_gib, tp_size, streamed=streamed, allocator=allocator)
+            peak = predict_peak_gib(tokens(w, h, f), tp_size, streamed=streamed, allocator=allocator) if f else 0.0
+            cells.append(f"{f} ({f / 24:.1f} s, {peak:.1f})" if f else "none")
         lines.append(f"| {w}x{h} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -146,3 +146,29 @@ def test_status_stop_restart_do_not_make_a_run_dir(tmp_path, cmd, rc, says):
     res = subprocess.run(["bash", LAUNCHER, cmd, "--rank", "0"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert res.returncode == rc and says in res.stdout + res.stderr, res.stdout + res.stderr
     assert not (tmp_path / "tp2-run").exists()
+
+
+def _launch_until_settings(tmp_path, *args, **env):
+    comfy = tmp_path / "ComfyUI"
+    comfy.mkdir(exist_ok=True)
+    (comfy / "main.py").write_text("")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "PYTORCH_CUDA_ALLOC_CONF"))}
+    return subprocess.run(
+        ["bash", LAUNCHER, "--comfyui", str(comfy), "--cpu", "--run-dir", str(tmp_path / "run"), *args],
+        env=clean | env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_lean_memory_switches_to_torchs_allocator_with_expandable_segments(tmp_path):
+    default = _launch_until_settings(tmp_path)
+    assert "minimax-h3-tp2 CUDA allocator: ComfyUI's (cudaMallocAsync where it chooses it)" in default.stdout, default.stdout
+    lean = _launch_until_settings(tmp_path, "--lean-memory", PYTORCH_CUDA_ALLOC_CONF="garbage_collection_threshold:0.8")
+    says = (
+        "minimax-h3-tp2 CUDA allocator: torch's native, PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.8,expandable_segments:True"
+    )
+    assert says in lean.stdout, lean.stdout
+
+
+def test_lean_memory_refuses_an_allocator_conf_that_asks_for_cudamallocasync(tmp_path):
+    res = _launch_until_settings(tmp_path, "--lean-memory", PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    assert res.returncode != 0 and "asks for cudaMallocAsync: unset one of them" in res.stderr, res.stderr
