@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import comfy.memory_management
 import comfy.model_management as mm
@@ -41,7 +40,7 @@ def check_capacity(plan: Plan, latent_shapes, device: torch.device, patcher=None
     width, height, frames = video[4] * 16, video[3] * 16, capacity.pixel_frames(video[2])
     rows = capacity.tokens(width, height, frames)
     shard, streams = _shard_gib(plan), _weights_can_stream(patcher)
-    allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), settings.torch_allocator_conf())
     resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden)
     streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator)
     need = streamed if streams else resident

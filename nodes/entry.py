@@ -43,7 +43,6 @@ def activate() -> None:
     device = comfy.model_management.get_torch_device()
     device = device if device.type == "cuda" else torch.device("cpu")
     STATE.env, STATE.device = env, device
-    _cap_gpu_memory(device)
     STATE.prompt_timeout_s = settings.value("TP2_PROMPT_TIMEOUT_S")
     STATE.int8_gemm = maybe_break_int8(select_int8_gemm(settings.value("TP2_INT8_KERNEL")), env.tp_rank)
     STATE.int8_kernel = STATE.int8_gemm.kernel_name
@@ -71,17 +70,6 @@ def activate() -> None:
         f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}, pieces {STATE.sp_pieces})" if STATE.sequence_parallel else "off",
         env.timeout_s, STATE.prompt_timeout_s,
     )  # fmt: skip
-
-
-def _cap_gpu_memory(device: torch.device) -> None:
-    """TP2_BENCH_GPU_CAP_GIB (benchmarks only): this process allocates at most that much of the GPU, so a rank that
-    would not fit on a card of that size fails with an out-of-memory error here too."""
-    cap = settings.value("TP2_BENCH_GPU_CAP_GIB")
-    if cap is None or device.type != "cuda":
-        return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total), device)
-    log.warning("%s benchmark cap: this process may allocate at most %.1f GiB of %s", STATE.tag, cap, device)
 
 
 def _register_boot() -> None:

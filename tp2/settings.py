@@ -3,6 +3,7 @@
     SETTINGS                      name -> Setting (kind, default, what it does, whether the launcher exports it)
     value(name, environ=None)     the typed value of one setting (its default when unset); SettingError otherwise
     read_tp_env(environ=None)     this rank's TPEnv, or None when TP2_RANK and TP2_WORLD_SIZE are unset
+    torch_allocator_conf()        PYTORCH_CUDA_ALLOC_CONF (read, never set: the launcher's --lean-memory sets it)
     set_for_libraries(...)        what the pack sets for PyTorch (NCCL error handling) and gloo (its interface)
 
 Every other module asks here; none reads `os.environ`. The launcher's defaults (scripts/start-tp2.sh) and the
@@ -73,7 +74,6 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose"),
         Setting("TP2_TEST_AVAILABLE_GIB", "float", None, "tests only: GPU memory the capacity check takes as available", low=0),
         Setting("TP2_BENCH_GLOO_ON_CUDA", "bool", "0", "benchmarks only: ranks sharing one GPU form their group over gloo"),
-        Setting("TP2_BENCH_GPU_CAP_GIB", "float", None, "benchmarks only: this process may allocate at most this much GPU memory", low=0),
     )
 }
 RENAMED = {"TP2_SP_PIECES": ("TP2_SP_MLP_CHUNKS", "it now pipelines out_proj too")}  # new name: (old name, why)
@@ -159,6 +159,11 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> str:
     """TP2_CACHE_DIR, else $XDG_CACHE_HOME/minimax-h3-tp2, else ~/.cache/minimax-h3-tp2."""
     env = _env(environ)
     return value("TP2_CACHE_DIR", env) or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimax-h3-tp2")
+
+
+def torch_allocator_conf(environ: Mapping[str, str] | None = None) -> str:
+    """PYTORCH_CUDA_ALLOC_CONF as torch reads it at start ("" unset): the capacity check names the allocator by it."""
+    return _env(environ).get("PYTORCH_CUDA_ALLOC_CONF", "")
 
 
 def triton_interpreter(environ: Mapping[str, str] | None = None) -> bool:

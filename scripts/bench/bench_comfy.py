@@ -38,7 +38,7 @@ import uuid
 
 import aiohttp
 import torch
-from process_memory import ProcessSampler
+from process_memory import ProcessSampler, hold_all_but, stop_all
 
 
 def free_port() -> int:
@@ -74,24 +74,6 @@ class GpuMemory:
     def stop(self):
         if self.proc is not None:
             self.proc.terminate()
-
-
-def start_ballast(args, tp_size: int) -> list[subprocess.Popen]:
-    """--cap-gib: on every GPU the servers will use, a process holding all but cap x (servers on it) GiB."""
-    if not args.cap_gib:
-        return []
-    per_gpu = {0: tp_size} if args.one_gpu else {r: 1 for r in range(tp_size)}
-    held = []
-    for gpu, n in per_gpu.items():
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu))
-        p = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_ballast.py"),
-                              "--leave-gib", str(args.cap_gib * n)], env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
-        line = p.stdout.readline().strip()
-        if not line.startswith("held"):
-            raise RuntimeError(f"gpu_ballast on GPU {gpu}: {line or 'exited'}")
-        print(f"GPU {gpu}: {line}", flush=True)
-        held.append(p)
-    return held
 
 
 def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple[subprocess.Popen, int, str]]:
@@ -284,7 +266,8 @@ async def main_async(args) -> list[dict]:
             for config in args.tp_sizes:
                 tp, _, variant = config.partition(":")
                 tp = int(tp)
-                ballast = start_ballast(args, tp)
+                per_gpu = {0: tp} if args.one_gpu else {r: 1 for r in range(tp)}  # servers on each GPU
+                ballast = hold_all_but({g: args.cap_gib * n for g, n in per_gpu.items()}) if args.cap_gib else []
                 servers = start_servers(args, tp, run_dir, variant)
                 try:
                     await wait_ready(session, servers)
@@ -307,9 +290,7 @@ async def main_async(args) -> list[dict]:
                         print(json.dumps({k: v for k, v in out.items() if k not in ("t0", "t1")}), flush=True)
                 finally:
                     stop_servers(servers)
-                    for p in ballast:
-                        p.terminate()
-                        p.wait(30)
+                    stop_all(ballast)
     finally:
         mem.stop()
         procs.stop()

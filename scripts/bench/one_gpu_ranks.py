@@ -5,7 +5,8 @@
 
 Starts one plain ComfyUI (pack inactive: the TP1 reference) and tp_size ranks, all with CUDA_VISIBLE_DEVICES=0,
 the ranks' group over gloo (TP2_BENCH_GLOO_ON_CUDA=1: NCCL refuses two ranks on one GPU) and, with --cap-gib, each
-rank capped at that much GPU memory (TP2_BENCH_GPU_CAP_GIB). Runs the text-encoder workflow (CLIPLoader type
+the GPU made a card of that much per process (scripts/bench/gpu_ballast.py holds the rest: the ranks and the plain
+server share cap x (tp_size + 1) GiB). Runs the text-encoder workflow (CLIPLoader type
 minimax -> CLIPTextEncode -> SaveH3Conditioning) twice on every server (cold: load and encode; warm: another text) and reports, per process: peak GPU memory
 (nvidia-smi's per-process `used_memory`, sampled every 0.2 s), peak host RSS (VmHWM), the encode wall time (not a
 speed: gloo moves CUDA tensors through host memory), whether the ranks' conditioning files are byte-identical,
@@ -25,7 +26,7 @@ import urllib.request
 import uuid
 
 from bench_comfy import free_port  # this folder: scripts/bench
-from process_memory import ProcessSampler
+from process_memory import ProcessSampler, hold_all_but, stop_all
 
 PROMPT = (
     "A red fox trots through fresh snow in a quiet birch forest at dawn, breath steaming, soft crunch of footsteps and distant birdsong."
@@ -118,8 +119,7 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     master = free_port()
     rank_env = {"TP2_WORLD_SIZE": str(a.tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "TP2_BENCH_GLOO_ON_CUDA": "1"}
-    if a.cap_gib:
-        rank_env["TP2_BENCH_GPU_CAP_GIB"] = str(a.cap_gib)
+    ballast = hold_all_but({0: a.cap_gib * (a.tp_size + 1)}) if a.cap_gib else []
     servers = [start(a, f"rank{r}", dict(rank_env, TP2_RANK=str(r))) for r in reversed(range(a.tp_size))][::-1]
     servers.append(start(a, "plain", {}))
     mem = ProcessSampler()
@@ -145,6 +145,7 @@ def main(argv=None) -> int:
         mem.stop()
         for s in servers:
             s["proc"].terminate()
+        stop_all(ballast)
         with open(os.path.join(a.out, "one_gpu_ranks.jsonl"), "w") as f:
             f.writelines(json.dumps(x) + "\n" for x in lines)
     return 0

@@ -1,13 +1,16 @@
-"""GPU and host memory of benchmark processes, sampled beside them: nvidia-smi per process, /proc/PID/status.
+"""GPU and host memory of benchmark processes, sampled beside them (nvidia-smi per process, /proc/PID/status), and
+small cards made of big GPUs.
 
-sampler = ProcessSampler(); sampler.pids.add(pid)   every 0.5 s: GPU MiB per process, host RSS of the pids added
-sampler.peak(pid, "gpu_mib", t0, t1)                 the peak between two times (None: never seen)
-gpu_total_gib()                                      GPU 0's memory (None without nvidia-smi)
+    sampler = ProcessSampler(); sampler.pids.add(pid)   every 0.5 s: GPU MiB per process, host RSS of the pids added
+    sampler.peak(pid, "gpu_mib", t0, t1)                 the peak between two times (None: never seen)
+    held = hold_all_but({gpu: gib}); stop_all(held)      on each GPU a gpu_ballast.py process holding all but `gib`
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -54,10 +57,25 @@ class ProcessSampler:
         self._stop.set()
 
 
-def gpu_total_gib() -> float | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=30).stdout  # fmt: skip
-        return int(out.split()[0]) / 1024
-    except (FileNotFoundError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
+def hold_all_but(leave_gib: dict[int, float]) -> list[subprocess.Popen]:
+    """On every GPU index given, a scripts/bench/gpu_ballast.py process holding all of its free memory but the GiB
+    given (say 22 x the processes that will share it), started and holding before this returns."""
+    held = []
+    for gpu, gib in leave_gib.items():
+        ballast = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_ballast.py")
+        p = subprocess.Popen([sys.executable, ballast, "--leave-gib", str(gib)], env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu)),
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+        line = p.stdout.readline().strip()
+        if not line.startswith("held"):
+            stop_all(held + [p])
+            raise RuntimeError(f"gpu_ballast on GPU {gpu}: {line or 'exited'}")
+        print(f"GPU {gpu}: {line}", flush=True)
+        held.append(p)
+    return held
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(30)

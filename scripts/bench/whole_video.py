@@ -9,8 +9,8 @@ BASE is a ComfyUI --base-directory whose models/ holds the four files the bundle
 scripts/bench/make_models.py); the pack is linked into BASE/custom_nodes here. Each config runs on its own servers:
 `tp1` is stock ComfyUI on one GPU (the pack linked but inactive), `tp1pack` the pack at tp_size 1, `tpN` is N ranks (GPU r each, NCCL; with
 --one-gpu all on GPU 0 over gloo: memory real, speed meaningless), and `@G` caps every process at G GiB of GPU
-memory (`tp2@22`): ComfyUI is told to leave the rest of the card alone (--reserve-vram, which its dynamic VRAM
-obeys) and the pack's ranks are also capped in the allocator (TP2_BENCH_GPU_CAP_GIB). Per config: the workflow
+memory (`tp2@22`): before the servers start, scripts/bench/gpu_ballast.py holds all of each GPU but G GiB per
+process on it, so torch's allocator, ComfyUI and its dynamic VRAM meet a real limit. Per config: the workflow
 as shipped (cold: the first prompt after start, models from disk or page cache), then the same workflow with
 another text and seed (warm: models loaded, every node but the loaders runs again).
 
@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from bench_comfy import free_port  # noqa: E402
 from make_models import FIXTURES, TINY_ENV  # noqa: E402
-from process_memory import ProcessSampler, gpu_total_gib  # noqa: E402
+from process_memory import ProcessSampler, hold_all_but, stop_all  # noqa: E402
 
 PHASES = {
     "UNETLoader": "load", "CLIPLoader": "load", "VAELoader": "load", "MiniMaxH3ImageToVideo": "text encode",
@@ -72,7 +72,6 @@ def parse_config(config: str) -> tuple[int, bool, float | None]:
 def start_servers(args, config: str) -> list[dict]:
     tp, pack, cap = parse_config(config)
     master, servers = free_port(), []
-    total = gpu_total_gib()
     for r in reversed(range(tp)):
         name = f"{config.replace('@', '_cap')}_rank{r}" if tp > 1 else config.replace("@", "_cap")
         d = os.path.join(args.out, "run", name)
@@ -80,21 +79,15 @@ def start_servers(args, config: str) -> list[dict]:
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
         env.update(TINY_ENV if args.tiny else {}, CUDA_VISIBLE_DEVICES="0" if args.one_gpu else str(r))
-        extra = []
         if pack:
             env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
                        TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900", **(FAST if args.fast else {}))  # fmt: skip
             if args.one_gpu:
                 env["TP2_BENCH_GLOO_ON_CUDA"] = "1"
-            if cap:
-                env["TP2_BENCH_GPU_CAP_GIB"] = str(cap)
-        if cap and total:  # ComfyUI leaves the rest of the card alone: the processes on a GPU share cap x their number
-            sharing = tp if args.one_gpu else 1
-            extra = ["--reserve-vram", f"{max(0.0, total - cap * sharing):.1f}"]
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(free_port()), "--base-directory", args.base,
                "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
-               "--front-end-root", args.front_end, *(["--cpu"] if args.tiny else []), *args.comfy_args.split(), *extra]  # fmt: skip
+               "--front-end-root", args.front_end, *(["--cpu"] if args.tiny else []), *args.comfy_args.split()]  # fmt: skip
         log = os.path.join(d, "comfyui.log")
         proc = subprocess.Popen(cmd, cwd=args.comfyui, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
         servers.insert(0, {"name": name, "rank": r, "proc": proc, "port": int(cmd[cmd.index("--port") + 1]), "dir": d, "log": log})
@@ -254,6 +247,9 @@ async def main_async(args) -> list[dict]:
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
             for config in args.configs:
+                tp, _, cap = parse_config(config)
+                per_gpu = {0: tp} if args.one_gpu else {r: 1 for r in range(tp)}  # processes on each GPU
+                ballast = hold_all_but({g: cap * n for g, n in per_gpu.items()}) if cap and not args.tiny else []
                 servers = start_servers(args, config)
                 sampler.pids.update(s["proc"].pid for s in servers)
                 try:
@@ -269,6 +265,7 @@ async def main_async(args) -> list[dict]:
                         print(json.dumps({k: v for k, v in row.items() if k != "environment"}), flush=True)
                 finally:
                     stop_servers(servers)
+                    stop_all(ballast)
     finally:
         sampler.stop()
         out.close()
