@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tp2 import capacity
@@ -33,6 +35,9 @@ def test_the_table_command(capsys):
     # resident, streamed (cudaMallocAsync), streamed with --lean-memory: the README's table
     assert "| 1920x1088 | 175 (7.3 s, 21.4) | 362 (15.1 s, 21.2) | 396 (16.5 s, 21.8) |" in out, out
     assert "| 832x480 |" in out
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read().replace("**", "")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "x" in line.split("|")[1]]
+    assert len(rows) == 4 and all(row in readme for row in rows), rows  # the README shows what the command prints
 
 
 @pytest.mark.parametrize("width,height,frames,tp_size,allocator,live,pooled", capacity.MEASURED_STREAMED)
