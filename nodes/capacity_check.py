@@ -44,21 +44,24 @@ def check_capacity(plan: Plan, latent_shapes, device: torch.device, patcher=None
     resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden)
     streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator)
     need = streamed if streams else resident
+    fits = need - capacity.HELD_AT_THE_SAMPLER_GIB <= available  # the CUDA context is in the need and already held
     enforced = settings.value("TP2_CAPACITY_CHECK")
     log.info(
         "%s capacity: %dx%dx%d, %d rows: predicted peak ~%.1f GiB with the weights resident, ~%.1f GiB streamed (%s); "
         "%.1f GiB available; weights %s; %s",
         STATE.tag, width, height, frames, rows, resident, streamed, allocator, available,
         "may stream (dynamic VRAM)" if streams else "resident (no dynamic VRAM)",
-        ("fits" if need <= available else "does not fit") + ("" if enforced else " (TP2_CAPACITY_CHECK=0: not enforced)"),
+        ("fits" if fits else "does not fit") + ("" if enforced else " (TP2_CAPACITY_CHECK=0: not enforced)"),
     )  # fmt: skip
-    if need <= available or not enforced:
+    if fits or not enforced:
         return
-    what = capacity.advice(width, height, frames, plan.tp_size, available, streamed=streams, allocator=allocator)
+    budget = available + capacity.HELD_AT_THE_SAMPLER_GIB  # what tp2.capacity's table calls the card's memory
+    what = capacity.advice(width, height, frames, plan.tp_size, budget, streamed=streams, allocator=allocator)
     mode = "with the weights streamed (the least it can run with)" if streams else "with the weights resident"
     raise CapacityError(
         f"{STATE.tag} this prompt ({width}x{height}, {frames} frames, {rows} sequence rows) needs ~{need:.1f} GiB of GPU "
-        f"memory per rank at tp_size {plan.tp_size} {mode}, and {available:.1f} GiB is available on {device}: {what}. "
+        f"memory per rank at tp_size {plan.tp_size} {mode}, ~{capacity.HELD_AT_THE_SAMPLER_GIB:.1f} GiB of it (the CUDA "
+        f"context) already held, and {available:.1f} GiB more is available on {device}: {what}. "
         "(Predicted by tp2/capacity.py; TP2_CAPACITY_CHECK=0 tries anyway.)"
     )
 

@@ -49,6 +49,9 @@ MEASURED = (
 SHARED_ROW_BYTES = 21_504  # the video embedding and the whole stream ComfyUI's forward holds outside the blocks
 SPLIT_ROW_BYTES = 75_264  # at the attention's peak, divided by tp: this rank's stream rows, qkv, int8 q/k/v
 CONTEXT_GIB = 1.2  # outside torch's pool: CUDA context, cuBLAS workspace, dynamic VRAM's buffers (30.8 - 29.6 measured)
+# part of every prediction already held when the check at the sampler asks what is free (the CUDA context): on a
+# real 22 GiB limit, free + pooled + evictable came to 21.3 GiB there (measured, docs/PERFORMANCE.md)
+HELD_AT_THE_SAMPLER_GIB = 0.7
 POOL_OVER_LIVE = {"cudaMallocAsync": 1.39, "expandable": 1.31}  # 20.06 / 14.42 and 18.52 / 14.14 GiB measured
 # (width, height, frames, tp_size, allocator, live GiB, pooled GiB) per rank, measured (one GPU, real 2 x 22 GiB)
 MEASURED_STREAMED = ((1920, 1088, 362, 2, "expandable", 14.14, 18.52),)
