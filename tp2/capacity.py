@@ -148,7 +148,7 @@ def advice(
         and (lean := predict_peak_gib(n, tp_size, streamed=True, allocator="expandable")) <= available_gib
     ):
         parts.append(f"or start the ranks with --lean-memory (~{lean:.1f} GiB per rank)")
-    for bigger in (2, 4, 8):
+    for bigger in (2, 4):  # the sizes the int8 release splits into (python -m tp2.inspect)
         need = predict_peak_gib(n, bigger, **how)
         if bigger > tp_size and need <= available_gib:
             parts.append(f"or use tp_size {bigger} (~{need:.1f} GiB per rank)")
