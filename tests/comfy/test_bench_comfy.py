@@ -1,0 +1,50 @@
+"""The sampler benchmark (scripts/bench/bench_comfy.py) against real servers on CPU, so a device run does not find
+its bugs: the pack at tp_size 1 and TP2 in the one-GPU mode's layout (every rank on "GPU 0", gloo) with the tiny
+checkpoint. Checks what the benchmark reports, not its timings: every prompt succeeded, the ranks' saved latents
+are byte-identical, each row carries per-process peaks and the pack's log lines, and the table was written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
+
+SCRIPTS = os.path.join(ROOT, "scripts")
+
+
+def test_bench_comfy_runs_the_pack_at_tp1_and_tp2_on_one_device(tmp_path):
+    base, out, fe = tmp_path / "base", tmp_path / "out", tmp_path / "fe"
+    for d in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning"):
+        (base / d).mkdir(parents=True)
+    os.symlink(ROOT, base / "custom_nodes" / "minimax-h3-tp2")
+    fe.mkdir()
+    (fe / "index.html").write_text("<html></html>")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
+    make = [sys.executable, os.path.join(SCRIPTS, "make_tiny_h3.py")]
+    subprocess.run([*make, str(base / "models/diffusion_models/tiny.safetensors"), "--int8", "--hidden", "512", "--heads", "4", "--ffn", "1024", "--text-dim", "256"], check=True, env=env)  # fmt: skip
+    subprocess.run(
+        [*make, "--conditioning", str(base / "models/h3_conditioning/cond.safetensors"), "--text-dim", "256"], check=True, env=env
+    )
+    cmd = [sys.executable, os.path.join(SCRIPTS, "bench", "bench_comfy.py"), "--comfyui", COMFYUI_DIR, "--base", str(base),
+           "--front-end", str(fe), "--out", str(out), "--ckpt", "tiny.safetensors", "--cond", "cond.safetensors",
+           "--resolutions", "64x64", "--memory-resolutions", "64x64x22", "--frames", "5", "--steps", "2", "--memory-steps", "1",
+           "--tp-sizes", "1:pack+bf16+fnorm,2:bf16+sp+fnorm", "--one-gpu", "--attn", "sdpa", "--comfy-args=--cpu"]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.load(open(out / "bench.json"))
+    assert [(r["tp_size"], r["resolution"], r["memory_only"]) for r in rows] == [
+        (1, "64x64", False),
+        (2, "64x64", False),
+        (2, "64x64x22", True),
+    ]
+    for r in rows:
+        assert "error" not in r and r["identical"], r
+        assert len(r["process_peak_mib"]) == len(r["pack_log"]) == r["tp_size"], r  # one entry per server (no GPU: None)
+    assert rows[0]["s_per_step"] > 0 and rows[1]["s_per_step"] > 0
+    assert "| 64x64x22 (memory) | 2 | bf16+sp+fnorm | 1 |" in run.stdout, run.stdout[-2000:]
