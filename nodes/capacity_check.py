@@ -78,21 +78,17 @@ def sampling_peak(device: torch.device):
     """Log the peak of this process's live tensors (torch's allocator) and of its cache over the block, the numbers
     the capacity model is calibrated against beside nvidia-smi's (which also sees the CUDA context and dynamic
     VRAM's weights)."""
-    if device.type != "cuda":
-        yield
-        return
-    try:
+    on_gpu = device.type == "cuda"
+    if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
-    except RuntimeError:  # an allocator without peak statistics
-        yield
-        return
     try:
         yield
     finally:
-        log.info(
-            "%s sampling peak: %.2f GiB of live tensors, %.2f GiB reserved by torch's allocator", STATE.tag,
-            torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB,
-        )  # fmt: skip
+        if on_gpu:
+            log.info(
+                "%s sampling peak: %.2f GiB of live tensors, %.2f GiB reserved by torch's allocator", STATE.tag,
+                torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB,
+            )  # fmt: skip
 
 
 def _shard_gib(plan: Plan) -> float:

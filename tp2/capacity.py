@@ -83,8 +83,8 @@ def tokens(width: int, height: int, frames: int, text_tokens: int = TEXT_TOKENS)
     return latent_t * (height // 32) * (width // 32) + 2 * audio_t + text_tokens
 
 
-_W, _H, _F, _TP, _ALLOC, _LIVE, _POOLED = MEASURED_STREAMED[0]
-LIVE_SCALE = _LIVE / (tokens(_W, _H, _F) * (SHARED_ROW_BYTES + SPLIT_ROW_BYTES / _TP) / GIB)  # measured / accounted
+_w, _h, _f, _tp, _, _live, _ = MEASURED_STREAMED[0]
+LIVE_SCALE = _live / (tokens(_w, _h, _f) * (SHARED_ROW_BYTES + SPLIT_ROW_BYTES / _tp) / GIB)  # measured / accounted
 
 
 def allocator_of(backend: str, alloc_conf: str) -> str:

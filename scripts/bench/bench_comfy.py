@@ -38,7 +38,7 @@ import uuid
 
 import aiohttp
 import torch
-from process_memory import ProcessSampler, hold_all_but, stop_all
+from process_memory import ProcessSampler, hold_all_but, servers_per_gpu, stop_all
 
 
 def free_port() -> int:
@@ -266,8 +266,7 @@ async def main_async(args) -> list[dict]:
             for config in args.tp_sizes:
                 tp, _, variant = config.partition(":")
                 tp = int(tp)
-                per_gpu = {0: tp} if args.one_gpu else {r: 1 for r in range(tp)}  # servers on each GPU
-                ballast = hold_all_but({g: args.cap_gib * n for g, n in per_gpu.items()}) if args.cap_gib else []
+                ballast = hold_all_but(args.cap_gib, servers_per_gpu(tp, args.one_gpu)) if args.cap_gib else []
                 servers = start_servers(args, tp, run_dir, variant)
                 try:
                     await wait_ready(session, servers)

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     master = free_port()
     rank_env = {"TP2_WORLD_SIZE": str(a.tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "TP2_BENCH_GLOO_ON_CUDA": "1"}
-    ballast = hold_all_but({0: a.cap_gib * (a.tp_size + 1)}) if a.cap_gib else []
+    ballast = hold_all_but(a.cap_gib, {0: a.tp_size + 1}) if a.cap_gib else []  # the ranks and the plain server
     servers = [start(a, f"rank{r}", dict(rank_env, TP2_RANK=str(r))) for r in reversed(range(a.tp_size))][::-1]
     servers.append(start(a, "plain", {}))
     mem = ProcessSampler()

@@ -3,7 +3,8 @@ small cards made of big GPUs.
 
     sampler = ProcessSampler(); sampler.pids.add(pid)   every 0.5 s: GPU MiB per process, host RSS of the pids added
     sampler.peak(pid, "gpu_mib", t0, t1)                 the peak between two times (None: never seen)
-    held = hold_all_but({gpu: gib}); stop_all(held)      on each GPU a gpu_ballast.py process holding all but `gib`
+    held = hold_all_but(gib, servers_per_gpu(tp, one_gpu))   each GPU made a card of `gib` per process on it
+    stop_all(held)
 """
 
 from __future__ import annotations
@@ -57,14 +58,19 @@ class ProcessSampler:
         self._stop.set()
 
 
-def hold_all_but(leave_gib: dict[int, float]) -> list[subprocess.Popen]:
-    """On every GPU index given, a scripts/bench/gpu_ballast.py process holding all of its free memory but the GiB
-    given (say 22 x the processes that will share it), started and holding before this returns."""
+def servers_per_gpu(tp_size: int, one_gpu: bool) -> dict[int, int]:
+    """GPU index -> how many of a configuration's servers run on it (one per GPU, or all on GPU 0)."""
+    return {0: tp_size} if one_gpu else {r: 1 for r in range(tp_size)}
+
+
+def hold_all_but(gib_per_process: float, processes_per_gpu: dict[int, int]) -> list[subprocess.Popen]:
+    """On every GPU given, a scripts/bench/gpu_ballast.py process holding all of its free memory but
+    `gib_per_process` x the processes that will share it, started and holding before this returns."""
     held = []
-    for gpu, gib in leave_gib.items():
+    for gpu, n in processes_per_gpu.items():
         ballast = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_ballast.py")
-        p = subprocess.Popen([sys.executable, ballast, "--leave-gib", str(gib)], env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu)),
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+        p = subprocess.Popen([sys.executable, ballast, "--leave-gib", str(gib_per_process * n)],
+                             env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu)), stdout=subprocess.PIPE, text=True)  # fmt: skip
         line = p.stdout.readline().strip()
         if not line.startswith("held"):
             stop_all(held + [p])

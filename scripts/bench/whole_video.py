@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from bench_comfy import free_port  # noqa: E402
 from make_models import FIXTURES, TINY_ENV  # noqa: E402
-from process_memory import ProcessSampler, hold_all_but, stop_all  # noqa: E402
+from process_memory import ProcessSampler, hold_all_but, servers_per_gpu, stop_all  # noqa: E402
 
 PHASES = {
     "UNETLoader": "load", "CLIPLoader": "load", "VAELoader": "load", "MiniMaxH3ImageToVideo": "text encode",
@@ -248,8 +248,7 @@ async def main_async(args) -> list[dict]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
             for config in args.configs:
                 tp, _, cap = parse_config(config)
-                per_gpu = {0: tp} if args.one_gpu else {r: 1 for r in range(tp)}  # processes on each GPU
-                ballast = hold_all_but({g: cap * n for g, n in per_gpu.items()}) if cap and not args.tiny else []
+                ballast = hold_all_but(cap, servers_per_gpu(tp, args.one_gpu)) if cap and not args.tiny else []
                 servers = start_servers(args, config)
                 sampler.pids.update(s["proc"].pid for s in servers)
                 try:

@@ -18,14 +18,7 @@ LAUNCHER = os.path.join(ROOT, "scripts", "start-tp2.sh")
 
 
 def settings(tmp_path, *args, **env) -> dict[str, str]:
-    comfy = tmp_path / "ComfyUI"
-    comfy.mkdir(exist_ok=True)
-    (comfy / "main.py").write_text("")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("TP2_")}
-    res = subprocess.run(
-        ["bash", LAUNCHER, "--comfyui", str(comfy), "--cpu", "--run-dir", str(tmp_path / "run"), *args],
-        env=clean | env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    res = _launch_until_settings(tmp_path, *args, **env)
     assert res.returncode != 0 and "no custom_nodes folder" in res.stderr, (res.stdout, res.stderr)
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("minimax-h3-tp2 settings:"))
     return dict(kv.split("=", 1) for kv in line.split(":", 1)[1].split())
