@@ -70,6 +70,25 @@ def activate() -> None:
         f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}, pieces {STATE.sp_pieces})" if STATE.sequence_parallel else "off",
         env.timeout_s, STATE.prompt_timeout_s,
     )  # fmt: skip
+    _warn_if_dynamic_vram_cannot_evict()
+
+
+def _warn_if_dynamic_vram_cannot_evict() -> None:
+    """Dynamic VRAM frees weights when a cudaMalloc or cudaMallocAsync call finds no room; expandable segments map
+    torch's memory by other calls, so under them an out-of-memory comes where weights could have made room (measured:
+    a rank with the text encoder resident failed at 12.4 GiB of tensors on a 22 GiB budget, docs/PERFORMANCE.md)."""
+    import comfy.memory_management
+    from ..tp2.capacity import allocator_of
+
+    conf = settings.torch_allocator_conf()
+    if comfy.memory_management.aimdo_enabled and allocator_of(torch.cuda.get_allocator_backend(), conf) == "expandable":
+        log.warning(
+            "%s PYTORCH_CUDA_ALLOC_CONF=%s turns on expandable segments, which ComfyUI's dynamic VRAM cannot free weights "
+            "for: long videos may run out of GPU memory with models still resident. Remove expandable_segments from it "
+            "(the launcher's --lean-memory uses torch's allocator without them).",
+            STATE.tag,
+            conf,
+        )
 
 
 def _register_boot() -> None:

@@ -22,10 +22,10 @@
 # --fast starts with the fastest measured settings (bf16 reduce, sequence parallelism, fused Triton kernels; about
 # 1.9x one GPU at 832x480 on 2x H200, docs/PERFORMANCE.md) instead of the exact defaults; a variable set in the
 # environment still wins. ComfyUI runs under $PYTHON if set, else the pack's .venv (scripts/install.sh), else python3.
-# --lean-memory: torch's own CUDA allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,
-# ComfyUI's --disable-cuda-malloc) instead of ComfyUI's cudaMallocAsync: for the longest videos on small cards (at
-# 1920x1088x362 a rank's pool held 18.5 GiB for 14.1 GiB of tensors where cudaMallocAsync held ~1.39x; its speed is not
-# measured yet, docs/PERFORMANCE.md).
+# --lean-memory: torch's own CUDA allocator (ComfyUI's --disable-cuda-malloc) instead of ComfyUI's cudaMallocAsync: for
+# the longest videos on small cards (at 1920x1088x362 a rank's pool held 1.24x its 14.1 GiB of tensors where
+# cudaMallocAsync held ~1.39x; its speed is not measured yet, docs/PERFORMANCE.md). Without expandable segments:
+# dynamic VRAM frees weights only for allocations made by cudaMalloc/cudaMallocAsync, which those bypass.
 set -euo pipefail
 
 LEAN_MEMORY=0
@@ -264,9 +264,8 @@ ALLOCATOR="ComfyUI's (cudaMallocAsync where it chooses it)"
 if [[ $LEAN_MEMORY -eq 1 ]]; then
   [[ "${PYTORCH_CUDA_ALLOC_CONF:-}" == *cudaMallocAsync* ]] \
     && die "--lean-memory uses torch's native allocator, but PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF asks for cudaMallocAsync: unset one of them"
-  export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:+$PYTORCH_CUDA_ALLOC_CONF,}expandable_segments:True"
   EXTRA+=(--disable-cuda-malloc)
-  ALLOCATOR="torch's native, PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF"
+  ALLOCATOR="torch's native${PYTORCH_CUDA_ALLOC_CONF:+, PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF}"
 fi
 echo "minimax-h3-tp2 settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_SP_PIECES=$TP2_SP_PIECES TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S"
 echo "minimax-h3-tp2 CUDA allocator: $ALLOCATOR"

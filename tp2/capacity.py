@@ -5,7 +5,7 @@ measurements, so a prompt that cannot fit is refused before sampling instead of 
     predict_peak_gib(tokens, tp_size)             one rank's peak with its weights resident (--highvram)
     predict_peak_gib(..., streamed=True)          the least it runs with when ComfyUI's dynamic VRAM streams the
                                                   weights block by block (allocator: ComfyUI's cudaMallocAsync, or
-                                                  torch's native one with expandable segments: the launcher's --lean-memory)
+                                                  torch's native one: the launcher's --lean-memory)
     longest_frames(width, height, gpu_gib, tp)    the longest length on H3's 17k+5 grid under `gpu_gib`
     python -m tp2.capacity --gpu-mem 22 --tp-size 2    the table of longest lengths per resolution
 
@@ -19,9 +19,12 @@ Streamed: peak = CUDA context + STREAMED_BLOCKS of BLOCKS of the weights (the bl
 beside it) + torch's pool, the pool being the live tensors times what the allocator holds on top of them. Live tensors
 grow per sequence row as the activation accounting of docs/PERFORMANCE.md says (21,504 bytes every rank holds whole:
 the video embedding and the stream outside the blocks; 75,264 / tp at the attention's peak: the stream's rows, qkv
-and its int8 copy), scaled to the one measured length, a TP2 rank at 1920x1088x362 (14.1 GiB live, 18.5 GiB pooled
-with expandable segments; 1.39x live measured for cudaMallocAsync on the one-GPU stand-in). One length, one tp size:
-other lengths and tp sizes follow the accounting unmeasured. Imports nothing from `comfy`.
+and its int8 copy), scaled to the one measured length, a TP2 rank at 1920x1088x362 (14.1 GiB live; pooled: 1.39x
+live for cudaMallocAsync on the one-GPU stand-in, 1.31x with expandable segments, 1.24x for the native allocator
+in the whole prompt). One length, one tp size: other lengths and tp sizes follow the accounting unmeasured.
+Expandable segments are outside what dynamic VRAM sees (it frees weights for cudaMalloc and cudaMallocAsync calls
+only; with the text encoder resident a rank ran out of memory at 12.4 GiB live), so --lean-memory is the native
+allocator without them. Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
@@ -52,9 +55,12 @@ CONTEXT_GIB = 1.2  # outside torch's pool: CUDA context, cuBLAS workspace, dynam
 # part of every prediction already held when the check at the sampler asks what is free (the CUDA context): on a
 # real 22 GiB limit, free + pooled + evictable came to 21.3 GiB there (measured, docs/PERFORMANCE.md)
 HELD_AT_THE_SAMPLER_GIB = 0.7
-POOL_OVER_LIVE = {"cudaMallocAsync": 1.39, "expandable": 1.31}  # 20.06 / 14.42 and 18.52 / 14.14 GiB measured
+# 20.06 / 14.42, 18.52 / 14.14 and 17.48 / 14.12 GiB measured; native: the rank of the pair that met the limit (the
+# other, with room, held 1.55x: the native allocator keeps what it got and gives it back on an out-of-memory)
+POOL_OVER_LIVE = {"cudaMallocAsync": 1.39, "expandable": 1.31, "native": 1.24}
 # (width, height, frames, tp_size, allocator, live GiB, pooled GiB) per rank, measured (one GPU, real 2 x 22 GiB)
-MEASURED_STREAMED = ((1920, 1088, 362, 2, "expandable", 14.14, 18.52),)
+MEASURED_STREAMED = ((1920, 1088, 362, 2, "expandable", 14.14, 18.52), (1920, 1088, 362, 2, "native", 14.12, 17.48))
+LEAN_ALLOCATOR = "native"  # the launcher's --lean-memory: ComfyUI's --disable-cuda-malloc
 RESOLUTIONS = ((832, 480), (1344, 768), (1600, 896), (1920, 1088))
 
 
@@ -89,8 +95,8 @@ LIVE_SCALE = _live / (tokens(_w, _h, _f) * (SHARED_ROW_BYTES + SPLIT_ROW_BYTES /
 
 def allocator_of(backend: str, alloc_conf: str) -> str:
     """torch's CUDA allocator as POOL_OVER_LIVE names it, from torch.cuda.get_allocator_backend() and
-    PYTORCH_CUDA_ALLOC_CONF: ComfyUI's default cudaMallocAsync, or the native one with expandable segments (the
-    launcher's --lean-memory); the native one without them is "native" (unmeasured: counted as cudaMallocAsync)."""
+    PYTORCH_CUDA_ALLOC_CONF: ComfyUI's default cudaMallocAsync, the native one (the launcher's --lean-memory), or the
+    native one with expandable segments."""
     if backend == "cudaMallocAsync":
         return backend
     return "expandable" if "expandable_segments:true" in alloc_conf.replace(" ", "").lower() else "native"
@@ -144,8 +150,8 @@ def advice(
     n = tokens(width, height, frames)
     if (
         streamed
-        and allocator != "expandable"
-        and (lean := predict_peak_gib(n, tp_size, streamed=True, allocator="expandable")) <= available_gib
+        and allocator == "cudaMallocAsync"
+        and (lean := predict_peak_gib(n, tp_size, streamed=True, allocator=LEAN_ALLOCATOR)) <= available_gib
     ):
         parts.append(f"or start the ranks with --lean-memory (~{lean:.1f} GiB per rank)")
     for bigger in (2, 4):  # the sizes the int8 release splits into (python -m tp2.inspect)
@@ -158,10 +164,10 @@ def advice(
 
 def table(gpu_gib: float, tp_size: int) -> str:
     modes = (("resident (--highvram)", False, "cudaMallocAsync"), ("streamed (dynamic VRAM)", True, "cudaMallocAsync"),
-             ("streamed, --lean-memory", True, "expandable"))  # fmt: skip
+             ("streamed, --lean-memory", True, LEAN_ALLOCATOR))  # fmt: skip
     lines = [f"longest H3 video per rank on {gpu_gib:g} GiB at tp_size {tp_size} (frames, seconds at 24 fps, predicted peak GiB): "
              "the DiT's weights resident, streamed block by block by ComfyUI's dynamic VRAM (its default on NVIDIA), and "
-             "streamed with the launcher's --lean-memory (torch's allocator with expandable segments)", "",
+             "streamed with the launcher's --lean-memory (torch's native allocator)", "",
              "| resolution | " + " | ".join(m for m, _, _ in modes) + " |", "|---|" + "---|" * len(modes)]  # fmt: skip
     for w, h in RESOLUTIONS:
         cells = []

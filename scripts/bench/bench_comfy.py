@@ -3,8 +3,9 @@
 
 For each tp_size: start the servers (one per GPU; tp_size 1 = plain ComfyUI with the pack inactive), run the
 same latent-only T2V workflow (conditioning from file, cfg 1, res_multistep/simple, seed 145) at each
-resolution, and record: s/step (median of the per-step times after the first step, from rank 0's websocket
-progress), checkpoint load time per rank (UNETLoader's span), peak GPU memory per rank (nvidia-smi every
+resolution, and record: s/step (rank 0's time from its first step's progress event to the end of the sampler
+node, whose latent is then on the host, per remaining step; the median spacing of the progress events is kept
+beside it as s_per_step_progress, which understates a step where the CPU runs ahead of the GPU), checkpoint load time per rank (UNETLoader's span), peak GPU memory per rank (nvidia-smi every
 0.5 s), and whether all ranks' saved latents are byte-identical. Prints a table; writes bench.json.
 
     python scripts/bench/bench_comfy.py --comfyui DIR --base DIR --front-end DIR --out DIR [--tp-sizes 1,2]
@@ -97,7 +98,7 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
         options = set(variant.split("+")) - {""}
-        known = {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm", "simple", "pack"}
+        known = {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm", "simple", "pack", "lean", "hv"}
         unknown = {
             o
             for o in options - known
@@ -109,7 +110,7 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
         }
         if unknown:
             raise SystemExit(
-                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, chunkN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half, pack with +)"
+                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, chunkN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half, pack, lean, hv with +)"
             )
         for o in options:
             if o.startswith("nch"):  # NCCL tuning: at least N channels
@@ -118,6 +119,10 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                 env["NCCL_MAX_NCHANNELS"] = o[4:]
         if "simple" in options:  # NCCL tuning: the Simple protocol only
             env["NCCL_PROTO"] = "Simple"
+        if "lean" in options:  # the launcher's --lean-memory: torch's native allocator (ComfyUI's --disable-cuda-malloc)
+            cmd += [] if "--disable-cuda-malloc" in cmd else ["--disable-cuda-malloc"]
+        if "hv" in options:  # every model resident (ComfyUI's --highvram), whatever --comfy-args says
+            cmd += [a for a in ("--highvram", "--disable-async-offload") if a not in cmd]
         if "bf16ag" in options:  # sequence parallel, int8 linears' inputs gathered in bf16 (not quantised first)
             env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_INT8_GATHER="0")
         if "fnorm" in options:  # sequence parallel with the fused norm/modulation kernels
@@ -218,6 +223,11 @@ async def run_one(session, servers, wf, run_dir) -> dict:
             first_seen.setdefault(d["value"], t)
     steps = [first_seen[v] for v in sorted(first_seen)]
     per_step = [b - a for a, b in zip(steps, steps[1:])]
+    # The progress events are the CPU's view: where the sampler does not wait for the GPU each step (ComfyUI's dynamic
+    # VRAM), the CPU runs ahead and their spacing understates a step. The sampler's node ends once its latent is on the
+    # host, so from step 1's event to that end, per remaining step, counts the GPU's time too.
+    ends = [t for t, kind, d in events[0] if kind == "executing" and steps and t > steps[-1]]
+    s_per_step_span = (ends[0] - steps[0]) / (len(steps) - 1) if ends and len(steps) > 1 else None
     loads = []
     for ev in events:
         starts = [t for t, kind, d in ev if kind == "executing" and d.get("node") == "1"]
@@ -234,7 +244,8 @@ async def run_one(session, servers, wf, run_dir) -> dict:
                 with open(path, "rb") as f:
                     d.update(f.read())
         digests.append(d.hexdigest())
-    return {"s_per_step": statistics.median(per_step) if per_step else None, "steps_timed": len(per_step), "load_s": loads,
+    return {"s_per_step": s_per_step_span, "s_per_step_progress": statistics.median(per_step) if per_step else None,
+            "steps_timed": len(per_step), "load_s": loads,
             "identical": len(set(digests)) == 1, "digest": digests[0][:12], "video_latent": video, "t0": t0, "t1": t1}  # fmt: skip
 
 
@@ -253,7 +264,7 @@ def pack_lines(log: str, start: int) -> list[str]:
     """The pack's capacity prediction and sampling peak lines a server logged since byte `start`."""
     with open(log, errors="replace") as f:
         f.seek(start)
-        return [line.strip()[-400:] for line in f if " capacity: " in line or " sampling peak: " in line]
+        return [line.strip()[-400:] for line in f if any(k in line for k in (" capacity: ", " sampling peak: ", " sequence parallelism off "))]
 
 
 async def main_async(args) -> list[dict]:
@@ -297,8 +308,10 @@ async def main_async(args) -> list[dict]:
 
 
 def _baseline_key(r: dict) -> tuple[str, bool]:
-    """TPn runs compare with the TP1 run at the same resolution and attention backend (ck int8 or SDPA)."""
-    return r["resolution"], "sdpa" in str(r.get("variant", "")).split("+")
+    """TPn runs compare with the TP1 run at the same resolution, attention backend (ck int8 or SDPA) and memory mode
+    (variant hv: every model resident; otherwise what --comfy-args says)."""
+    options = str(r.get("variant", "")).split("+")
+    return r["resolution"], "sdpa" in options, "hv" in options
 
 
 def _is_baseline(r: dict) -> bool:
@@ -357,7 +370,7 @@ def main(argv=None) -> int:
         default="1,2",
         help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,2:bf16+mlp4,1:sdpa,1:half. Variant parts, joined with +: bf16 "
         "(bf16 reduce), sp (sequence parallel), mlpN (SP in N pieces: out_proj and MLP pipelined), bf16ag (SP, int8 inputs gathered in bf16), fnorm "
-        "(SP, fused norm kernels), chunkN (the SP MLP in row chunks of at most N rows), nchN / nmaxN (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS=N), simple (NCCL_PROTO=Simple), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication), pack (tp 1 only: the pack active on one GPU, TP2_WORLD_SIZE=1, its own block path with sp/fnorm)",
+        "(SP, fused norm kernels), chunkN (the SP MLP in row chunks of at most N rows), nchN / nmaxN (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS=N), simple (NCCL_PROTO=Simple), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication), pack (tp 1 only: the pack active on one GPU, TP2_WORLD_SIZE=1, its own block path with sp/fnorm), lean (the launcher's --lean-memory: torch's native allocator), hv (ComfyUI's --highvram --disable-async-offload added: every model resident)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088", help="TP-only memory runs: WxH or WxHxFRAMES")

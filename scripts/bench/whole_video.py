@@ -3,7 +3,8 @@
 servers, TP1 and TP2 side by side in one invocation, cold and warm, timed per phase from ComfyUI's own events.
 
     python scripts/bench/whole_video.py --comfyui DIR --base DIR --front-end DIR --out DIR
-        [--configs tp1,tp2] [--workflow h3_tp2_t2v_832x480] [--one-gpu] [--fast] [--steps N] [--tiny]
+        [--configs tp1,tp2] [--workflow h3_tp2_t2v_832x480] [--one-gpu] [--fast] [--steps N] [--frames N]
+        [--size WxH] [--prompts cold,warm] [--tiny]
 
 BASE is a ComfyUI --base-directory whose models/ holds the four files the bundled workflows load (write them with
 scripts/bench/make_models.py); the pack is linked into BASE/custom_nodes here. Each config runs on its own servers:
@@ -17,7 +18,7 @@ another text and seed (warm: models loaded, every node but the loaders runs agai
 Per prompt and process: each phase's wall time (the span between ComfyUI's `executing` events: load = the loader
 nodes, text encode = MiniMaxH3ImageToVideo, sampling = KSampler, with s/step from its progress events, video
 decode, audio decode, mux and save = CreateVideo + SaveVideo), the whole prompt, the peak GPU memory (nvidia-smi,
-per process, every 0.5 s), the peak host RSS split into anonymous and file-backed pages (/proc/PID/status), the
+per process, every 0.5 s; also per phase), the pack's capacity and sampling-peak log lines, the peak host RSS split into anonymous and file-backed pages (/proc/PID/status), the
 models ComfyUI (re)loaded during the prompt (its "Requested to load" lines: none in a warm prompt means encoder and
 DiT stayed resident), and the MP4's size and sha256 (the ranks' must be equal). Writes OUT/whole_video.jsonl (a
 line per prompt, as it goes) and prints a table with the ratio to stock TP1 per phase. --tiny: CPU, the test stand-ins, 64x64,
@@ -44,7 +45,7 @@ import aiohttp
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from bench_comfy import free_port  # noqa: E402
+from bench_comfy import free_port, pack_lines  # noqa: E402
 from make_models import FIXTURES, TINY_ENV  # noqa: E402
 from process_memory import ProcessSampler, hold_all_but, servers_per_gpu, stop_all  # noqa: E402
 
@@ -124,6 +125,8 @@ def bundled_workflow(args, tag: str, config: str) -> dict:
                 inputs.update(width=64, height=64, length=5)
             if args.frames:
                 inputs["length"] = args.frames
+            if args.size:
+                inputs["width"], inputs["height"] = (int(x) for x in args.size.split("x"))
         elif kind == "KSampler":
             if tag == "warm":
                 inputs["seed"] += 1
@@ -134,14 +137,19 @@ def bundled_workflow(args, tag: str, config: str) -> dict:
     return wf
 
 
+def phase_spans(events: list[tuple[float, str, dict]], classes: dict[str, str]) -> list[tuple[str, float, float]]:
+    """(phase, start, end) of every node that ran, from one server's `executing` events."""
+    marks = [(t, d.get("node")) for t, kind, d in events if kind == "executing"]
+    return [(PHASES.get(classes.get(node, ""), "other"), t, t_next) for (t, node), (t_next, _) in zip(marks, marks[1:]) if node is not None]
+
+
 def phases(events: list[tuple[float, str, dict]], classes: dict[str, str]) -> dict:
     """Per-phase seconds from one server's event stream (node spans between `executing` events)."""
     start = next((t for t, kind, _ in events if kind == "execution_start"), None)
     marks = [(t, d.get("node")) for t, kind, d in events if kind == "executing"]
     out = {p: 0.0 for p in PHASE_ORDER}
-    for (t, node), (t_next, _) in zip(marks, marks[1:]):
-        if node is not None:
-            out[PHASES.get(classes.get(node, ""), "other")] += t_next - t
+    for phase, t, t_next in phase_spans(events, classes):
+        out[phase] += t_next - t
     end = next((t for t, node in marks if node is None), None) or next((t for t, kind, _ in events if kind == "execution_success"), None)
     out = {k: round(v, 2) for k, v in out.items()}
     out["whole prompt"] = round(end - start, 2) if start and end else None
@@ -203,12 +211,18 @@ async def run_prompt(session, servers, wf, sampler: ProcessSampler) -> list[dict
         mp4 = os.path.join(s["dir"], "output", videos[0]["subfolder"], videos[0]["filename"]) if videos else None
         pid_ = s["proc"].pid
         gib = lambda what, scale: None if (v := sampler.peak(pid_, what, t0, t1 + 0.6)) is None else round(v / scale, 2)  # noqa: E731
+        by_phase = {}
+        for phase, a, b in phase_spans(ev, classes):
+            v = sampler.peak(pid_, "gpu_mib", a, b + 0.6)
+            if v is not None:
+                by_phase[phase] = max(by_phase.get(phase, 0.0), round(v / 1024, 2))
         results.append({
             "server": s["name"], "ok": not errors, "error": errors[0] if errors else None, **phases(ev, classes),
-            "gpu_peak_gib": gib("gpu_mib", 1024), "host_peak_rss_gib": gib("VmRSS", 2**20),
+            "gpu_peak_gib": gib("gpu_mib", 1024), "gpu_peak_gib_by_phase": by_phase, "host_peak_rss_gib": gib("VmRSS", 2**20),
             "host_peak_anon_gib": gib("RssAnon", 2**20), "host_peak_file_gib": gib("RssFile", 2**20),
             "loaded": loaded, "mp4_bytes": os.path.getsize(mp4) if mp4 else None,
             "mp4_sha256": hashlib.sha256(open(mp4, "rb").read()).hexdigest()[:16] if mp4 else None,
+            "pack_log": pack_lines(s["log"], at),
         })  # fmt: skip
     return results
 
@@ -253,7 +267,7 @@ async def main_async(args) -> list[dict]:
                 sampler.pids.update(s["proc"].pid for s in servers)
                 try:
                     await wait_ready(session, servers)
-                    for tag in ("cold", "warm"):
+                    for tag in args.prompts:
                         results = await run_prompt(session, servers, bundled_workflow(args, tag, config), sampler)
                         shas = {r["mp4_sha256"] for r in results}
                         row = {"config": config, "prompt": tag, "workflow": args.workflow, "one_gpu": args.one_gpu, "fast": args.fast,
@@ -319,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fast", action="store_true", help="the TP ranks with the launcher's --fast settings")
     ap.add_argument("--steps", type=int, help="override the workflow's steps")
     ap.add_argument("--frames", type=int, help="override the workflow's length")
+    ap.add_argument("--size", help="override the workflow's WIDTHxHEIGHT (e.g. 1920x1088)")
+    ap.add_argument("--prompts", default="cold,warm", type=lambda s: s.split(","), help="cold, warm or both, in order")
     ap.add_argument("--comfy-args", help="ComfyUI arguments for every server (default --use-ck-attention; none with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="CPU, the tests' stand-in models, 64x64x5, 2 steps")
     ap.add_argument("--commit", default=_commit(), help="the pack's commit, recorded in every row")

@@ -1,7 +1,7 @@
 """Benchmark-only ComfyUI custom node: a per-kernel GPU profile of one H3 diffusion-model call (no nodes of its own).
 
 bench.sh links it into the benchmark's custom_nodes; it does nothing unless TP2_BENCH_PROFILE_DIR is set. Then
-the TP2_BENCH_PROFILE_CALL-th call (default 3: warmed up) of ComfyUI's MiniMaxH3Model._forward runs under
+the TP2_BENCH_PROFILE_CALL-th call (default 3: warmed up) of ComfyUI's MiniMaxH3Model.forward runs under
 torch.profiler and this process writes DIR/<tag>.json and DIR/<tag>.txt: every GPU kernel's total time and
 count, the time per category (int8 GEMM, attention, NCCL, quantise, norm/rope, elementwise copies), and from the
 timeline how much NCCL time ran while no compute kernel did (exposed communication). <tag> is rank<N> under TP,
@@ -129,7 +129,9 @@ def _install(out_dir: str, call_no: int) -> None:
     import comfy.ldm.minimax.model as h3
     import torch
 
-    original = h3.MiniMaxH3Model._forward
+    # forward, not _forward: the pack checks _forward's source before it puts in its sequence-parallel blocks, and a
+    # replaced _forward would turn them off (the profile would then be of plain TP, not of what the pack runs)
+    original = h3.MiniMaxH3Model.forward
     calls = {"n": 0}
     tag = f"rank{os.environ['TP2_RANK']}" if os.environ.get("TP2_RANK") else "tp1"
 
@@ -158,7 +160,7 @@ def _install(out_dir: str, call_no: int) -> None:
         log.info("profile of H3 call %d written to %s (%s)", call_no, out_dir, tag)
         return out
 
-    h3.MiniMaxH3Model._forward = profiled_forward
+    h3.MiniMaxH3Model.forward = profiled_forward
 
 
 if os.environ.get("TP2_BENCH_PROFILE_DIR"):
