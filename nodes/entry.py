@@ -78,6 +78,7 @@ def _warn_if_dynamic_vram_cannot_evict() -> None:
     torch's memory by other calls, so under them an out-of-memory comes where weights could have made room (measured:
     a rank with the text encoder resident failed at 12.4 GiB of tensors on a 22 GiB budget, docs/PERFORMANCE.md)."""
     import comfy.memory_management
+
     from ..tp2.capacity import allocator_of
 
     conf = settings.torch_allocator_conf()

@@ -24,7 +24,7 @@
 # environment still wins. ComfyUI runs under $PYTHON if set, else the pack's .venv (scripts/install.sh), else python3.
 # --lean-memory: torch's own CUDA allocator (ComfyUI's --disable-cuda-malloc) instead of ComfyUI's cudaMallocAsync: for
 # the longest videos on small cards (at 1920x1088x362 a rank's pool held 1.24x its 14.1 GiB of tensors where
-# cudaMallocAsync held ~1.39x; its speed is not measured yet, docs/PERFORMANCE.md). Without expandable segments:
+# cudaMallocAsync held ~1.39x; the same speed, docs/PERFORMANCE.md). Without expandable segments:
 # dynamic VRAM frees weights only for allocations made by cudaMalloc/cudaMallocAsync, which those bypass.
 set -euo pipefail
 

@@ -3,7 +3,7 @@
     SETTINGS                      name -> Setting (kind, default, what it does, whether the launcher exports it)
     value(name, environ=None)     the typed value of one setting (its default when unset); SettingError otherwise
     read_tp_env(environ=None)     this rank's TPEnv, or None when TP2_RANK and TP2_WORLD_SIZE are unset
-    torch_allocator_conf()        PYTORCH_CUDA_ALLOC_CONF (read, never set: the launcher's --lean-memory sets it)
+    torch_allocator_conf()        PYTORCH_CUDA_ALLOC_CONF (read, never set: the capacity check names the allocator from it)
     set_for_libraries(...)        what the pack sets for PyTorch (NCCL error handling) and gloo (its interface)
 
 Every other module asks here; none reads `os.environ`. The launcher's defaults (scripts/start-tp2.sh) and the

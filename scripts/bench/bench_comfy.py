@@ -5,7 +5,8 @@ For each tp_size: start the servers (one per GPU; tp_size 1 = plain ComfyUI with
 same latent-only T2V workflow (conditioning from file, cfg 1, res_multistep/simple, seed 145) at each
 resolution, and record: s/step (rank 0's time from its first step's progress event to the end of the sampler
 node, whose latent is then on the host, per remaining step; the median spacing of the progress events is kept
-beside it as s_per_step_progress, which understates a step where the CPU runs ahead of the GPU), checkpoint load time per rank (UNETLoader's span), peak GPU memory per rank (nvidia-smi every
+beside it as s_per_step_progress, which understates a step where the CPU runs ahead of the GPU; with --profile the
+span includes the trace's writing in the 3rd step), checkpoint load time per rank (UNETLoader's span), peak GPU memory per rank (nvidia-smi every
 0.5 s), and whether all ranks' saved latents are byte-identical. Prints a table; writes bench.json.
 
     python scripts/bench/bench_comfy.py --comfyui DIR --base DIR --front-end DIR --out DIR [--tp-sizes 1,2]
@@ -264,7 +265,9 @@ def pack_lines(log: str, start: int) -> list[str]:
     """The pack's capacity prediction and sampling peak lines a server logged since byte `start`."""
     with open(log, errors="replace") as f:
         f.seek(start)
-        return [line.strip()[-400:] for line in f if any(k in line for k in (" capacity: ", " sampling peak: ", " sequence parallelism off "))]
+        return [
+            line.strip()[-400:] for line in f if any(k in line for k in (" capacity: ", " sampling peak: ", " sequence parallelism off "))
+        ]
 
 
 async def main_async(args) -> list[dict]:

@@ -47,4 +47,5 @@ def test_bench_comfy_runs_the_pack_at_tp1_and_tp2_on_one_device(tmp_path):
         assert "error" not in r and r["identical"], r
         assert len(r["process_peak_mib"]) == len(r["pack_log"]) == r["tp_size"], r  # one entry per server (no GPU: None)
     assert rows[0]["s_per_step"] > 0 and rows[1]["s_per_step"] > 0
+    assert rows[0]["s_per_step_progress"] > 0  # the progress events' spacing, beside the span to the sampler's end
     assert "| 64x64x22 (memory) | 2 | bf16+sp+fnorm | 1 |" in run.stdout, run.stdout[-2000:]

@@ -209,6 +209,26 @@ def _rank_dirs(root: str) -> str:
     return root
 
 
+def _where_ranks_differ(servers, histories) -> str:
+    """For a failure message: whether two ranks' decoded frames (SaveImage PNGs) already differ, or only their MP4s."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pngs = [{k: v for k, v in output_files(s, h).items() if k.endswith(".png")} for s, h in zip(servers, histories)]
+    if sorted(pngs[0]) != sorted(pngs[1]) or not pngs[0]:
+        return f"frames saved: {sorted(pngs[0])} / {sorted(pngs[1])}"
+    worst = {}
+    for name in sorted(pngs[0]):
+        a, b = (np.asarray(Image.open(io.BytesIO(p[name])), dtype=np.int16) for p in (pngs[0], pngs[1]))
+        if a.shape != b.shape or (a != b).any():
+            worst[name] = int(np.abs(a - b).max()) if a.shape == b.shape else -1
+    if not worst:
+        return "the decoded frames (PNG) are identical, so the MP4 encode differed"
+    return f"the decoded frames differ already (max |a - b| per frame, 8-bit): {worst}"
+
+
 def test_the_rank_cache_gives_the_same_video(models, tmp_path_factory):
     """TP2_RANK_CACHE=on (what 'auto' picks under ComfyUI's dynamic VRAM, which CPU servers lack): each rank cuts its
     slices of the DiT and of the text encoder into a file once and ComfyUI maps them from there; the sampler's output
@@ -256,7 +276,7 @@ def test_the_rank_cache_gives_the_same_video(models, tmp_path_factory):
                 log = f.read()
             assert f"loaded {NAMES['unet']} (rank cache " in log and f"loaded text encoder {NAMES['clip']} (rank cache " in log, s.tail()
             assert log.count("rank cache: wrote ") == 2, s.tail()
-        assert len(mp4s[0]) == 1 and mp4s[0] == mp4s[1], "the cached ranks' MP4 files differ"
+        assert len(mp4s[0]) == 1 and mp4s[0] == mp4s[1], f"the cached ranks' MP4 files differ; {_where_ranks_differ(cached, histories)}"
         files = sorted(os.listdir(os.path.join(cache, "rank_cache")))
         assert len(files) == 4 and all(".tp2-rank" in f for f in files), files
     finally:

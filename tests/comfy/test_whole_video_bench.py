@@ -41,6 +41,7 @@ def test_the_whole_video_benchmark_runs_tp1_and_tp2_on_cpu(tmp_path):
             assert x["whole prompt"] > 0 and x["sampling"] > 0 and x["text encode"] > 0 and x["s/step"] > 0, x
             assert set(x["loaded"]) == (MODELS if r["prompt"] == "cold" else set()), x["loaded"]
             assert x["host_peak_rss_gib"] > 0.1 and x["host_peak_anon_gib"] > 0.1, x
+            assert isinstance(x["gpu_peak_gib_by_phase"], dict) and isinstance(x["pack_log"], list), x  # no GPU: empty
     assert len(rows[2]["results"]) == 2 and rows[0]["results"][0]["mp4_sha256"] != rows[1]["results"][0]["mp4_sha256"]
     table = (out / "whole_video_table.md").read_text()
     assert "| tp2 | warm |" in table and "x)" in table  # the TP2 rows carry their ratio to stock TP1
