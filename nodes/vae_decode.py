@@ -1,5 +1,4 @@
-"""Parallel H3 video VAE decode: the tile decodes of one video decode are spread over the TP ranks, and the host
-buffer the decode writes is paged in beside it.
+"""Parallel H3 video VAE decode: the tile decodes of one video decode are spread over the TP ranks.
 
     install_parallel_vae_decode()   wraps comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal (once)
 
@@ -21,11 +20,6 @@ mid-way marks the process group broken, raises the cache epoch and fails the pro
 re-raised as a TP2Error, because ComfyUI's OOM retry on one rank alone would leave the others waiting.
 Interrupts take effect after the decode (the deferral used during sampling). The audio VAE is not split (not
 measured: a 1-D decoder over a few seconds of audio, expected far cheaper than the video decode).
-
-On every rank, tp_size 1 included (TP2_HOST_PREFAULT=1, the default), when the decode runs on a GPU, the float32
-host buffer it streams its finished chunks into (ComfyUI allocates it afresh per decode: 594 MB at 832x480x124)
-is paged in by a background thread while the tiles decode (tp2.host_prefault: maps pages, writes nothing), so the
-copies of finished chunks, serial on every rank, no longer take the page faults. Same bytes with it or without.
 """
 
 from __future__ import annotations
@@ -34,27 +28,20 @@ import functools
 import time
 
 import comfy.model_management as mm
-import torch
 
 from ..tp2 import __version__, settings
 from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, spatial_tiles, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
-from ..tp2.host_prefault import populated_ahead
 from .lockstep import CURRENT, in_step, rank0_abort, step_key, tensor_digest
 from .patches import PATCHES
 from .state import STATE, log
 
 ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
-ENV_HOST_PREFAULT = "TP2_HOST_PREFAULT"
-PREFAULT_CPU_DECODES = False  # a decode computed on the CPU needs its cores more than a paging thread (tests set it)
 
 
 def install_parallel_vae_decode() -> None:
-    """Split H3 video decodes over the ranks from now on (unless TP2_PARALLEL_VAE=0 or tp_size 1), and page in
-    their host output beside them (unless TP2_HOST_PREFAULT=0)."""
-    split = bool(settings.value(ENV_PARALLEL_VAE)) and STATE.env.tp_size >= 2
-    prefault = bool(settings.value(ENV_HOST_PREFAULT))
-    if not split:
+    """Split H3 video decodes over the ranks from now on (unless TP2_PARALLEL_VAE=0 or tp_size 1)."""
+    if not settings.value(ENV_PARALLEL_VAE) or STATE.env.tp_size < 2:
         log.info(
             "%s video VAE decode not split (%s=%s, tp_size %d)",
             STATE.tag,
@@ -62,27 +49,16 @@ def install_parallel_vae_decode() -> None:
             settings.raw(ENV_PARALLEL_VAE),
             STATE.env.tp_size,
         )
-    if not split and not prefault:
         return
     import comfy.ldm.minimax.vae as h3_vae
 
-    PATCHES.install(h3_vae.MiniMaxH3VideoVAE, "decode_temporal", functools.partial(_hooked_decode_temporal, split=split, prefault=prefault))
+    PATCHES.install(h3_vae.MiniMaxH3VideoVAE, "decode_temporal", _hooked_decode_temporal)
 
 
-def _hooked_decode_temporal(original, split, prefault):
+def _hooked_decode_temporal(original):
     @functools.wraps(original)
     def decode_temporal(self, z, output_buffer=None):
-        def run(buffer):
-            return _decode_temporal(original, self, z, buffer) if split else original(self, z, buffer)
-
-        if not prefault or (z.device.type == "cpu" and not PREFAULT_CPU_DECODES):
-            return run(output_buffer)
-        if output_buffer is None:  # as ComfyUI's decode_temporal allocates it (ComfyUI's VAE.decode passes its own)
-            output_buffer = torch.empty(self.decode_output_shape(z.shape), dtype=torch.float32, device=mm.intermediate_device())
-        with populated_ahead(output_buffer, dim=2) as ahead:
-            out = run(output_buffer)
-        log.debug("%s video decode's host output: %s", STATE.tag, ahead)
-        return out
+        return _decode_temporal(original, self, z, output_buffer)
 
     return decode_temporal
 
