@@ -12,8 +12,9 @@ from comfy_api.latest import ComfyExtension
 
 from ..kernels import select_int8_gemm
 from ..tp2 import settings
-from ..tp2.collectives import read_tp_env, reduce_dtype_from_env
+from ..tp2.collectives import reduce_dtype_from_env
 from ..tp2.session import TPSession
+from ..tp2.settings import read_tp_env
 from .faults import maybe_break_int8
 from .pack_nodes import NODES, register_conditioning_folder
 from .state import STATE, log

@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..tp2 import settings
-from ..tp2.collectives import TPEnv
+from ..tp2.settings import TPEnv
 
 log = logging.getLogger("minimax_h3_tp2")
 

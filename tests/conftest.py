@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -27,6 +28,13 @@ def resolve_comfyui() -> tuple[str, str]:
 
 
 COMFYUI_DIR, COMFYUI_FROM = resolve_comfyui()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def assert_refused_quickly(took: float) -> None:

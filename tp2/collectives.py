@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import settings
 from .errors import PeerLostError, PromptAbortedError
-from .settings import TPEnv, read_tp_env  # noqa: F401 - part of this module's API
+from .settings import TPEnv
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +84,6 @@ def init_tp_group(
         ) from e
     log.info("[tp2 r%d/%d] joined TP group (%s, timeout %.0f s)", env.tp_rank, env.tp_size, backend, env.timeout_s)
     return TPGroup(env.tp_rank, env.tp_size, device, dist.group.WORLD, cpu_group, env.timeout_s, stop_check, loss_check)
-
-
-def single_rank_group(device: torch.device | None = None) -> TPGroup:
-    """A world of one (TP1): every collective is the identity."""
-    return TPGroup(0, 1, device or torch.device("cpu"), None, None, settings.value("TP2_TIMEOUT_S", {}))
-
-
-def destroy_tp_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 REASON_GRACE_S = 2.0  # after a collective fails, how long to look for the peer's published reason

@@ -1,21 +1,17 @@
-"""The rank handshake: before the first tensor collective, ranks prove they agree on what they will run.
+"""What ranks compare before they run something together, and how a difference is told.
 
-Each rank sends a flat dict of fingerprint fields over the CPU group; if any field differs, every rank raises
-`RankMismatchError` naming the field and each rank's value. The same call compares per-prompt fingerprints.
-Imports torch only (via `collectives`); never `comfy`.
+The fields are flat dicts of strings (`model_fingerprint`, `prompt_details`); tp2.session.agree gathers every
+rank's over the store and `compare_fields` raises `RankMismatchError` on every rank, naming each field that
+differs and each rank's value. Imports nothing from `comfy` (nor torch).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 
 from . import __version__
-from .collectives import TPGroup, all_gather_object
 from .errors import RankMismatchError
-
-log = logging.getLogger(__name__)
 
 
 def model_fingerprint(plan_fingerprint: str, checkpoint_fingerprint: str, tp_size: int) -> dict[str, str]:
@@ -80,9 +76,3 @@ def prompt_details(prompt: dict) -> str:
             out[f"node {node_id} ({cls}) input '{name}'"] = short_value(value)
         out.setdefault(f"node {node_id} ({cls})", "present")
     return json.dumps(out, sort_keys=True)
-
-
-def handshake(tp: TPGroup, fields: dict[str, str], what: str = "model") -> None:
-    """Compare `fields` across ranks over the CPU group; raise RankMismatchError on every rank if any differs."""
-    compare_fields(all_gather_object(dict(fields), tp), f"[tp2 r{tp.tp_rank}/{tp.tp_size}]", what)
-    log.info("[tp2 r%d/%d] %s handshake ok (%s)", tp.tp_rank, tp.tp_size, what, ", ".join(f"{k}={v}" for k, v in sorted(fields.items())))

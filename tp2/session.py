@@ -15,7 +15,7 @@ generation, only once every rank has said it is about to run the same thing.
     session.mark_broken()        after a failed collective: the next agreement makes a fresh group
 
 Under NCCL the pack aborts communicators itself (`TORCH_NCCL_ASYNC_ERROR_HANDLING=0`: PyTorch's watchdog must not
-end a process because a peer failed; see `nccl_error_handling`).
+end a process because a peer failed; see `tp2.settings.set_for_libraries`).
 
 Imports torch only; never `comfy`.
 """
@@ -37,12 +37,6 @@ from .errors import PeerLostError, PromptAbortedError
 from .handshake import DETAIL, compare_fields
 from .settings import NCCL_ERROR_HANDLING, set_for_libraries
 from .watch import Watcher
-
-
-def nccl_error_handling(environ: dict | None = None) -> str | None:
-    """Set PyTorch's NCCL error handling to 0 (the pack aborts communicators itself); the value it replaced, if any
-    (tp2.settings.set_for_libraries says why)."""
-    return set_for_libraries(cuda=True, loopback=False, environ=environ)
 
 
 def listening_socket(addr: str, port: int) -> socket.socket:

@@ -54,7 +54,6 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_SP_PIECES", "int", "1", "the sequence in N pieces, collectives overlapped", low=1, high=16, launcher=True),
         Setting("TP2_SP_CHUNK_ROWS", "int", "16384", "rows per chunk of the MLP at long sequences", low=2),
         Setting("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
-        Setting("TP2_HOST_PREFAULT", "bool", "1", "the video decode's host output is paged in ahead, beside the decode"),
         Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
         Setting("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
         Setting("TP2_CAPACITY_CHECK", "bool", "1", "a prompt predicted not to fit in GPU memory is refused before sampling"),
@@ -164,11 +163,6 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> str:
 def torch_allocator_conf(environ: Mapping[str, str] | None = None) -> str:
     """PYTORCH_CUDA_ALLOC_CONF as torch reads it at start ("" unset): the capacity check names the allocator by it."""
     return _env(environ).get("PYTORCH_CUDA_ALLOC_CONF", "")
-
-
-def triton_interpreter(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, Triton's own variable: the CPU tests)."""
-    return _env(environ).get("TRITON_INTERPRET") == "1"
 
 
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"

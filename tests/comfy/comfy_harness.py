@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import urllib.error
 import urllib.request
 import uuid
 
-from conftest import COMFYUI_DIR
+from conftest import COMFYUI_DIR, free_port  # noqa: F401 - the tests import free_port from here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,12 +28,6 @@ def have_comfyui() -> bool:
     return os.path.isfile(os.path.join(COMFYUI_DIR, "main.py")) and os.path.isfile(
         os.path.join(COMFYUI_DIR, "comfy", "ldm", "minimax", "model.py")
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -74,9 +74,3 @@ def reference_linears(sd, prefix):
 
 def tp_linears(plan, sd, block, tp, gemm, reduce_dtype=torch.float32):
     return {k: build_linear(plan, f"{block}.{v}", sd, tp, gemm, reduce_dtype) for k, v in LAYERS.items()}
-
-
-def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
-    """Signal-to-quantisation-noise ratio of `x` against `ref`, in dB (torchao's accuracy measure)."""
-    ref, x = ref.double(), x.double()
-    return float(10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum().clamp_min(1e-300)))

@@ -10,15 +10,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
-import socket
 import time
 import traceback
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port  # noqa: F401 - the tests import free_port from here
 
 
 def _entry(target, tp_rank, tp_size, port, timeout_s, queue, args):
@@ -88,3 +83,11 @@ def values(results: dict) -> list:
     bad = {r: v for r, v in results.items() if v[0] != "ok"}
     assert not bad, "\n".join(f"rank {r}: {v[0]} {v[1][0] if v[1] else ''}: {v[1][2] if v[1] else ''}" for r, v in bad.items())
     return [results[r][1] for r in sorted(results)]
+
+
+def handshake(tp, fields: dict[str, str], what: str = "model") -> None:
+    """Compare `fields` across the ranks of `tp` over its CPU group: RankMismatchError on every rank if any differs."""
+    from tp2.collectives import all_gather_object
+    from tp2.handshake import compare_fields
+
+    compare_fields(all_gather_object(dict(fields), tp), f"[tp2 r{tp.tp_rank}/{tp.tp_size}]", what)

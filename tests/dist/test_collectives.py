@@ -12,13 +12,15 @@ from harness import run_ranks, values
 
 
 def _join():
-    from tp2.collectives import init_tp_group, read_tp_env
+    from tp2.collectives import init_tp_group
+    from tp2.settings import read_tp_env
 
     return init_tp_group(read_tp_env())
 
 
 def _handshake_worker(tp_rank, tp_size, checkpoint_by_rank):
-    from tp2.handshake import handshake, model_fingerprint
+    from harness import handshake
+    from tp2.handshake import model_fingerprint
 
     tp = _join()
     handshake(tp, model_fingerprint("plan-a", checkpoint_by_rank[tp_rank], tp_size))
@@ -86,7 +88,7 @@ def test_reduce_scatter_then_all_gather_is_all_reduce(tp_size):
 
 def _dies_after_handshake(tp_rank, tp_size):
     from tp2.collectives import all_reduce
-    from tp2.handshake import handshake
+    from harness import handshake
 
     tp = _join()
     handshake(tp, {"plan": "p"})

@@ -39,7 +39,7 @@ def _worker(tp_rank, tp_size, comfy_dir, root):
     layers = importlib.import_module("tp2pack.tp2.layers")
     seq = importlib.import_module("tp2pack.tp2.sequence_layout")
 
-    env = coll.read_tp_env()
+    env = importlib.import_module("tp2pack.tp2.settings").read_tp_env()
     tp = coll.init_tp_group(env)
     state.env, state.session, state.reduce_dtype, state.int8_gemm = env, types.SimpleNamespace(group=tp), torch.float32, None
     g = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ from harness import free_port, next_result, run_ranks, start_rank, values
 
 
 def _session():
-    from tp2.collectives import read_tp_env
+    from tp2.settings import read_tp_env
     from tp2.session import TPSession
 
     return TPSession(read_tp_env())

@@ -16,7 +16,9 @@ import torch
 from harness import run_ranks, values
 from safetensors.torch import load_file
 
-from h3_block import block_forward, reference_linears, sqnr_db, tp_linears
+from h3_block import block_forward, reference_linears, tp_linears
+
+from tp2.numerics import sqnr_db
 
 BLOCKS = ["blocks.0", "blocks.1"]
 
@@ -28,8 +30,10 @@ def _inputs(hidden: int, t_dim: int, seed: int = 0):
 
 def _tp_worker(tp_rank, tp_size, ckpt, x, t_emb, feed_ref, reduce_dtype=torch.float32):
     from kernels import select_int8_gemm
-    from tp2.collectives import init_tp_group, read_tp_env
-    from tp2.handshake import handshake, model_fingerprint
+    from tp2.collectives import init_tp_group
+    from tp2.settings import read_tp_env
+    from harness import handshake
+    from tp2.handshake import model_fingerprint
     from tp2.safetensors_io import file_fingerprint, read_header
     from tp2.shard import shard_state_dict
 
@@ -103,10 +107,10 @@ def test_int8_convrot_colwise_exact_rowwise_sqnr(tiny_int8):
             # column-parallel on identical inputs: the rank's slice, bit for bit
             assert torch.equal(out[b]["qkv"], _rank_slice(ref[b]["qkv"], 3, r, 2))
             for key, want in (("out_alone", "attn_out"), ("fc2_alone", "mlp_out")):
-                db = sqnr_db(ref[b][want], out[b][key])
+                db = sqnr_db(out[b][key], ref[b][want])
                 assert db >= 30.0, (r, b, key, db)
                 print(f"rank {r} {b} {key}: SQNR {db:.1f} dB")
-            db = sqnr_db(ref[b]["out"], out[b]["out"])
+            db = sqnr_db(out[b]["out"], ref[b]["out"])
             assert db >= 30.0, (r, b, "block out", db)
     assert all(torch.equal(outs[0][b]["out"], o[b]["out"]) for o in outs[1:] for b in BLOCKS)
 
@@ -120,7 +124,7 @@ def test_missing_reduce_would_fail_the_sqnr_gate(tiny_int8):
     x = torch.randn(24, w.shape[1])
     full = ck.int8_linear(x, w, s, None, torch.float32, convrot=True, convrot_groupsize=256)
     half = ck.int8_linear(x[:, :256].contiguous(), w[:, :256].contiguous(), s, None, torch.float32, convrot=True, convrot_groupsize=256)
-    assert sqnr_db(full, half) < 10.0
+    assert sqnr_db(half, full) < 10.0
 
 
 def test_bf16_reduce_option_stays_within_the_int8_gate(tiny_int8):
@@ -130,7 +134,7 @@ def test_bf16_reduce_option_stays_within_the_int8_gate(tiny_int8):
     for r, out in enumerate(outs):
         for b in BLOCKS:
             for key, want in (("out_alone", "attn_out"), ("fc2_alone", "mlp_out"), ("out", "out")):
-                db = sqnr_db(ref[b][want], out[b][key])
+                db = sqnr_db(out[b][key], ref[b][want])
                 print(f"bf16 reduce, rank {r} {b} {key}: SQNR {db:.1f} dB")
                 assert db >= 30.0, (r, b, key, db)
     assert all(torch.equal(outs[0][b]["out"], o[b]["out"]) for o in outs[1:] for b in BLOCKS)

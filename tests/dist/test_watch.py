@@ -16,7 +16,7 @@ SECRET = "s" * 64
 def _session(secret=SECRET, heartbeat_timeout_s=None):
     import uuid
 
-    from tp2.collectives import read_tp_env
+    from tp2.settings import read_tp_env
     from tp2.session import TPSession
 
     s = TPSession(read_tp_env(), boot_id=uuid.uuid4().hex, secret=secret)
@@ -176,12 +176,13 @@ def test_failure_messages_name_the_rank_and_say_what_to_do():
 
 
 def test_nccl_decisions():
-    from tp2.session import nccl_error_handling, watcher_aborts_communicator
+    from tp2.session import watcher_aborts_communicator
+    from tp2.settings import set_for_libraries
 
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
-    assert nccl_error_handling(env) == "3" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert set_for_libraries(cuda=True, loopback=False, environ=env) == "3" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
     env = {}
-    assert nccl_error_handling(env) is None and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    assert set_for_libraries(cuda=True, loopback=False, environ=env) is None and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
     assert watcher_aborts_communicator("nccl") and not watcher_aborts_communicator("gloo")
 
 

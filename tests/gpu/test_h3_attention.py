@@ -15,6 +15,8 @@ import pytest
 import torch
 from gpu_pack import NEEDS_GPU_AND_H3, pack_module
 
+from tp2.numerics import sqnr_db
+
 pytestmark = NEEDS_GPU_AND_H3
 
 
@@ -68,8 +70,3 @@ def test_attention_forward_matches_comfyui(comfy_and_ours, backend, fused):
         assert torch.equal(got, want), f"{backend}: differs from ComfyUI's attention"
     else:  # the backend itself varies between calls: ours must vary no more than it does
         assert sqnr_db(got, want) >= sqnr_db(again, want) - 1.0
-
-
-def sqnr_db(a: torch.Tensor, ref: torch.Tensor) -> float:
-    err = (a.double() - ref.double()).pow(2).sum()
-    return float(10 * torch.log10(ref.double().pow(2).sum() / err.clamp_min(1e-300)))

@@ -28,7 +28,8 @@ def _inputs(hidden, t_dim):
 
 def _worker(tp_rank, tp_size, ckpt, x, t_emb, reduce_dtype):
     from kernels import select_int8_gemm
-    from tp2.collectives import init_tp_group, read_tp_env
+    from tp2.collectives import init_tp_group
+    from tp2.settings import read_tp_env
     from tp2.shard import shard_state_dict
 
     torch.cuda.set_device(tp_rank)
@@ -57,7 +58,8 @@ def test_nccl_tp2_block_matches_one_gpu(tiny_int8, reduce_dtype):
 
 
 def _sequence_parallel_worker(tp_rank, tp_size, dtype):
-    from tp2.collectives import all_gather_rows, all_reduce, init_tp_group, read_tp_env, reduce_scatter_rows
+    from tp2.collectives import all_gather_rows, all_reduce, init_tp_group, reduce_scatter_rows
+    from tp2.settings import read_tp_env
 
     torch.cuda.set_device(tp_rank)
     tp = init_tp_group(read_tp_env(), torch.device("cuda", tp_rank))
@@ -79,9 +81,10 @@ def test_nccl_sequence_parallel_pattern_equals_all_reduce(dtype):
 def _peer_stops_mid_step(tp_rank, tp_size, how):
     import uuid
 
-    from tp2.collectives import all_reduce, broadcast_tree, read_tp_env
+    from tp2.collectives import all_reduce, broadcast_tree
     from tp2.errors import PeerLostError, PromptAbortedError
     from tp2.session import TPSession
+    from tp2.settings import read_tp_env
 
     torch.cuda.set_device(tp_rank)
     device = torch.device("cuda", tp_rank)

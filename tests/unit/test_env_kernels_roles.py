@@ -13,8 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_env_parsing():
-    from tp2.collectives import read_tp_env
     from tp2.errors import TP2Error
+    from tp2.settings import read_tp_env
 
     assert read_tp_env({}) is None
     env = read_tp_env({"TP2_RANK": "1", "TP2_WORLD_SIZE": "2", "MASTER_PORT": "29600", "TP2_TIMEOUT_S": "30"})

@@ -26,7 +26,7 @@ def test_the_launcher_defaults_are_the_settings_defaults():
     text = open(os.path.join(ROOT, "scripts", "start-tp2.sh")).read()
     found = dict(re.findall(r'^: "\$\{(\w+):=([^}]*)\}"', text, flags=re.M))  # the defaults block, not --fast's line
     launcher = {n for n, s in SETTINGS.items() if s.launcher}
-    assert set(found) == launcher, (set(found) ^ launcher)
+    assert set(found) == launcher, set(found) ^ launcher
     for name, default in found.items():
         assert _same(default, SETTINGS[name].default), (name, default, SETTINGS[name].default)
 
