@@ -9,6 +9,7 @@ model is used only after this device's int8 path passed the numerics check (node
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -29,8 +30,6 @@ from .numerics_check import check_int8_path
 from .parallel import tag_and_verify
 from .patches import PATCHES
 from .state import STATE, LoadedModel, log
-
-_original_load_diffusion_model = comfy.sd.load_diffusion_model
 
 
 def is_h3_file(path: str) -> bool:
@@ -61,9 +60,22 @@ def rank_cache_args() -> tuple[str | None, object]:
     return (settings.cache_dir() if on else None), lambda path: comfy.utils.load_torch_file(path, safe_load=True)
 
 
-def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):  # noqa: B006 - ComfyUI's signature
-    if not STATE.active or not is_h3_file(unet_path):
-        return _original_load_diffusion_model(unet_path, model_options=model_options, disable_dynamic=disable_dynamic)
+def _hooked_load_diffusion_model(original):
+    """comfy.sd.load_diffusion_model: H3 files as this rank's shard, everything else through `original` (ComfyUI's,
+    or whatever another pack installed before this one)."""
+
+    @functools.wraps(original)
+    def load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):  # noqa: B006 - ComfyUI's signature
+        if not STATE.active or not is_h3_file(unet_path):
+            return original(unet_path, model_options=model_options, disable_dynamic=disable_dynamic)
+        patcher = _load_h3(unet_path, model_options, disable_dynamic)
+        patcher.cached_patcher_init = (load_diffusion_model, (unet_path, model_options))
+        return patcher
+
+    return load_diffusion_model
+
+
+def _load_h3(unet_path, model_options, disable_dynamic):
     t0 = time.monotonic()
     shard = open_rank_shard(unet_path, STATE.env.tp_rank, STATE.env.tp_size, *rank_cache_args())
     sd, metadata, plan, source_fp, rank_file = shard.state_dict, shard.metadata, shard.plan, shard.source_fingerprint, shard.rank_file
@@ -81,7 +93,6 @@ def tp_load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):
         check_int8_path(patcher.model.get_dtype_inference())  # refuses a device whose int8 path measures wrong
     sp = STATE.sequence_parallel and sequence_parallel.install(dm)  # at tp_size 1 too: the same kernels on one GPU
     install_lockstep(patcher, plan, source_fp, sequence_parallel=sp)
-    patcher.cached_patcher_init = (tp_load_diffusion_model, (unet_path, model_options))
     secs = time.monotonic() - t0
     STATE.models.append(
         LoadedModel(os.path.basename(unet_path), plan.summary(), plan.fingerprint(), source_fp, rank_file is not None, secs)
@@ -125,4 +136,4 @@ def _assign_split_input(dm: torch.nn.Module, tensors: dict[str, torch.Tensor]) -
 
 
 def install_loader_hook() -> None:
-    PATCHES.install(comfy.sd, "load_diffusion_model", lambda original: tp_load_diffusion_model)
+    PATCHES.install(comfy.sd, "load_diffusion_model", _hooked_load_diffusion_model)

@@ -3,7 +3,7 @@
     tag_and_verify(diffusion_model, plan)  every linear gets its plan role; widths and the int8 layout are checked
     rowwise_call(linear, x, input_act, reduce)   the ComfyUI adapter of tp2.layers.row_parallel: cast the weight, call it
     held_weight(linear, like)               ComfyUI's cast of a weight, held over several calls (row chunks: one cast)
-    tp_linear_input_act                     replaces comfy.ops.linear_input_act (the fc2 path that skips module hooks)
+    install_linear_input_act_patch()        comfy.ops.linear_input_act (the fc2 path that skips module hooks) reduces
     role_guard()                            while a TP forward runs, any ComfyUI linear without a role raises
     int8_input_split(linear, x)             how `linear`'s input can be quantised before it travels (or None)
     accept_int8_rows(linear)                `linear` also takes Int8Rows: rows quantised elsewhere, multiplied here
@@ -14,6 +14,7 @@ Column-parallel and replicated linears keep ComfyUI's own forward: their math is
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import types
 from dataclasses import dataclass
@@ -30,7 +31,6 @@ from .patches import PATCHES
 from .state import STATE
 
 ROLE_OF_STYLE = {COLWISE: "colwise", COLWISE_PACKED: "colwise", ROWWISE: "rowwise", ROWWISE_SPLIT_INPUT: "rowwise", REPLICATE: "replicate"}
-_original_linear_input_act = comfy.ops.linear_input_act
 _in_tp_forward = threading.local()
 
 
@@ -151,14 +151,19 @@ def _rowwise_forward(self, x, *args, **kwargs):
     return rowwise_call(self, x)
 
 
-def tp_linear_input_act(linear, x, input_act, *args, **kwargs):
-    """comfy.ops.linear_input_act for TP models: row-parallel linears reduce; others run ComfyUI's own path."""
-    role = getattr(linear, ROLE_ATTR, None)
-    if role == "rowwise":
-        return rowwise_call(linear, x, input_act)
-    if role is None and getattr(_in_tp_forward, "depth", 0):
-        require_role(linear, f"{type(linear).__name__} called through linear_input_act")
-    return _original_linear_input_act(linear, x, input_act, *args, **kwargs)
+def _hooked_linear_input_act(original):
+    """comfy.ops.linear_input_act for TP models: row-parallel linears reduce; others run `original`."""
+
+    @functools.wraps(original)
+    def linear_input_act(linear, x, input_act, *args, **kwargs):
+        role = getattr(linear, ROLE_ATTR, None)
+        if role == "rowwise":
+            return rowwise_call(linear, x, input_act)
+        if role is None and getattr(_in_tp_forward, "depth", 0):
+            require_role(linear, f"{type(linear).__name__} called through linear_input_act")
+        return original(linear, x, input_act, *args, **kwargs)
+
+    return linear_input_act
 
 
 def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
@@ -228,4 +233,4 @@ def role_guard():
 
 def install_linear_input_act_patch() -> None:
     """comfy.ops.linear_input_act is looked up at call time by H3's MLP, so patching the module attribute suffices."""
-    PATCHES.install(comfy.ops, "linear_input_act", lambda original: tp_linear_input_act)
+    PATCHES.install(comfy.ops, "linear_input_act", _hooked_linear_input_act)

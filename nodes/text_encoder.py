@@ -47,25 +47,30 @@ from .parallel import ROLE_OF_STYLE, _is_comfy_linear, role_guard, tp_group
 from .patches import PATCHES
 from .state import STATE, LoadedModel, log
 
-_original_load_clip = comfy.sd.load_clip
 CONFIG_KEY = "qwen3vl_32b_model_config"  # ComfyUI's per-model config override (comfy/sd1_clip.py SDClipModel)
 TE_ATTR = "qwen3vl_32b"  # MiniMaxH3TEModel's SDClipModel attribute (its name)
 
 
 def install_text_encoder_hook() -> None:
-    PATCHES.install(comfy.sd, "load_clip", lambda original: tp_load_clip)
+    PATCHES.install(comfy.sd, "load_clip", _hooked_load_clip)
 
 
-def tp_load_clip(
-    ckpt_paths,
-    embedding_directory=None,
-    clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION,
-    model_options={},  # noqa: B006 - ComfyUI's signature
-    disable_dynamic=False,
-):
-    layout = _h3_layout(ckpt_paths, clip_type)
-    if layout is None:
-        return _original_load_clip(ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
+def _hooked_load_clip(original):
+    """comfy.sd.load_clip: H3's encoder file as this rank's slices, everything else through `original`."""
+
+    @functools.wraps(original)
+    def load_clip(
+        ckpt_paths, embedding_directory=None, clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION, model_options={}, disable_dynamic=False
+    ):  # noqa: B006 - ComfyUI's signature
+        layout = _h3_layout(ckpt_paths, clip_type)
+        if layout is None:
+            return original(ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
+        return _load_h3_encoder(layout, ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
+
+    return load_clip
+
+
+def _load_h3_encoder(layout, ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic):
     t0 = time.monotonic()
     path = ckpt_paths[0]
     plan = resolve_te_plan(layout, STATE.env.tp_size)  # refuses before a byte of weights is read

@@ -76,3 +76,47 @@ def test_every_patch_is_registered_once_listed_and_removable():
     assert sorted(out["replaced"]) == sorted(EXPECTED) and out["stable"], out
     assert sorted(out["restored"]) == sorted(EXPECTED) and out["left"] == [], out
     assert out["repr"].startswith("PatchRegistry(comfy.sd.load_diffusion_model"), out["repr"]
+
+
+CHAINED = r"""
+import importlib, json, sys, types
+sys.path.insert(0, COMFYUI)
+sys.argv = ["main.py", "--cpu"]
+import comfy.options
+comfy.options.enable_args_parsing()
+import comfy.ops, comfy.sd
+calls = []
+def wrap(owner, attr):  # another pack's wrapper, installed before this one
+    inner = getattr(owner, attr)
+    def other(*args, **kwargs):
+        calls.append(attr)
+        return "other pack's result"
+    other.inner = inner
+    setattr(owner, attr, other)
+    return other
+others = {a: wrap(o, a) for o, a in ((comfy.sd, "load_diffusion_model"), (comfy.sd, "load_clip"), (comfy.ops, "linear_input_act"))}
+pack = types.ModuleType("tp2pack"); pack.__path__ = [ROOT]; sys.modules["tp2pack"] = pack
+state = importlib.import_module("tp2pack.nodes.state").STATE
+state.env = importlib.import_module("tp2pack.tp2.settings").TPEnv(0, 2, "127.0.0.1", 29511, 30.0)
+importlib.import_module("tp2pack.nodes.loader").install_loader_hook()
+importlib.import_module("tp2pack.nodes.text_encoder").install_text_encoder_hook()
+importlib.import_module("tp2pack.nodes.parallel").install_linear_input_act_patch()
+ours = {a: getattr(o, a) for o, a in ((comfy.sd, "load_diffusion_model"), (comfy.sd, "load_clip"), (comfy.ops, "linear_input_act"))}
+got = [comfy.sd.load_diffusion_model("not_h3.ckpt"), comfy.sd.load_clip(["not_h3.ckpt"]),
+       comfy.ops.linear_input_act(torch_linear := __import__("torch").nn.Linear(2, 2), None, "swiglu")]
+print("RESULT " + json.dumps({"pack_on_top": [a for a in ours if ours[a] is not others[a] and ours[a].__wrapped__ is others[a]],
+                              "calls": calls, "results": got}))
+"""
+
+
+def test_the_pack_calls_a_wrapper_another_pack_installed_first():
+    """Another pack wrapped comfy.sd.load_diffusion_model, load_clip and comfy.ops.linear_input_act before this
+    one: the pack's patches sit on top and call that wrapper (not ComfyUI's function captured at import)."""
+    code = f"COMFYUI, ROOT = {COMFYUI_DIR!r}, {ROOT!r}\n" + CHAINED
+    res = subprocess.run([sys.executable, "-c", code], cwd=COMFYUI_DIR, capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert res.returncode == 0 and line, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads(line[len("RESULT ") :])
+    names = ["load_diffusion_model", "load_clip", "linear_input_act"]
+    assert out["pack_on_top"] == names, out
+    assert out["calls"] == names and out["results"] == ["other pack's result"] * 3, out
