@@ -60,8 +60,12 @@ def _hooked_load_clip(original):
 
     @functools.wraps(original)
     def load_clip(
-        ckpt_paths, embedding_directory=None, clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION, model_options={}, disable_dynamic=False
-    ):  # noqa: B006 - ComfyUI's signature
+        ckpt_paths,
+        embedding_directory=None,
+        clip_type=comfy.sd.CLIPType.STABLE_DIFFUSION,
+        model_options={},  # noqa: B006 - ComfyUI's signature
+        disable_dynamic=False,
+    ):
         layout = _h3_layout(ckpt_paths, clip_type)
         if layout is None:
             return original(ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
