@@ -1,14 +1,16 @@
-"""The capacity check at the sampler: a prompt this rank cannot fit in GPU memory is refused before the ranks meet.
+"""The capacity advice at the sampler: what tp2/capacity.py predicts this rank needs, logged before the ranks meet,
+and added to an out-of-memory error if one comes (tp2.watch.with_advice).
 
-    check_capacity(plan, latent_shapes, device, patcher)   raises CapacityError with the numbers and what would fit
-    with sampling_peak(device): ...                         logs the sampler's peak of live tensors and of the cache
+    capacity_advice(plan, latent_shapes, device, patcher)  one log line; the advice when the prediction does not fit
+    with sampling_peak(device): ...                        logs the sampler's peak of live tensors and of the cache
 
 The need is tp2/capacity.py's prediction for this rank (its shard's weights, the sequence the latent makes, the
 model's width): with the weights resident, or, where ComfyUI's dynamic VRAM can stream them block by block, with
 only the blocks in flight. What is available is the device's free memory plus what this process already holds
 (its cached blocks, the weights dynamic VRAM can evict), less what ComfyUI is told to leave alone (--reserve-vram).
-The prediction is logged at every sampler. Not enforced with TP2_CAPACITY_CHECK=0; on a CPU it runs only when a
-test sets TP2_TEST_AVAILABLE_GIB.
+It never refuses a prompt: its constants were fitted on H200s from a few measured lengths, so a model error would
+refuse a prompt that fits, while a real out-of-memory already stops every rank within a second with the reason.
+On a CPU it runs only when a test sets TP2_TEST_AVAILABLE_GIB.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import comfy_aimdo.model_vbar
 import torch
 
 from ..tp2 import capacity, settings
-from ..tp2.errors import CapacityError
 from ..tp2.plan import Plan
 from ..tp2.safetensors_io import DTYPES
 from .state import STATE, log
@@ -30,13 +31,14 @@ from .state import STATE, log
 GIB = 1 << 30
 
 
-def check_capacity(plan: Plan, latent_shapes, device: torch.device, patcher=None) -> None:
-    """Refuse (CapacityError) a prompt this rank cannot fit; log the prediction either way. `patcher`: the DiT's
-    ModelPatcher (under ComfyUI's dynamic VRAM the weights may stream, so only the blocks in flight must fit)."""
+def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=None) -> str | None:
+    """Log the prediction for this prompt; return what would fit when it predicts this one does not, else None.
+    `patcher`: the DiT's ModelPatcher (under ComfyUI's dynamic VRAM the weights may stream, so only the blocks in
+    flight must fit)."""
     available = _available_gib(device)
     video = next((tuple(s) for s in latent_shapes or () if len(s) == 5), None)  # [B, C, T, H/16, W/16]
     if available is None or video is None:
-        return
+        return None
     width, height, frames = video[4] * 16, video[3] * 16, capacity.pixel_frames(video[2])
     rows = capacity.tokens(width, height, frames)
     shard, streams = _shard_gib(plan), _weights_can_stream(patcher)
@@ -45,25 +47,23 @@ def check_capacity(plan: Plan, latent_shapes, device: torch.device, patcher=None
     streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator)
     need = streamed if streams else resident
     fits = need - capacity.HELD_AT_THE_SAMPLER_GIB <= available  # the CUDA context is in the need and already held
-    enforced = settings.value("TP2_CAPACITY_CHECK")
+    advice = None
+    if not fits:
+        budget = available + capacity.HELD_AT_THE_SAMPLER_GIB  # what tp2.capacity's table calls the card's memory
+        what = capacity.advice(width, height, frames, plan.tp_size, budget, streamed=streams, allocator=allocator)
+        mode = "with the weights streamed" if streams else "with the weights resident"
+        advice = (
+            f"{width}x{height}x{frames} was predicted to need ~{need:.1f} GiB per rank at tp_size {plan.tp_size} {mode}, "
+            f"{available:.1f} GiB more was available: {what} (tp2/capacity.py)"
+        )
     log.info(
         "%s capacity: %dx%dx%d, %d rows: predicted peak ~%.1f GiB with the weights resident, ~%.1f GiB streamed (%s); "
         "%.1f GiB available; weights %s; %s",
         STATE.tag, width, height, frames, rows, resident, streamed, allocator, available,
         "may stream (dynamic VRAM)" if streams else "resident (no dynamic VRAM)",
-        ("fits" if fits else "does not fit") + ("" if enforced else " (TP2_CAPACITY_CHECK=0: not enforced)"),
+        "fits" if fits else f"may not fit: {advice}",
     )  # fmt: skip
-    if fits or not enforced:
-        return
-    budget = available + capacity.HELD_AT_THE_SAMPLER_GIB  # what tp2.capacity's table calls the card's memory
-    what = capacity.advice(width, height, frames, plan.tp_size, budget, streamed=streams, allocator=allocator)
-    mode = "with the weights streamed (the least it can run with)" if streams else "with the weights resident"
-    raise CapacityError(
-        f"{STATE.tag} this prompt ({width}x{height}, {frames} frames, {rows} sequence rows) needs ~{need:.1f} GiB of GPU "
-        f"memory per rank at tp_size {plan.tp_size} {mode}, ~{capacity.HELD_AT_THE_SAMPLER_GIB:.1f} GiB of it (the CUDA "
-        f"context) already held, and {available:.1f} GiB more is available on {device}: {what}. "
-        "(Predicted by tp2/capacity.py; TP2_CAPACITY_CHECK=0 tries anyway.)"
-    )
+    return advice
 
 
 def _weights_can_stream(patcher) -> bool:

@@ -34,9 +34,9 @@ def activate() -> None:
     from .front_door import install_front_door, read_secret
     from .interrupts import install_interrupt_deferral
     from .loader import install_loader_hook
-    from .lockstep import track_prompts
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
+    from .prompt_lifecycle import track_prompts
     from .status_api import install_status_routes
     from .text_encoder import install_text_encoder_hook
     from .vae_decode import install_parallel_vae_decode

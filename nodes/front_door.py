@@ -8,7 +8,7 @@ and accepts prompts as before (submit the same prompt id to every rank).
                this execution and whether every rank clears its node cache first; a follower that cannot take it
                fails the prompt at once, with the rank named. Cancel, delete and clear act on rank 0's queue alone
                (the followers hold nothing pending); a running prompt that stops tells the followers itself (see
-               lockstep). POST /free (unload_models) and /history are repeated on every follower; free_memory
+               prompt_lifecycle). POST /free (unload_models) and /history are repeated on every follower; free_memory
                becomes a node-cache clear on every rank before the next prompt. GET /tp2/ranks lists the ranks;
                (GET /tp2/status and /tp2/cluster, read-only, are nodes/status_api.py's, installed by entry.)
     followers  every state-changing route (prompt, queue, interrupt, jobs cancel, free, history) refuses without

@@ -3,8 +3,8 @@
 ComfyUI raises an interrupt from its progress hook after each step and from `comfy.ops.run_every_op` inside
 every layer; on one rank alone either would leave the others waiting in a collective. While a TP sampler runs
 (`SAMPLING.active`), both checks only keep the flag; rank 0 reads it at the next model evaluation and tells every
-rank to stop there (see lockstep._diffusion_model). The other steps every rank runs together (the split VAE decode,
-the split text encode) set the same flag through lockstep.in_step: an interrupt during one takes effect at its end.
+rank to stop there (see model_wrappers._diffusion_model). The other steps every rank runs together (the split VAE decode,
+the split text encode) set the same flag through run.in_step: an interrupt during one takes effect at its end.
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan, find_prefix
 from ..tp2.rank_cache import open_rank_shard
 from ..tp2.safetensors_io import read_header
 from . import sequence_parallel
-from .lockstep import install_lockstep
+from .model_wrappers import install_model_wrappers
 from .numerics_check import check_int8_path
 from .parallel import tag_and_verify
-from .patches import PATCHES
+from .patches import PATCHES, changes_of
 from .state import STATE, LoadedModel, log
 
 
@@ -78,7 +78,7 @@ def _hooked_load_diffusion_model(original):
 def _load_h3(unet_path, model_options, disable_dynamic):
     t0 = time.monotonic()
     shard = open_rank_shard(unet_path, STATE.env.tp_rank, STATE.env.tp_size, *rank_cache_args())
-    sd, metadata, plan, source_fp, rank_file = shard.state_dict, shard.metadata, shard.plan, shard.source_fingerprint, shard.rank_file
+    sd, metadata, plan, source_fp = shard.state_dict, shard.metadata, shard.plan, shard.source_fingerprint
     split_input = _pop_split_input(sd, plan)
     patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=metadata, disable_dynamic=disable_dynamic)
     if patcher is None:
@@ -92,10 +92,10 @@ def _load_h3(unet_path, model_options, disable_dynamic):
     if any(name.endswith(".comfy_quant") for name in plan.tensors):
         check_int8_path(patcher.model.get_dtype_inference())  # refuses a device whose int8 path measures wrong
     sp = STATE.sequence_parallel and sequence_parallel.install(dm)  # at tp_size 1 too: the same kernels on one GPU
-    install_lockstep(patcher, plan, source_fp, sequence_parallel=sp)
+    install_model_wrappers(patcher, plan, source_fp, sequence_parallel=sp)
     secs = time.monotonic() - t0
     STATE.models.append(
-        LoadedModel(os.path.basename(unet_path), plan.summary(), plan.fingerprint(), source_fp, rank_file is not None, secs)
+        LoadedModel(os.path.basename(unet_path), plan.summary(), plan.fingerprint(), source_fp, shard.origin, secs, changes_of(dm))
     )
     log.info(
         "%s loaded %s%s in %.1f s: %s",

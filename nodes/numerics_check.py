@@ -4,8 +4,8 @@
                              tp2.numerics.MIN_DB with the GPU, its compute capability, the kernels and the dB
 
 The block runs through the very callables a TP forward uses: the rank's int8 GEMM (`STATE.int8_gemm`), comfy-kitchen's
-q/k norm + rope (or the pack's Triton kernel when sequence parallelism fuses it), the attention backend the lockstep
-chose for this device, and the fused norm when it is on. The report shows in the TP2 Status node and the log.
+q/k norm + rope (or the pack's Triton kernel when sequence parallelism fuses it), the attention backend the model
+wrappers chose for this device, and the fused norm when it is on. The report shows in the TP2 Status node and the log.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def unique_models() -> list[tuple[object, int]]:
     load: a cache clear or "Unload models" loads the same file again). Most recent load last."""
     latest: dict[tuple, tuple] = {}
     for m in STATE.models:
-        key = (m.source, m.plan_fingerprint, m.checkpoint_fingerprint, m.from_rank_file)
+        key = (m.source, m.plan_fingerprint, m.checkpoint_fingerprint, m.origin)
         loads = latest.pop(key, (None, 0))[1]  # popped and put back: the most recent load ends the list
         latest[key] = (m, loads + 1)
     return list(latest.values())
@@ -50,8 +50,9 @@ def status_text() -> str:
     for m, loads in unique_models():
         times = f", loaded {loads} times" if loads > 1 else ""
         lines.append(
-            f"model {m.source}: {m.plan_summary}; checkpoint {m.checkpoint_fingerprint}; {'rank file' if m.from_rank_file else 'shard-on-read'}, {m.load_seconds:.1f} s{times}"
+            f"model {m.source}: {m.plan_summary}; checkpoint {m.checkpoint_fingerprint}; {m.origin}, {m.load_seconds:.1f} s{times}"
         )
+        lines.append(f"  changed on the model: {m.changes.summary() if m.changes is not None else 'nothing'}")
     return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ from ..kernels.int8_split import SplitInt8Linear, split_int8_linear
 from ..tp2.errors import MissingRoleError, PlanError
 from ..tp2.layers import ALL_REDUCE, ROLE_ATTR, Int8Weight, LinearWeight, Reduction, require_role, row_parallel, split_input_slice
 from ..tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
-from .patches import PATCHES
+from .patches import PATCHES, ModelChanges, changes_of
 from .state import STATE
 
 ROLE_OF_STYLE = {COLWISE: "colwise", COLWISE_PACKED: "colwise", ROWWISE: "rowwise", ROWWISE_SPLIT_INPUT: "rowwise", REPLICATE: "replicate"}
@@ -134,17 +134,16 @@ def int8_rows_call(linear: torch.nn.Module, rows: Int8Rows, held=None) -> torch.
         return rows.split.gemm(rows.qdata, rows.scale, local.qdata, local.scale, bias, rows.dtype)
 
 
-def accept_int8_rows(linear: torch.nn.Module) -> None:
+def accept_int8_rows(changes: ModelChanges, name: str, linear: torch.nn.Module) -> None:
     """Let `linear` (a column-parallel ComfyUI linear) take Int8Rows as well as tensors; tensors go to its own forward."""
-    if getattr(linear, "tp2_int8_rows", False):
-        return
-    own = linear.forward
 
-    def forward(self, x, *args, **kwargs):
-        return int8_rows_call(self, x) if isinstance(x, Int8Rows) else own(x, *args, **kwargs)
+    def make(own):
+        def forward(self, x, *args, **kwargs):
+            return int8_rows_call(self, x) if isinstance(x, Int8Rows) else own(x, *args, **kwargs)
 
-    linear.forward = types.MethodType(forward, linear)
-    linear.tp2_int8_rows = True
+        return types.MethodType(forward, linear)
+
+    changes.replace(f"{name}.forward", linear, "forward", make)
 
 
 def _rowwise_forward(self, x, *args, **kwargs):
@@ -173,6 +172,7 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
     linear has no role, or the int8 layout did not survive the load.
     """
     quantised = {name for name, ts in plan.tensors.items() if name.endswith(".comfy_quant")}
+    changes = changes_of(diffusion_model)
     for name, module in diffusion_model.named_modules():
         if not _is_comfy_linear(module):
             continue
@@ -182,7 +182,7 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
         role = ROLE_OF_STYLE[style]
         setattr(module, ROLE_ATTR, role)
         if role == "rowwise" and plan.tp_size > 1:
-            module.forward = types.MethodType(_rowwise_forward, module)
+            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: types.MethodType(_rowwise_forward, m))
             if style == ROWWISE_SPLIT_INPUT:
                 module.tp_split_input, module.tp_local_in = True, plan.tensors[plan.prefix + name + ".weight"].local_shape[1]
         if plan.prefix + name + ".comfy_quant" in quantised and not isinstance(module.weight, QuantizedTensor):

@@ -1,12 +1,14 @@
-"""The one registry of the pack's process-wide changes to ComfyUI: each named, installed once, removable, listed.
+"""The pack's changes to ComfyUI, each named, installed once, removable, listed: process-wide and per model.
 
     PATCHES.install(owner, attr, make)   owner.attr = make(original), once; the name is "<owner>.<attr>"
     PATCHES.remove(name) / remove_all()  ComfyUI's original back in place (refused if someone patched on top of ours)
     PATCHES.names()                      what is installed, e.g. ["comfy.sd.load_diffusion_model", ...]
+    changes_of(model).replace(name, obj, attr, make)   the same for one object of one model the pack built (a
+                                         linear's or a block's forward, the text refiner); kept on the model
 
-Every function the pack replaces in ComfyUI goes through here (nodes/loader.py, lora.py, parallel.py, interrupts.py,
-lockstep.py, vae_decode.py); the status node lists them. Per-model changes (a block's forward, a row-parallel
-linear's forward, the text refiner) live on the model objects the pack built and go with them.
+Every function the pack replaces in ComfyUI goes through PATCHES (nodes/loader.py, lora.py, parallel.py,
+interrupts.py, prompt_lifecycle.py, vae_decode.py), every per-instance change through the model's ModelChanges;
+`make` is always handed the original it replaces. The status node lists both.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def _owner_name(owner: object) -> str:
 
 
 class PatchRegistry:
+    """Process-wide patches of ComfyUI's modules and classes."""
+
     def __init__(self):
         self._patches: dict[str, Patch] = {}
 
@@ -68,3 +72,57 @@ class PatchRegistry:
 
 
 PATCHES = PatchRegistry()
+
+
+_ABSENT = object()
+
+
+class ModelChanges:
+    """The per-instance changes the pack made to one model's objects: obj.attr = make(what it was), each named."""
+
+    def __init__(self):
+        self._changes: dict[str, tuple[object, str, object, object]] = {}  # name -> (obj, attr, own value or _ABSENT, new)
+
+    def replace(self, name: str, obj: object, attr: str, make: Callable[[object], object]) -> None:
+        """obj.attr = make(obj.attr) under `name` (e.g. "blocks.3.attn.out_proj.forward"), unless already done."""
+        if name in self._changes:
+            return
+        own = obj.__dict__.get(attr, _ABSENT)  # an attribute of the instance itself, or the class's (then _ABSENT)
+        new = make(getattr(obj, attr))
+        setattr(obj, attr, new)
+        self._changes[name] = (obj, attr, own, new)
+
+    def remove_all(self) -> None:
+        """Every object back as the pack found it."""
+        for obj, attr, own, _new in reversed(self._changes.values()):
+            if own is _ABSENT:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, own)
+        self._changes.clear()
+
+    def names(self) -> list[str]:
+        return list(self._changes)
+
+    def summary(self) -> str:
+        """What was changed, by kind: "forward of 4 Linear, preprocess_text_embeds of 1 MiniMaxH3Model"."""
+        kinds: dict[str, int] = {}
+        for obj, attr, _own, _new in self._changes.values():
+            kind = f"{attr} of {{}} {type(obj).__name__}"
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return ", ".join(kind.format(n) for kind, n in kinds.items()) or "nothing"
+
+    def __repr__(self) -> str:
+        return f"ModelChanges({self.summary()})"
+
+
+CHANGES_ATTR = "tp2_changes"
+
+
+def changes_of(model: object) -> ModelChanges:
+    """The ModelChanges kept on `model` (made on first use)."""
+    changes = model.__dict__.get(CHANGES_ATTR)
+    if changes is None:
+        changes = ModelChanges()
+        model.__dict__[CHANGES_ATTR] = changes
+    return changes

@@ -36,7 +36,7 @@ reduce-scattered per piece. Each row-parallel call is told its reduction (tp2.la
 to reduce-scatter to (out_proj), or PARTIAL (the MLP's chunks). Each activation is dropped as soon as nothing reads
 it. One model evaluation's state
 (the layout, this rank's segments, the int8-gather vote, the pending residual) is a SequenceParallelForward that
-the pack's model call puts in transformer_options (nodes/lockstep.py) and each block reads: no ambient state.
+the pack's model call puts in transformer_options (nodes/model_wrappers.py) and each block reads: no ambient state.
 The gathers are in nodes/sp_gathers.py, the fused norms in nodes/sp_norms.py. `install` checks that the ComfyUI
 code this stands in for is what it was written against and falls back to plain TP otherwise.
 """
@@ -44,6 +44,7 @@ code this stands in for is what it was written against and falls back to plain T
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import textwrap
@@ -58,6 +59,7 @@ from ..tp2.layers import PARTIAL
 from ..tp2.sequence_layout import RowLayout, chunk_bounds, reduce_scatter_sequence
 from .h3_attention import attention_forward
 from .parallel import Int8Rows, accept_int8_rows, held_weight, int8_rows_call, rowwise_call, tp_group
+from .patches import changes_of
 from .sp_gathers import GatherInFlight, gather, vote_int8_gathers
 from .sp_norms import fused_norm_ok, norm_modulated
 from .state import STATE, log
@@ -264,10 +266,11 @@ def install(diffusion_model: torch.nn.Module) -> bool:
             f"{STATE.tag} TP2_SEQUENCE_PARALLEL=1 needs {', '.join(needed)} in ComfyUI's H3 model module, and this "
             f"ComfyUI lacks {', '.join(missing)}. Unset TP2_SEQUENCE_PARALLEL on every rank."
         )
-    blocks = list(diffusion_model.blocks)
+    blocks, changes = list(diffusion_model.blocks), changes_of(diffusion_model)
     for i, block in enumerate(blocks):
         block.tp2_sp_first, block.tp2_sp_last = i == 0, i == len(blocks) - 1
-        accept_int8_rows(block.attn.qkv_proj)
-        accept_int8_rows(block.mlp.fc1)
-        block.forward = types.MethodType(lambda self, *a, **k: _block_forward(h3, self, *a, **k), block)
+        accept_int8_rows(changes, f"blocks.{i}.attn.qkv_proj", block.attn.qkv_proj)
+        accept_int8_rows(changes, f"blocks.{i}.mlp.fc1", block.mlp.fc1)
+        sp_forward = functools.partial(_block_forward, h3)
+        changes.replace(f"blocks.{i}.forward", block, "forward", lambda own, b=block: types.MethodType(sp_forward, b))
     return True

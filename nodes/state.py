@@ -1,6 +1,7 @@
-"""This rank's TP state inside one ComfyUI process: the env, the session, the kernels, the loaded plan.
+"""This rank's TP state inside one ComfyUI process: the env, the session, the kernels, the loaded plan, the prompt
+it is executing.
 
-Read by the loader, the lockstep wrappers and the status node. `STATE.env is None` means the pack is inactive
+Read by the loader, the model wrappers and the status node. `STATE.env is None` means the pack is inactive
 (TP env vars unset) and must change nothing.
 """
 
@@ -26,8 +27,23 @@ class LoadedModel:
     plan_summary: str
     plan_fingerprint: str
     checkpoint_fingerprint: str
-    from_rank_file: bool
+    origin: str  # where its weights came from: "shard-on-read", "rank file ...", "rank cache ...", "mapped whole"
     load_seconds: float
+    changes: object = None  # nodes.patches.ModelChanges: what the pack replaced on the model's objects
+
+
+@dataclass
+class Prompt:
+    """The prompt this ComfyUI is executing (the prompt worker runs one at a time); a fresh one as each starts."""
+
+    prompt_id: str | None = None
+    run: str | None = None  # the id every rank knows this execution by
+    fingerprint: str = "none"
+    details: str = "{}"  # tp2.handshake.prompt_details: what a mismatch message names
+    model_calls: int = 0
+    transformer_options: dict | None = None  # the last model evaluation's (its sigmas give the sampling step)
+    coordinated_stop: bool = False  # rank 0 told every rank to stop at this model evaluation
+    steps: dict[str, int] = field(default_factory=dict)  # steps of each kind so far (nodes/run.py step_key)
 
 
 @dataclass
@@ -46,6 +62,7 @@ class RankState:
     attention: str = "comfyui"  # resolved backend name, "comfyui" = ComfyUI's own choice
     prompt_timeout_s: float = DEFAULT_PROMPT_TIMEOUT_S
     models: list[LoadedModel] = field(default_factory=list)
+    prompt: Prompt = field(default_factory=Prompt)
     last_agreement: str = "none yet"
     numerics: str = "not run yet (runs at the first int8 H3 load)"  # tp2.numerics report of this device's int8 path
     boot_id: str = ""

@@ -5,7 +5,7 @@
     GET /tp2/cluster   every rank's /tp2/status as this rank reaches them (the front door's rank URLs), each
                        with a health verdict; rank 0's UI polls it
 
-No secret: nothing here changes state (the front door guards only POSTs). Reads `STATE`, lockstep's `CURRENT` and
+No secret: nothing here changes state (the front door guards only POSTs). Reads `STATE`, the prompt in `STATE` and
 the watcher; writes nothing and reads no environment variable of its own.
 """
 
@@ -26,8 +26,6 @@ def rank_status() -> dict:
     """This rank's state as JSON-ready data; `{"active": False}` when the pack is inactive here."""
     if not STATE.active:
         return {"active": False}
-    from .lockstep import CURRENT  # imported with the hooks at activation; read only
-
     env, session = STATE.env, STATE.session
     group = getattr(session, "group", None)
     return {
@@ -43,7 +41,7 @@ def rank_status() -> dict:
         },
         "stop_reason": session.stop_reason(),
         "last_agreement": STATE.last_agreement,
-        "prompt": {"prompt_id": CURRENT.prompt_id, "run": CURRENT.run, "model_calls": CURRENT.model_calls},
+        "prompt": {"prompt_id": STATE.prompt.prompt_id, "run": STATE.prompt.run, "model_calls": STATE.prompt.model_calls},
         "progress": prompt_progress(),
         "heartbeats": heartbeat_ages(),
         "settings": settings(),

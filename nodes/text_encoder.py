@@ -16,7 +16,7 @@ this rank's width (its `qwen3vl_32b_model_config` override: local heads, KV head
     (token ids, images), then embed and run the 50 layers in step, under the role guard, with interrupts
     deferred to the end of the encode. A rank that does not arrive fails the prompt with the reason
     (the encoder cannot run alone: this rank holds a slice of it).
-The DiT still receives rank 0's context at every model evaluation (nodes/lockstep.py), so the conditioning every
+The DiT still receives rank 0's context at every model evaluation (nodes/model_wrappers.py), so the conditioning every
 rank samples with is identical bit for bit whatever happens here.
 """
 
@@ -41,10 +41,10 @@ from ..tp2.plan import ROWWISE
 from ..tp2.rank_cache import read_rank_slices
 from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
 from .loader import rank_cache_args
-from .lockstep import CURRENT, in_step, rank0_abort, step_key, tensor_digest
 from .lora import TE_PLAN_ATTR
 from .parallel import ROLE_OF_STYLE, _is_comfy_linear, role_guard, tp_group
-from .patches import PATCHES
+from .patches import PATCHES, changes_of
+from .run import agree_step, in_step, step_key, tensor_digest
 from .state import STATE, LoadedModel, log
 
 CONFIG_KEY = "qwen3vl_32b_model_config"  # ComfyUI's per-model config override (comfy/sd1_clip.py SDClipModel)
@@ -88,7 +88,8 @@ def _load_h3_encoder(layout, ckpt_paths, embedding_directory, clip_type, model_o
     clip.patcher.cached_patcher_init = (comfy.sd.load_clip_model_patcher, (ckpt_paths, embedding_directory, clip_type, model_options))
     wire_text_encoder(clip, plan)
     secs = time.monotonic() - t0
-    STATE.models.append(LoadedModel(os.path.basename(path), plan.summary(), plan.fingerprint(), "-", False, secs))
+    changes = changes_of(clip.cond_stage_model)
+    STATE.models.append(LoadedModel(os.path.basename(path), plan.summary(), plan.fingerprint(), "-", origin, secs, changes))
     log.info("%s loaded text encoder %s (%s) in %.1f s: %s", STATE.tag, os.path.basename(path), origin, secs, plan.summary())
     return clip
 
@@ -119,6 +120,7 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
         )
     _verify_widths(transformer, plan)
     setattr(clip.cond_stage_model, TE_PLAN_ATTR, plan)  # read by the LoRA hook (nodes/lora.py)
+    changes = changes_of(clip.cond_stage_model)
     for name, module in transformer.named_modules():
         if not _is_comfy_linear(module):
             continue
@@ -129,11 +131,13 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
             )
         setattr(module, ROLE_ATTR, ROLE_OF_STYLE[style])
         if style == ROWWISE:
-            module.forward = types.MethodType(_rowwise_forward(module.forward), module)
+            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: types.MethodType(_rowwise_forward(own), m))
     embedding = transformer.model.embed_tokens
-    embedding.forward = types.MethodType(_vocab_parallel_forward(embedding.forward, plan), embedding)
-    if "forward" not in encoder.__dict__:  # SDClipModel.forward: token embedding (process_tokens), then the layers
-        encoder.forward = _encoding_in_step(encoder.forward, plan)
+    changes.replace(
+        "model.embed_tokens.forward", embedding, "forward", lambda own: types.MethodType(_vocab_parallel_forward(own, plan), embedding)
+    )
+    # SDClipModel.forward: token embedding (process_tokens), then the layers
+    changes.replace("encoder.forward", encoder, "forward", lambda own: _encoding_in_step(own, plan))
 
 
 def _verify_widths(transformer, plan: TEPlan) -> None:
@@ -187,20 +191,17 @@ def _encoding_in_step(original, plan: TEPlan):
         key = step_key("text-encode")
         fields = {
             "pack_version": __version__,
-            "prompt": CURRENT.fingerprint,
+            "prompt": STATE.prompt.fingerprint,
             "plan": plan.fingerprint(),
             "inputs": inputs_digest(args, kwargs),
         }
-        session = STATE.session
         try:
-            session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
+            agree_step(key, fields)
         except PeerLostError as e:
-            session.cache_epoch(bump=True)  # the next prompt clears every rank's node cache
             raise TP2Error(
                 f"{STATE.tag} the text encoder is split over the ranks and cannot run on this rank alone: {e}. Queue the "
                 "prompt again (every rank's node cache is cleared first)."
             ) from e
-        STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
         t0 = time.monotonic()
         with in_step(), role_guard():  # an interrupt waits for the end of the encode, on every rank
             out = original(*args, **kwargs)

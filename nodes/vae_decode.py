@@ -32,8 +32,8 @@ import comfy.model_management as mm
 from ..tp2 import __version__, settings
 from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, spatial_tiles, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
-from .lockstep import CURRENT, in_step, rank0_abort, step_key, tensor_digest
 from .patches import PATCHES
+from .run import agree_step, in_step, step_key, tensor_digest
 from .state import STATE, log
 
 ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
@@ -73,21 +73,18 @@ def _decode_temporal(original, vae, z, output_buffer):
     key = step_key("vae-decode")
     fields = {
         "pack_version": __version__,
-        "prompt": CURRENT.fingerprint,
+        "prompt": STATE.prompt.fingerprint,
         "latent_shape": str(tuple(z.shape)),
         "latent": tensor_digest(z),
         "dtype": f"{z.dtype} on {z.device.type}",
         "chunks": f"{num_chunks} x ({vae.tokens_chunk_size}+{vae.token_overlap}), pad {pad_tokens}",
         "tiles": f"{len(units)} of {tuple(units[0].shape)}",
     }
-    session = STATE.session
     try:
-        group = session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
+        group = agree_step(key, fields)
     except PeerLostError as e:
-        session.cache_epoch(bump=True)
         log.warning("%s %s; decoding the whole video on this rank alone (same result, not split)", STATE.tag, e)
         return original(vae, z, output_buffer)
-    STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
     return _decode_split(original, vae, z, output_buffer, num_chunks, units, group)
 
 

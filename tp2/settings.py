@@ -1,6 +1,7 @@
 """Every environment variable the pack reads or sets, in one place: named, typed, defaulted, documented.
 
-    SETTINGS                      name -> Setting (kind, default, what it does, whether the launcher exports it)
+    SETTINGS                      name -> Setting (kind, default, what it does, whether the launcher exports it, and
+                                  whether it is a seam for the tests and benchmarks rather than a user setting)
     value(name, environ=None)     the typed value of one setting (its default when unset); SettingError otherwise
     read_tp_env(environ=None)     this rank's TPEnv, or None when TP2_RANK and TP2_WORLD_SIZE are unset
     torch_allocator_conf()        PYTORCH_CUDA_ALLOC_CONF (read, never set: the capacity check names the allocator from it)
@@ -34,6 +35,7 @@ class Setting:
     high: float | None = None
     launcher: bool = False  # scripts/start-tp2.sh exports it with this default
     shown: str | None = None  # the default as the README states it, where it is worked out (not a fixed value)
+    seam: bool = False  # for the tests and benchmarks only, not a user setting (listed apart from the user's)
 
 
 SETTINGS: dict[str, Setting] = {
@@ -56,7 +58,6 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
         Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
         Setting("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
-        Setting("TP2_CAPACITY_CHECK", "bool", "1", "a prompt predicted not to fit in GPU memory is refused before sampling"),
         Setting(
             "TP2_CACHE_DIR", "path", None, "where checked rank files are remembered, and the rank cache", shown="~/.cache/minimax-h3-tp2"
         ),
@@ -69,10 +70,10 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),
         Setting("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
-        Setting("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once"),
-        Setting("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose"),
-        Setting("TP2_TEST_AVAILABLE_GIB", "float", None, "tests only: GPU memory the capacity check takes as available", low=0),
-        Setting("TP2_BENCH_GLOO_ON_CUDA", "bool", "0", "benchmarks only: ranks sharing one GPU form their group over gloo"),
+        Setting("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once", seam=True),
+        Setting("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose", seam=True),
+        Setting("TP2_TEST_AVAILABLE_GIB", "float", None, "tests only: GPU memory the capacity advice takes as available", low=0, seam=True),
+        Setting("TP2_BENCH_GLOO_ON_CUDA", "bool", "0", "benchmarks only: ranks sharing one GPU form their group over gloo", seam=True),
     )
 }
 RENAMED = {"TP2_SP_PIECES": ("TP2_SP_MLP_CHUNKS", "it now pipelines out_proj too")}  # new name: (old name, why)

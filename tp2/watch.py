@@ -47,6 +47,17 @@ def describe_failure(rank: int, exc: BaseException, step: int | None = None, ste
     return f"rank {rank} failed{where}: {type(exc).__name__}: {text}"
 
 
+def with_advice(exc: BaseException, advice: str | None) -> BaseException:
+    """`exc` itself, or, for an out-of-memory error when there is advice (the capacity model's), the same error type
+    with the advice leading its message: describe_failure cuts the text, so the advice comes first."""
+    if advice is None or not _is_out_of_memory(exc):
+        return exc
+    try:
+        return type(exc)(f"out of GPU memory; {advice}. {exc}")
+    except Exception:  # noqa: BLE001 - an error type that takes no message keeps its own
+        return exc
+
+
 def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 

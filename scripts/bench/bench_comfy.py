@@ -89,9 +89,8 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
         env["CUDA_VISIBLE_DEVICES"] = "0" if args.one_gpu else str(r)
         if tp_size > 1 or "pack" in variant.split("+"):  # variant 'pack' at tp 1: the pack active on one GPU
-            # TP2_CAPACITY_CHECK=0: measured here, not refused (the check's log line says what it predicts)
             env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
-                       TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900", TP2_CAPACITY_CHECK="0")  # fmt: skip
+                       TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900")  # fmt: skip
             if args.one_gpu and tp_size > 1:
                 env["TP2_BENCH_GLOO_ON_CUDA"] = "1"
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", args.base,

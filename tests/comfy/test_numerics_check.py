@@ -58,6 +58,11 @@ def test_the_status_node_shows_each_ranks_numerics_report(broken_rank1):
     assert healthy and float(healthy.group(1)) >= 25, text0
     assert "numerics check: FAILED on cpu" in text1, text1
     assert "patched: comfy.sd.load_diffusion_model, " in text0 and "execution.PromptExecutor.execute_async" in text0, text0
+    # the float model the first test ran: where its weights came from, and what the pack changed on it, by kind
+    for text in (text0, text1):
+        assert f"model {FLOAT}: " in text and "; shard-on-read, " in text, text
+        changed = re.search(r"changed on the model: forward of (\d+) Linear, preprocess_text_embeds of 1 MiniMaxH3Model", text)
+        assert changed and int(changed.group(1)) >= 4, text  # out_proj and fc2 of each block at least
 
 
 @pytest.fixture(scope="module")
@@ -70,20 +75,15 @@ def short_of_memory(request, tmp_path_factory):
     return servers_for(request, tmp_path_factory, models, "capacity_world", tp_size=2, env=env)
 
 
-def test_a_prompt_that_cannot_fit_is_refused_on_every_rank_before_sampling(short_of_memory):
-    """The capacity check (nodes/capacity_check.py) with 0.5 GiB taken as available (TP2_TEST_AVAILABLE_GIB): the
-    prediction for the tiny model is its fixed buffers (~2 GiB), so every rank refuses at its sampler with the numbers,
-    within seconds, and never samples."""
-    t0 = time.monotonic()
+def test_a_prompt_predicted_not_to_fit_is_advised_not_refused(short_of_memory):
+    """The capacity advice (nodes/capacity_check.py) with 0.5 GiB taken as available (TP2_TEST_AVAILABLE_GIB): the
+    prediction for the tiny model is its fixed buffers (~2 GiB), so every rank logs at its sampler that it may not
+    fit, with the numbers and what would, and the prompt still runs (only a real out-of-memory stops it)."""
     hs = run_everywhere(short_of_memory, tiny_workflow(FLOAT, COND, prefix="capacity"), 60)
-    assert time.monotonic() - t0 < 30
-    for s, h in zip(short_of_memory, hs):
-        msg = error_message(h)
-        assert h["status"]["status_str"] == "error", h["status"]
-        assert (
-            "CapacityError" in msg
-            and "GiB of GPU memory per rank at tp_size 2 with the weights resident, ~0.7 GiB of it (the CUDA context) already held, and 0.5 GiB more is available"
-            in msg
-        ), msg
-        assert "not even 5 frames fit at 64x64" in msg and "TP2_CAPACITY_CHECK=0" in msg, msg
-        assert "capacity: " in open(s.log_path).read()  # refused at this rank's own check, before sampling
+    assert_success(short_of_memory, hs)
+    for s in short_of_memory:
+        text = open(s.log_path).read()
+        assert "capacity: 64x64x5" in text and "may not fit: 64x64x5 was predicted to need ~" in text, s.tail()
+        assert "GiB per rank at tp_size 2 with the weights resident, 0.5 GiB more was available: not even 5 frames fit at 64x64" in text, (
+            s.tail()
+        )

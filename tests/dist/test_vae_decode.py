@@ -53,15 +53,13 @@ def _rank(tp_rank, tp_size, lengths, extra_cases):
 
     fixture, vd = _import_pack()
     import comfy.ldm.minimax.vae as h3_vae
-    from tp2pack.nodes.lockstep import CURRENT
-    from tp2pack.nodes.state import STATE
+    from tp2pack.nodes.state import STATE, Prompt
     from tp2pack.tp2.settings import read_tp_env
     from tp2pack.tp2.session import TPSession
 
     STATE.env = read_tp_env()
     STATE.session, STATE.prompt_timeout_s = TPSession(STATE.env), 30.0
-    CURRENT.prompt_id = CURRENT.run = "prompt-1"
-    CURRENT.fingerprint = "graph"
+    STATE.prompt = Prompt("prompt-1", "prompt-1", "graph")
     messages = []
     handler = logging.Handler()
     handler.emit = lambda rec: messages.append(rec.getMessage())
@@ -93,13 +91,13 @@ def _rank(tp_rank, tp_size, lengths, extra_cases):
         got = vae.decode(latent(17), output_buffer=buffer)
         out.append(("buffer", got is buffer, torch.equal(buffer, refs[17]), list(messages)))
         for case in extra_cases:
-            out.append(_extra_case(case, tp_rank, vae, vd, latent, refs, messages, CURRENT, STATE))
+            out.append(_extra_case(case, tp_rank, vae, vd, latent, refs, messages, STATE, Prompt))
     return out
 
 
-def _extra_case(case, tp_rank, vae, vd, latent, refs, messages, CURRENT, STATE):
+def _extra_case(case, tp_rank, vae, vd, latent, refs, messages, STATE, Prompt):
     """'mismatch': ranks hold different latents; 'alone': only rank 0 decodes (its peer never arrives)."""
-    CURRENT.prompt_id = CURRENT.run = f"prompt-{case}"
+    STATE.prompt = Prompt(f"prompt-{case}", f"prompt-{case}", "graph")
     del messages[:]
     if case == "mismatch":
         try:

@@ -160,7 +160,7 @@ def test_a_rank_arriving_after_a_stop_leaves_at_once():
 
 
 def test_failure_messages_name_the_rank_and_say_what_to_do():
-    from tp2.watch import decode_stop, describe_failure, sign
+    from tp2.watch import decode_stop, describe_failure, sign, with_advice
 
     oom = describe_failure(1, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 4, 8)
     assert oom == (
@@ -168,6 +168,11 @@ def test_failure_messages_name_the_rank_and_say_what_to_do():
         "use fewer frames, a lower resolution or more ranks"
     )
     assert describe_failure(0, ValueError("bad"), None, None) == "rank 0 failed: ValueError: bad"
+    torch_oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. " + "x" * 400)  # as long as torch's
+    told = with_advice(torch_oom, "at 1920x1088 up to 175 frames fit")
+    assert type(told) is torch.OutOfMemoryError and str(told).startswith("out of GPU memory; at 1920x1088 up to 175 frames fit. ")
+    assert "up to 175 frames fit" in describe_failure(1, told, 4, 8)  # the advice survives the cut
+    assert with_advice(torch_oom, None) is torch_oom and with_advice(ValueError("bad"), "advice").args == ("bad",)
     good = '{"rank": 1, "reason": "x", "mac": "%s"}' % sign(SECRET, "run", 1, "x")
     assert decode_stop(good.encode(), "run", SECRET) == (1, "x")
     assert decode_stop(good.encode(), "other-run", SECRET) is None  # a notice is bound to its run

@@ -31,9 +31,10 @@ def test_the_launcher_defaults_are_the_settings_defaults():
         assert _same(default, SETTINGS[name].default), (name, default, SETTINGS[name].default)
 
 
-def _readme_rows() -> list[tuple[list[str], str]]:
+def _readme_rows(seams: bool = False) -> list[tuple[list[str], str]]:
     text = open(os.path.join(ROOT, "README.md")).read()
-    table = text[text.index("## Settings") :].split("\n\n")[3]  # heading, intro, example, table
+    section = text[text.index("## Settings") :].split("\n\n")
+    table = section[5] if seams else section[3]  # heading, intro, example, the user's table, the seams' intro, table
     rows = []
     for line in table.splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split(" | ")]
@@ -41,10 +42,12 @@ def _readme_rows() -> list[tuple[list[str], str]]:
     return rows
 
 
-def test_the_readme_table_lists_every_setting_with_its_default():
-    rows = _readme_rows()
+@pytest.mark.parametrize("seams", [False, True], ids=["users", "seams"])
+def test_the_readme_tables_list_every_setting_with_its_default(seams):
+    rows = _readme_rows(seams)
     documented = [n for names, _ in rows for n in names]
-    assert sorted(documented) == sorted(SETTINGS), set(documented) ^ set(SETTINGS)
+    want = [n for n, s in SETTINGS.items() if s.seam == seams]
+    assert sorted(documented) == sorted(want), set(documented) ^ set(want)
     for names, default in rows:
         parts = default.split(", ") if len(names) > 1 else [default]
         for name, part in zip(names, parts):

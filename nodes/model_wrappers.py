@@ -1,0 +1,137 @@
+"""The wrappers on a loaded TP model: the sampler's rendezvous, and rank 0's inputs at every model evaluation.
+
+install_model_wrappers(patcher, plan, checkpoint_fp, sequence_parallel)   once per loaded DiT
+OUTER_SAMPLE wrapper   before any collective: ranks agree (over the store, bounded wait) on prompt, sampler
+                       index, seed, sigmas, model and its weight patches (LoRA digests and strengths); a
+                       process group is (re)made if needed
+refiner                rank 0's text states go to every rank before the (sharded) token refiner runs
+DIFFUSION_MODEL        rank 0's x, timestep, context and payload tensors go to every rank; the forward runs
+                       under the role guard with the chosen attention backend
+"""
+
+from __future__ import annotations
+
+import functools
+
+import comfy.model_management as mm
+import comfy.patcher_extension as pe
+
+from ..tp2.collectives import broadcast_tree, carries_tensors
+from ..tp2.handshake import model_fingerprint
+from ..tp2.plan import Plan
+from ..tp2.session import detail_key
+from ..tp2.watch import with_advice
+from .attention_choice import attention_override
+from .capacity_check import capacity_advice, sampling_peak
+from .faults import inject_fault
+from .interrupts import SAMPLING
+from .lora import lora_patch_report
+from .parallel import role_guard
+from .patches import changes_of
+from .run import agree_step, leave_run, step_key, tensor_digest
+from .sequence_parallel import SP_FORWARD, SequenceParallelForward
+from .state import STATE, log
+
+KEY = "minimax_h3_tp2"
+
+
+def install_model_wrappers(patcher, plan: Plan, checkpoint_fp: str, sequence_parallel: bool = False) -> None:
+    """Wire one loaded TP model: wrappers on the patcher, the refiner broadcast on the model instance.
+    `sequence_parallel`: whether this model's blocks run the sequence-parallel forward (compared across ranks)."""
+    model_fields = {
+        **model_fingerprint(plan.fingerprint(), checkpoint_fp, plan.tp_size),
+        "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
+        "sequence_parallel": (  # the collectives (and the norm kernels) differ
+            f"{sequence_parallel}, pieces {STATE.sp_pieces}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
+        ),
+    }
+    patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, plan, model_fields))
+    patcher.add_wrapper_with_key(pe.WrappersMP.DIFFUSION_MODEL, KEY, _diffusion_model)
+    dm = patcher.model.diffusion_model
+    changes_of(dm).replace("preprocess_text_embeds", dm, "preprocess_text_embeds", lambda own: functools.partial(_refine_text, own))
+
+
+def _outer_sample(
+    plan, model_fields, executor, noise, latent_image, sampler, sigmas, denoise_mask=None, callback=None, disable_pbar=False,
+    seed=None, latent_shapes=None, **kwargs,
+):  # fmt: skip
+    """comfy.samplers.CFGGuider.outer_sample's OUTER_SAMPLE wrapper (its arguments, by name)."""
+    key = step_key("sampler")
+    fields = dict(
+        model_fields, prompt=STATE.prompt.fingerprint, sampler=str(STATE.prompt.steps["sampler"]), seed=str(seed),
+        sigmas=tensor_digest(sigmas), patches=lora_patch_report(executor.class_obj.model_patcher, plan),  # LoRA identities, strengths
+    )  # fmt: skip
+    fields[detail_key("prompt")] = STATE.prompt.details  # names the node and input when the prompts differ
+    inject_fault(STATE.env.tp_rank, 0)  # tests only (TP2_TEST_FAULT); inert by default
+    advice = capacity_advice(plan, latent_shapes, STATE.device, executor.class_obj.model_patcher)  # before the ranks meet
+    agree_step(key, fields)
+    STATE.sampling_key = key
+    SAMPLING.active = True
+    try:
+        with sampling_peak(STATE.device):
+            return executor(
+                noise, latent_image, sampler, sigmas, denoise_mask, callback, disable_pbar, seed, latent_shapes=latent_shapes, **kwargs
+            )
+    except BaseException as e:
+        told = with_advice(e, advice)
+        leave_run(told, *_step_of(STATE.prompt.transformer_options))
+        if told is e:
+            raise
+        raise told from e
+    finally:
+        SAMPLING.active = False
+
+
+def _refine_text(original, text_states):
+    """The token refiner is sharded: every rank must refine rank 0's text states, in step."""
+    group = STATE.session.group
+    text_states = broadcast_tree(text_states if STATE.env.tp_rank == 0 else None, group)
+    with role_guard():
+        return original(text_states)
+
+
+def _diffusion_model(executor, x, timestep, context, transformer_options, **kwargs):
+    group = STATE.session.group
+    prompt = STATE.prompt
+    prompt.model_calls += 1
+    prompt.transformer_options = transformer_options  # the step is worked out from it only when a failure names it
+    inject_fault(STATE.env.tp_rank, prompt.model_calls)  # tests only (TP2_TEST_FAULT); inert by default
+    payload = kwargs.get("minimax_payload") or {}
+    shared = None
+    if STATE.env.tp_rank == 0:
+        if mm.processing_interrupted():  # every rank stops here, at the same model evaluation
+            shared = {"stop": True}
+        else:
+            # every tensor input (e.g. denoise_mask, audio_denoise_mask, a list of reference latents) is rank 0's
+            extra = {k: v for k, v in kwargs.items() if k != "minimax_payload" and carries_tensors(v)}
+            layoutless = {k: v for k, v in payload.items() if k != "layout"}
+            shared = {"x": list(x), "t": timestep, "context": context, "payload": layoutless, "extra": extra}
+    shared = broadcast_tree(shared, group)
+    if shared.get("stop"):
+        prompt.coordinated_stop = True
+        log.info("%s interrupted on rank 0: every rank stops at this model evaluation", STATE.tag)
+        mm.interrupt_current_processing(False)
+        raise mm.InterruptProcessingException()
+    kwargs = dict(kwargs, **shared["extra"])
+    if "minimax_payload" in kwargs:  # rank 0's tensors and values; this rank's own (identical, rebuildable) layout
+        kwargs["minimax_payload"] = dict(shared["payload"], **({"layout": payload["layout"]} if "layout" in payload else {}))
+    # this evaluation's own options: the attention backend, and a fresh sequence-parallel state for its blocks
+    transformer_options = dict(transformer_options, **{SP_FORWARD: SequenceParallelForward()})
+    override = attention_override(group.device)
+    if override is not None:
+        transformer_options["optimized_attention_override"] = override
+    with role_guard():
+        return executor(shared["x"], shared["t"], shared["context"], transformer_options, **kwargs)
+
+
+def _step_of(transformer_options) -> tuple[int | None, int | None]:
+    """(1-based step, steps) of the model evaluation with these options, from the sampler's sigmas; (None, None)
+    when unknown. Compares tensors (a device sync on GPUs): for failure messages, not for every step."""
+    if not transformer_options:
+        return None, None
+    try:
+        schedule, sigma = transformer_options["sample_sigmas"], transformer_options["sigmas"]
+        hits = (schedule == sigma.reshape(-1)[0].to(schedule)).nonzero()
+        return (int(hits[0, 0]) + 1 if len(hits) else None), len(schedule) - 1
+    except (KeyError, AttributeError, IndexError, TypeError, RuntimeError):
+        return None, None

@@ -1,0 +1,147 @@
+"""The prompt lifecycle on every rank: each prompt is a run every rank knows by one id.
+
+    track_prompts()   wraps execution.PromptExecutor.execute_async (once)
+
+Rank 0 dispatches each prompt to the followers as it starts (front door on), with whether every rank clears its
+node cache first; a rank whose prompt fails for any reason tells every rank at once, with its reason
+(tp2/watch.py), and gives up its process group.
+
+Node caching: the pack does not depend on caches being alike. Every rank clears its node cache before a prompt
+when any rank restarted since its last prompt (boot ids in the store: a restarted rank has an empty cache) or
+reported a failed rendezvous or collective; what is left (e.g. RAM-pressure eviction on one rank) is detected
+at the sampler rendezvous (a bounded wait, a clear error) and cleared the same way before the next prompt.
+
+ComfyUI internals this writes (execution.PromptExecutor, 0.33): when a prompt is refused before it starts,
+`server.client_id`, `status_messages` (through `add_message`), `success` and `history_result`, as its own
+execute_async does for a node's error; `reset()` clears the node cache. It reads `status_messages` after a run.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+
+import execution
+
+from ..tp2.handshake import prompt_details
+from . import front_door
+from .patches import PATCHES
+from .state import STATE, Prompt, log
+
+
+@dataclass
+class _Seen:
+    """What this rank saw at its last prompt: the cache epoch and every rank's boot id."""
+
+    cache_epoch: int = 0
+    boots: list | None = None
+
+
+SEEN = _Seen()
+
+
+def track_prompts() -> None:
+    PATCHES.install(execution.PromptExecutor, "execute_async", _tracking_execute_async)
+
+
+def prompt_fingerprint(prompt: dict) -> str:
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cache_epoch(bump: bool = False) -> int | None:
+    return STATE.session.cache_epoch(bump) if STATE.session is not None else None
+
+
+def _caches_may_differ() -> bool:
+    """True when, since this rank's last prompt, a rank restarted (new boot id: empty node cache) or a rank
+    reported a failed rendezvous or collective (cache epoch bumped)."""
+    changed = False
+    epoch = _cache_epoch()
+    if epoch is not None and epoch > SEEN.cache_epoch:
+        changed, SEEN.cache_epoch = True, epoch
+    boots = STATE.session.boot_ids() if STATE.session is not None else None
+    if boots is not None:
+        # a restart is a known id replaced by another; a first registration (None -> id) is not
+        seen = SEEN.boots or [None] * len(boots)
+        if any(old is not None and new is not None and old != new for old, new in zip(seen, boots)):
+            changed = True
+        SEEN.boots = [new if new is not None else old for old, new in zip(seen, boots)]
+    return changed
+
+
+async def _run_id(prompt, prompt_id, extra_data, execute_outputs) -> tuple[str, bool, str | None, dict]:
+    """(run id, whether to clear the node cache, why the ranks are unavailable or None, boot ids known from rank 0)."""
+    door = front_door.FRONT_DOOR
+    if door is not None and STATE.env.tp_rank == 0:
+        reset = _caches_may_differ()
+        run, refused = await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, reset)
+        return run, reset, refused, {}
+    if door is not None:
+        order = door.take_order(prompt_id) or {"run": prompt_id, "reset": _caches_may_differ()}
+        return order["run"], order["reset"], None, ({0: order["boot"]} if "boot" in order else {})
+    return prompt_id, _caches_may_differ(), None, {}  # no front door: every rank was given the prompt under one id
+
+
+def _tracking_execute_async(original):
+    @functools.wraps(original)
+    async def execute_async(self, prompt, prompt_id, extra_data={}, execute_outputs=[]):  # noqa: B006 - ComfyUI's signature
+        session = STATE.session
+        run, reset, refused, boots = await _run_id(prompt, prompt_id, extra_data, execute_outputs)
+        if reset:
+            log.info("%s a rank restarted, failed or freed memory since the last prompt: clearing this rank's node cache", STATE.tag)
+            self.reset()
+        STATE.prompt = Prompt(prompt_id, run, prompt_fingerprint(prompt), prompt_details(prompt))
+        session.begin_run(run, boots)
+        try:
+            if refused:
+                why = f"Tensor-parallel ranks unavailable: {refused}"
+                log.warning("%s prompt %s not started: %s", STATE.tag, prompt_id, why)
+                _fail_before_start(self, prompt, prompt_id, extra_data, execute_outputs, why)
+            else:
+                await original(self, prompt, prompt_id, extra_data, execute_outputs)
+        finally:
+            failure = _failure(self)
+            if failure is not None:
+                if session.stop_reason() is None:  # this rank stopped the run: every rank is told why
+                    session.stop_run(f"rank {STATE.env.tp_rank} stopped the prompt: {failure}")
+                else:
+                    session.abandon_group()
+                _cache_epoch(bump=True)
+            session.end_run()
+            STATE.prompt = Prompt(fingerprint=STATE.prompt.fingerprint, model_calls=STATE.prompt.model_calls)
+
+    return execute_async
+
+
+def _failure(executor) -> str | None:
+    """Why the prompt ComfyUI just ran failed on this rank (from its status messages), or None if it succeeded."""
+    for kind, data in reversed(getattr(executor, "status_messages", [])):
+        if kind == "execution_error":
+            return f"{data.get('node_type')} failed: {data.get('exception_type')}: {' '.join(str(data.get('exception_message', '')).split())[:500]}"
+        if kind == "execution_interrupted":
+            return "interrupted"
+    return None
+
+
+def _fail_before_start(executor, prompt, prompt_id, extra_data, outputs, why: str) -> None:
+    """Record the prompt as failed without running a node, as ComfyUI records a node's error."""
+    executor.server.client_id = extra_data.get("client_id")
+    executor.status_messages = []
+    executor.add_message("execution_start", {"prompt_id": prompt_id}, broadcast=False)
+    node_id = next(iter(outputs), None) or next(iter(prompt))
+    error = {
+        "prompt_id": prompt_id,
+        "node_id": node_id,
+        "node_type": prompt[node_id].get("class_type", "?"),
+        "executed": [],
+        "exception_message": why,
+        "exception_type": "TP2Error",
+        "traceback": [],
+        "current_inputs": {},
+        "current_outputs": [],
+    }
+    executor.add_message("execution_error", error, broadcast=False)
+    executor.success = False
+    executor.history_result = {"outputs": {}, "meta": {}}

@@ -1,0 +1,82 @@
+"""The steps of a run (one prompt on every rank): the rendezvous every TP step starts with, and leaving a run.
+
+    step_key(kind)           the rendezvous key of this prompt's next step of a kind: '<run>/vae-decode2'
+    agree_step(key, fields)  every rank agrees on `fields` before any collective; returns the process group
+    in_step()                a TP step every rank runs together: interrupts wait for its end, a failure is told
+    leave_run(e)             this rank's part when a TP step raised `e`
+    tensor_digest(t)         the short content hash ranks compare
+
+The sampler (nodes/model_wrappers.py), the split decode (vae_decode.py) and the split encode (text_encoder.py)
+are the steps; each counts the same on every rank, so their keys match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import comfy.model_management as mm
+import torch
+
+from ..tp2.errors import PeerLostError, PromptAbortedError
+from ..tp2.watch import describe_failure
+from .interrupts import SAMPLING
+from .state import STATE
+
+
+def step_key(kind: str) -> str:
+    """The rendezvous key of this prompt's next `kind` step, e.g. '<run>/vae-decode2'."""
+    prompt = STATE.prompt
+    prompt.steps[kind] = prompt.steps.get(kind, 0) + 1
+    return f"{prompt.run or 'no-prompt'}/{kind}{prompt.steps[kind]}"
+
+
+def agree_step(key: str, fields: dict[str, str]):
+    """Every rank agrees on `fields` at `key` (bounded wait; rank 0 gives up when it is interrupted) and the agreement
+    is recorded for the status node; returns the process group. A peer that never arrives raises PeerLostError,
+    and every rank's node cache is cleared before the next prompt (the cache epoch)."""
+    session = STATE.session
+    try:
+        group = session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
+    except PeerLostError:
+        session.cache_epoch(bump=True)
+        raise
+    STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
+    return group
+
+
+def rank0_abort() -> str | None:
+    """Why rank 0 gives up waiting for its followers: an interrupt (or a cancel of the running job) on rank 0."""
+    return "interrupted on rank 0" if mm.processing_interrupted() else None
+
+
+@contextlib.contextmanager
+def in_step():
+    """A TP step every rank runs together outside sampling (the split decode, the encode): an interrupt waits for its
+    end on every rank, and a failure in it is this rank's to tell every rank (leave_run)."""
+    was_sampling = getattr(SAMPLING, "active", False)
+    SAMPLING.active = True
+    try:
+        yield
+    except BaseException as e:
+        leave_run(e)
+        raise
+    finally:
+        SAMPLING.active = was_sampling
+
+
+def leave_run(e: BaseException, step: int | None = None, steps: int | None = None) -> None:
+    """This rank's part when a TP step (sampling, the split decode) raised `e`: a peer's stop or loss is left
+    behind (that peer has told every rank, or is gone); this rank's own failure is told to every rank now (at
+    sampling step `step` of `steps`, when given). A stop rank 0 ordered at a model evaluation needs no telling."""
+    if isinstance(e, (PromptAbortedError, PeerLostError)):
+        STATE.session.abandon_group()
+    elif not (isinstance(e, mm.InterruptProcessingException) and STATE.prompt.coordinated_stop):
+        STATE.session.stop_run(describe_failure(STATE.env.tp_rank, e, step, steps))
+
+
+def tensor_digest(t) -> str:
+    """A short content hash the ranks compare (values as fp32; non-tensors by their text)."""
+    if not isinstance(t, torch.Tensor):
+        return str(t)
+    return hashlib.sha256(t.detach().float().cpu().numpy().tobytes()).hexdigest()[:12]
