@@ -28,6 +28,7 @@ def activate() -> None:
     if env is None:
         log.debug("minimax-h3-tp2: TP env not set; the pack stays inactive")
         return
+    settings.freeze()  # every setting read once, now: a bad value is refused at start-up
     import comfy.model_management
     from server import PromptServer
 

@@ -1,5 +1,6 @@
 """Every environment variable the pack reads or sets, in one place: named, typed, defaulted, documented.
 
+    freeze()                      every setting read once as a rank starts; value() answers from that snapshot
     SETTINGS                      name -> Setting (kind, default, what it does, whether the launcher exports it, and
                                   whether it is a seam for the tests and benchmarks rather than a user setting)
     value(name, environ=None)     the typed value of one setting (its default when unset); SettingError otherwise
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from .errors import TP2Error
 
@@ -90,8 +92,26 @@ def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     return SETTINGS[name].default if got is None else got.strip()
 
 
+_FROZEN: Mapping[str, object] | None = None
+
+
+def freeze(environ: Mapping[str, str] | None = None) -> Mapping[str, object]:
+    """Read every setting once, refusing a bad value now rather than mid-prompt, and answer `value(name)` from this
+    snapshot from then on: a rank's settings cannot change under it (a rank calls this as it activates)."""
+    global _FROZEN
+    _FROZEN = MappingProxyType({name: _parse(name, environ) for name in SETTINGS})
+    return _FROZEN
+
+
 def value(name: str, environ: Mapping[str, str] | None = None):
-    """The typed value: bool, int, float, the choice (lower case), text, a path, a list of strings, or None."""
+    """The typed value: bool, int, float, the choice (lower case), text, a path, a list of strings, or None. From
+    the frozen snapshot once there is one, unless `environ` is given."""
+    if environ is None and _FROZEN is not None:
+        return _FROZEN[name]
+    return _parse(name, environ)
+
+
+def _parse(name: str, environ: Mapping[str, str] | None):
     s, env = SETTINGS[name], _env(environ)
     if name in RENAMED and env.get(RENAMED[name][0]):
         old, why = RENAMED[name]

@@ -98,3 +98,19 @@ def test_typed_values_and_defaults():
     with pytest.raises(SettingError, match="TP2_SP_MLP_CHUNKS was renamed TP2_SP_PIECES"):
         value("TP2_SP_PIECES", {"TP2_SP_MLP_CHUNKS": "4"})
     assert settings.cache_dir({"TP2_CACHE_DIR": "/x"}) == "/x"
+
+
+def test_a_frozen_snapshot_answers_every_read_after_activation(monkeypatch):
+    """After freeze() (a rank's activation), value() answers from the snapshot: a later change of the environment
+    does not reach a running rank; an explicit environ is still parsed; a bad value is refused at the freeze."""
+    monkeypatch.setattr(settings, "_FROZEN", None)
+    monkeypatch.setenv("TP2_SP_CHUNK_ROWS", "4096")
+    frozen = settings.freeze()
+    monkeypatch.setenv("TP2_SP_CHUNK_ROWS", "8192")
+    assert value("TP2_SP_CHUNK_ROWS") == 4096 == frozen["TP2_SP_CHUNK_ROWS"]
+    assert value("TP2_SP_CHUNK_ROWS", {"TP2_SP_CHUNK_ROWS": "8192"}) == 8192
+    with pytest.raises(TypeError):
+        frozen["TP2_SP_CHUNK_ROWS"] = 1  # read-only
+    monkeypatch.setenv("TP2_SP_PIECES", "many")
+    with pytest.raises(SettingError, match="TP2_SP_PIECES='many' must be a whole number"):
+        settings.freeze()
