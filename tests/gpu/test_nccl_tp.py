@@ -15,7 +15,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist"))
-from h3_block import block_forward, reference_linears, sqnr_db, tp_linears  # noqa: E402
+from h3_block import block_forward, reference_linears, tp_linears  # noqa: E402
+
+from tp2.numerics import sqnr_db  # noqa: E402
 from harness import run_ranks, values  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
@@ -51,7 +53,7 @@ def test_nccl_tp2_block_matches_one_gpu(tiny_int8, reduce_dtype):
     outs = values(run_ranks(_worker, 2, tiny_int8, x, t_emb, reduce_dtype, timeout_s=60))
     for r, out in enumerate(outs):
         for key in ("attn_out", "mlp_out", "out"):
-            db = sqnr_db(ref[key].float().cpu(), out[key])
+            db = sqnr_db(out[key], ref[key].float().cpu())
             print(f"NCCL TP2 {reduce_dtype} rank {r} {key}: SQNR {db:.1f} dB")
             assert db >= 30.0, (r, key, db)
     assert torch.equal(outs[0]["out"], outs[1]["out"])
