@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist"))
 from h3_block import block_forward, reference_linears, tp_linears  # noqa: E402
+from harness import run_ranks, values  # noqa: E402
 
 from tp2.numerics import sqnr_db  # noqa: E402
-from harness import run_ranks, values  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
