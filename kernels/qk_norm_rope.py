@@ -1,8 +1,7 @@
 """Per-head RMSNorm + partial split-half rope of H3's q and k, in place in the qkv buffer (Triton).
 
 ComfyUI's H3 attention calls comfy-kitchen's `rms_rope_split_half_` here: one warp per (token, head) row, which
-reads each 256-byte head row in 4-byte pieces and runs at ~0.6 TB/s on an H200 (0.5 ms per full-size block on a
-TP2 rank's 21 heads at 832x480). This kernel does the same arithmetic on a block of tokens for every head with
+reads each 256-byte head row in 4-byte pieces, far below the memory bandwidth (docs/PERFORMANCE.md). This kernel does the same arithmetic on a block of tokens for every head with
 the rotation table loaded once per block:
 
     n = round(x * rrms * w)                 rrms = rsqrt(mean(x^2) + eps) over the whole head (fp32)

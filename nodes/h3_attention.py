@@ -3,9 +3,9 @@
 1. No copy of v when the attention backend is comfy-kitchen's INT8 one: ComfyUI clones v out of the qkv buffer
    (a peak-memory fix for backends that consume q, k and v one after the other), but comfy-kitchen's quantiser
    reads q, k and v as strided views of that buffer and frees all three together. The clone costs a full pass
-   over v (~0.13 ms per block on a TP2 rank at 832x480) and changes no bit; other backends keep it.
+   over v and changes no bit; other backends keep it.
 2. With `fused` (TP2_SP_FUSED_NORM=1), the per-head q/k RMSNorm + rope runs as kernels/qk_norm_rope.py's Triton
-   kernel instead of comfy-kitchen's: same roundings, 3x the bandwidth on an H200 (docs/PERFORMANCE.md);
+   kernel instead of comfy-kitchen's: same roundings, more of the memory bandwidth (docs/PERFORMANCE.md);
    comfy-kitchen's runs wherever that one cannot (CPU, other dtypes or layouts, a GPU Triton does not run on).
 """
 

@@ -3,8 +3,8 @@ under TP2_CACHE_DIR, so the loader maps them from disk as it maps any checkpoint
 
 Why: ComfyUI's dynamic VRAM keeps a pinned host copy of every weight. For a tensor mapped from a file it fills that
 copy straight from the file and holds nothing else; for a tensor in ordinary memory (a rank's slices as
-shard-on-read makes them) it copies it, and both copies stay alive. Measured: a TP2 rank held 41.7 GiB of
-anonymous memory for a 23.5 GiB share (docs/PERFORMANCE.md). From a rank-cache file a rank holds one copy.
+shard-on-read makes them) it copies it, and both copies stay alive (a rank held about twice its share,
+docs/PERFORMANCE.md). From a rank-cache file a rank holds one copy.
 
 A cache file is named by the checkpoint's name, its fingerprint and the plan's fingerprint, for this rank and
 tp_size; it carries a digest per tensor, computed as it is written and checked (one tensor at a time, read into a
