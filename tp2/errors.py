@@ -48,10 +48,6 @@ class ChunkingChangedError(TP2Error):
     """A chunked decode asked for a chunk other than the one this rank's parallel schedule decoded."""
 
 
-class CapacityError(TP2Error):
-    """A prompt needs more GPU memory per rank than this rank has (tp2/capacity.py's prediction)."""
-
-
 class NumericsError(TP2Error):
     """This device's int8 path measured wrong against exact math (tp2/numerics.py): the video would be noise."""
 

@@ -1,4 +1,4 @@
-"""What rank 0 hands every rank at each model call (nodes/lockstep.py uses tp2.collectives.carries_tensors)."""
+"""What rank 0 hands every rank at each model call (nodes/model_wrappers.py uses tp2.collectives.carries_tensors)."""
 
 from __future__ import annotations
 
