@@ -38,6 +38,7 @@ def activate() -> None:
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
     from .prompt_lifecycle import track_prompts
+    from .same_outputs import install_same_outputs
     from .status_api import install_status_routes
     from .text_encoder import install_text_encoder_hook
     from .vae_decode import install_parallel_vae_decode
@@ -65,6 +66,7 @@ def activate() -> None:
     install_front_door(secret)
     install_status_routes(PromptServer.instance.routes)  # read-only GETs, with or without the front door
     install_parallel_vae_decode()
+    install_same_outputs()
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     log.info(
         "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, reduce %s, sequence parallel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",

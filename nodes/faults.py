@@ -1,8 +1,14 @@
 """Faults on demand, for the failure tests only: inert unless TP2_TEST_FAULT_FILE is set.
 
 With TP2_TEST_FAULT_FILE=PATH, a file at PATH holding `RANK:CALL:KIND` makes rank RANK raise at model evaluation
-CALL of a prompt (1-based; 0 = at the sampler, before the ranks meet) and then deletes the file, so the fault
-fires once. KIND: `error` (a RuntimeError), `oom` (a torch.OutOfMemoryError worded like CUDA's), `sleep` (5 s late).
+CALL of a prompt (1-based; 0 = at the sampler, before the ranks meet; `decode` = after a VAE decode, before the
+ranks compare it) and then deletes the file, so the fault fires once. KIND: `error` (a RuntimeError), `oom` (a
+torch.OutOfMemoryError worded like CUDA's), `sleep` (5 s late).
+
+With TP2_TEST_NUDGE_RANKS=R[,R...] those ranks move a few hundred values of every VAE decode's output up by one 8-bit
+step (1/255: what a last-bit difference does to a value that sat next to a rounding step; a one-ulp change alone
+rarely reaches the file), so the ranks' comparison (nodes/same_outputs.py) must find the difference and every
+rank must end with rank 0's bytes.
 
 With TP2_TEST_BREAK_INT8_RANKS=R[,R...] those ranks' int8 GEMM returns its rows in the wrong order (as a kernel with
 swapped tiles would), so their numerics check (nodes/numerics_check.py) must refuse the model.
@@ -19,6 +25,8 @@ from ..tp2 import settings
 
 ENV_FAULT_FILE = "TP2_TEST_FAULT_FILE"
 ENV_BREAK_INT8 = "TP2_TEST_BREAK_INT8_RANKS"
+ENV_NUDGE = "TP2_TEST_NUDGE_RANKS"
+NUDGED_VALUES = 300
 _PATH = settings.value(ENV_FAULT_FILE)
 
 
@@ -34,7 +42,19 @@ def maybe_break_int8(gemm, rank: int):
     return broken
 
 
-def inject_fault(rank: int, call: int) -> None:
+def nudge_output(rank: int, t: torch.Tensor) -> None:
+    """On a rank listed in TP2_TEST_NUDGE_RANKS: NUDGED_VALUES evenly spaced values of float tensor `t`, 1/255 up."""
+    if str(rank) not in settings.value(ENV_NUDGE) or t.dtype not in (torch.float32, torch.float64):
+        return
+    dense = t if t.is_contiguous() else t.movedim(-1, 1)  # VAE.decode returns a movedim of its contiguous output
+    if not dense.is_contiguous():
+        return
+    flat = dense.view(-1)
+    at = torch.linspace(0, flat.numel() - 1, NUDGED_VALUES).long()
+    flat[at] += 1.0 / 255
+
+
+def inject_fault(rank: int, call: int | str) -> None:
     if _PATH is None or not os.path.exists(_PATH):
         return
     try:
@@ -42,7 +62,7 @@ def inject_fault(rank: int, call: int) -> None:
             want_rank, want_call, kind = f.read().strip().split(":")
     except (OSError, ValueError):
         return
-    if int(want_rank) != rank or int(want_call) != call:
+    if int(want_rank) != rank or want_call != str(call):
         return
     os.remove(_PATH)
     if kind == "sleep":

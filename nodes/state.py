@@ -44,6 +44,8 @@ class Prompt:
     transformer_options: dict | None = None  # the last model evaluation's (its sigmas give the sampling step)
     coordinated_stop: bool = False  # rank 0 told every rank to stop at this model evaluation
     steps: dict[str, int] = field(default_factory=dict)  # steps of each kind so far (nodes/run.py step_key)
+    split_decodes: int = 0  # video decodes split over the ranks so far (identical by construction)
+    alone: bool = False  # a peer missed a step of this prompt: later decodes are not compared
 
 
 @dataclass

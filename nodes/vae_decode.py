@@ -83,7 +83,8 @@ def _decode_temporal(original, vae, z, output_buffer):
     try:
         group = agree_step(key, fields)
     except PeerLostError as e:
-        log.warning("%s %s; decoding the whole video on this rank alone (same result, not split)", STATE.tag, e)
+        log.warning("%s %s; decoding the whole video on this rank alone (not split; may differ from the other ranks')", STATE.tag, e)
+        STATE.prompt.alone = True
         return original(vae, z, output_buffer)
     return _decode_split(original, vae, z, output_buffer, num_chunks, units, group)
 
@@ -117,6 +118,7 @@ def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
     finally:
         if not had_own:
             del vae._decode_pixels
+    STATE.prompt.split_decodes += 1
     shares = "; ".join(f"rank {r}: {len(s)}" for r, s in enumerate(rank_shares(len(units), group.tp_size)))
     log.info(
         "%s VAE decode split over %d ranks: %d chunks, %d tiles (%s), %.2f s",

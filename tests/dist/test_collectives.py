@@ -150,3 +150,32 @@ def test_sequence_in_pieces_gathers_and_reduces_in_place(tp_size, full, pieces):
         assert torch.equal(gathered[:full], x) and not gathered[full:].any()
         assert torch.equal(scales, gathered[:, :1])
         assert torch.equal(summed, local * total)
+
+
+def _same_everywhere_worker(tp_rank, tp_size):
+    import torch
+
+    from tp2.collectives import bytes_digest, init_tp_group, same_everywhere
+    from tp2.settings import read_tp_env
+
+    tp = init_tp_group(read_tp_env())
+    out = []
+    for case in ("equal", "one rank off", "strided"):
+        base = torch.randn(1, 3, 5, 8, 4, generator=torch.Generator().manual_seed(0))
+        t = base.movedim(1, -1)  # as ComfyUI's VAE.decode returns its frames: not contiguous
+        if case == "strided":
+            t = base[:, :, ::2]  # no dense dim order: compared and copied through a contiguous copy
+        if case != "equal" and tp_rank == tp_size - 1:  # the last rank rounds a few values differently
+            flat = base.view(-1)[::97]  # element 0 is in both views
+            base.view(-1)[::97] = torch.nextafter(flat, torch.full_like(flat, float("inf")))
+        differ = same_everywhere(t, tp, piece_bytes=1000)  # many pieces
+        out.append((case, differ, bytes_digest(t)))
+    return out
+
+
+def test_same_everywhere_makes_every_rank_take_rank0s_bytes_only_where_they_differ():
+    outs = values(run_ranks(_same_everywhere_worker, 3))
+    for i, case in enumerate(("equal", "one rank off", "strided")):
+        differ = [o[i][1] for o in outs]
+        assert differ == ([[]] * 3 if case == "equal" else [[2]] * 3), (case, differ)
+        assert len({o[i][2] for o in outs}) == 1, f"{case}: the ranks' bytes differ after same_everywhere"

@@ -1,0 +1,80 @@
+"""Outputs each rank computes alone, made identical on every rank before they reach an output node.
+
+    install_same_outputs()   wraps comfy.sd.VAE.decode and VAE.decode_tiled (once; tp_size >= 2)
+
+A VAE decode that runs on each rank alone (the video decode when it is not split: a latent of one chunk,
+TP2_PARALLEL_VAE=0; the audio decode, always; a decode ComfyUI retried in tiles after an out-of-memory on one
+rank) equals the other ranks' only if the processes happen to round alike, and the video encoder turns one
+last-bit difference into a different MP4. So after every such decode the ranks meet (run.agree_step: the prompt,
+the latent, the output's shape and dtype), compare a SHA-256 of the output's bytes, and where a rank's differs
+every rank takes rank 0's (tp2.collectives.same_everywhere), with one log line naming the stage. In the common
+case only the digests travel. A split video decode (nodes/vae_decode.py) is identical by construction and is not
+compared. A peer that never reaches the decode (its node cache served it) leaves this rank's output as it is,
+with a log line that it may differ from the other ranks'.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import comfy.sd
+
+from ..tp2 import __version__
+from ..tp2.collectives import same_everywhere
+from ..tp2.errors import PeerLostError
+from .faults import inject_fault, nudge_output
+from .patches import PATCHES
+from .run import agree_step, in_step, step_key, tensor_digest
+from .state import STATE, log
+
+
+def install_same_outputs() -> None:
+    if STATE.env.tp_size < 2:
+        return
+    PATCHES.install(comfy.sd.VAE, "decode", functools.partial(_hooked, "decode"))
+    PATCHES.install(comfy.sd.VAE, "decode_tiled", functools.partial(_hooked, "tiled decode"))
+
+
+def _hooked(how: str, original):
+    @functools.wraps(original)
+    def decode(self, samples, *args, **kwargs):
+        split_before = STATE.prompt.split_decodes
+        out = original(self, samples, *args, **kwargs)
+        if STATE.prompt.split_decodes > split_before:  # every tile came from the ranks' one schedule: identical
+            return out
+        if STATE.prompt.alone:  # a peer already missed a step of this prompt (logged there)
+            return out
+        nudge_output(STATE.env.tp_rank, out)  # tests only (TP2_TEST_NUDGE_RANKS); inert by default
+        _make_same(f"{type(self.first_stage_model).__name__} {how}", samples, out)
+        return out
+
+    return decode
+
+
+def _make_same(stage: str, samples, out) -> None:
+    inject_fault(STATE.env.tp_rank, "decode")  # tests only (TP2_TEST_FAULT_FILE); inert by default
+    key = step_key("decoded")
+    fields = {
+        "pack_version": __version__,
+        "prompt": STATE.prompt.fingerprint,
+        "stage": stage,
+        "latent": f"{tuple(samples.shape)}:{tensor_digest(samples)}",
+        "output": f"{tuple(out.shape)} {out.dtype}",
+    }
+    try:
+        group = agree_step(key, fields)
+    except PeerLostError as e:
+        log.warning("%s %s: this rank's %s output is kept, and may differ from the other ranks'", STATE.tag, e, stage)
+        STATE.prompt.alone = True
+        return
+    t0 = time.monotonic()
+    with in_step():
+        differ = same_everywhere(out, group)
+    if differ:
+        log.warning(
+            "%s %s: rank(s) %s decoded other bytes than rank 0; every rank now has rank 0's output (%.2f s)",
+            STATE.tag, stage, ", ".join(map(str, differ)), time.monotonic() - t0,
+        )  # fmt: skip
+    else:
+        log.info("%s %s: the same bytes on every rank (checked in %.2f s)", STATE.tag, stage, time.monotonic() - t0)
