@@ -166,3 +166,18 @@ def test_install_on_a_disk_without_room_stops_first_and_says_so(pack, tmp_path, 
     assert f"GiB free on the disk of {small_disk}/venv; installing needs about 8 GiB" in res.stdout, res.stdout
     assert "--venv DIR" in res.stdout
     assert not (small_disk / "venv").exists(), "the virtualenv was created before the disk check refused"
+
+
+def test_requirements_txt_is_pyprojects_dependencies_without_torch():
+    """ComfyUI-Manager installs requirements.txt; the registry reads pyproject.toml: the same list, and never torch
+    (the user's ComfyUI brings it)."""
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "requirements.txt")) as f:
+        listed = [line.split("#", 1)[0].strip() for line in f if line.split("#", 1)[0].strip()]
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    assert listed == project["project"]["dependencies"], (listed, project["project"]["dependencies"])
+    assert not any(r.split(">")[0].split("=")[0].strip().lower() in ("torch", "torchvision", "torchaudio") for r in listed)
+    assert "comfy" in project["tool"] and project["tool"]["comfy"]["PublisherId"]
