@@ -304,6 +304,11 @@ else
   IFS=, read -r -a GPU_LIST <<< "$GPUS"
   [[ ${#GPU_LIST[@]} -eq $TP_SIZE ]] || die "--gpus lists ${#GPU_LIST[@]} GPUs for --tp-size $TP_SIZE"
 fi
+for (( r = 0; r < TP_SIZE; r++ )); do  # a taken port would otherwise surface only after every rank's start-up
+  "$PY" -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2])))' \
+    "$LISTEN" $((BASE_PORT + r)) 2>/dev/null \
+    || die "port $((BASE_PORT + r)) (rank $r) is in use on $LISTEN: stop what holds it, or start with --base-port N (rank r gets N + r)"
+done
 if [[ -n "${MASTER_PORT:-}" ]]; then  # the user's choice (e.g. a port their firewall allows); refused if it is taken
   [[ "$MASTER_PORT" =~ ^[0-9]+$ && $MASTER_PORT -ge 1 && $MASTER_PORT -le 65535 ]] || die "MASTER_PORT=$MASTER_PORT is not a port number"
   "$PY" -c 'import socket, sys; s=socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1])))' "$MASTER_PORT" 2>/dev/null \

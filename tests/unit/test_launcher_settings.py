@@ -165,3 +165,21 @@ def test_lean_memory_switches_to_torchs_native_allocator_without_expandable_segm
 def test_lean_memory_refuses_an_allocator_conf_that_asks_for_cudamallocasync(tmp_path):
     res = _launch_until_settings(tmp_path, "--lean-memory", PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
     assert res.returncode != 0 and "asks for cudaMallocAsync: unset one of them" in res.stderr, res.stderr
+
+
+def test_a_port_already_taken_is_refused_before_any_rank(tmp_path):
+    """Rank 1's port is held by another program: refused within seconds, naming the port and --base-port, with no
+    rank started (ComfyUI would find it only after its start-up, and advise a --port the launcher refuses)."""
+    import socket
+
+    from conftest import assert_refused_quickly, free_port
+
+    base = free_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", base + 1))
+        held.listen(1)
+        res, took = _launch(tmp_path, _comfyui_with_pack(tmp_path), "--cpu", "--tp-size", "2", "--base-port", str(base))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"port {base + 1} (rank 1) is in use on 127.0.0.1" in res.stderr and "--base-port N" in res.stderr, res.stderr
+    assert_refused_quickly(took)
+    assert not (tmp_path / "run" / "pids").exists()
