@@ -33,8 +33,11 @@ def have_comfyui() -> bool:
 class Server:
     """One ComfyUI process. `env` adds environment variables (the TP ones, or none for a plain server)."""
 
-    def __init__(self, base: str, models: dict[str, str], env: dict[str, str] | None = None, pack: bool = True, args=()):
-        self.base, self.port = base, free_port()
+    def __init__(
+        self, base: str, models: dict[str, str], env: dict[str, str] | None = None, pack: bool = True, args=(), port: int | None = None
+    ):
+        self.base, self.port = base, port or free_port()
+        self.follower = False  # a TP rank behind rank 0's front door: prompts are queued on rank 0 only
         for sub in ("custom_nodes", "input", "output", "temp", "user", "models/diffusion_models", "models/h3_conditioning"):
             os.makedirs(os.path.join(base, sub), exist_ok=True)
         if pack and not os.path.exists(os.path.join(base, "custom_nodes", "minimax-h3-tp2")):
@@ -117,14 +120,24 @@ class Server:
         self.proc.wait(10)
 
 
-def start_tp(root: str, tp_size: int, models: dict[str, str], extra_env: dict[str, str] | None = None, args=()) -> list[Server]:
-    """tp_size servers forming one TP world (ComfyUI arguments `args` added); followers first, as the launcher does."""
-    master = free_port()
+def start_tp(
+    root: str, tp_size: int, models: dict[str, str], extra_env: dict[str, str] | None = None, args=(), front_door: bool = True
+) -> list[Server]:
+    """tp_size servers forming one TP world (ComfyUI arguments `args` added), started as scripts/start-tp2.sh starts
+    them: followers first, rank 0's front door on (the run's secret and every rank's address), so a prompt is queued
+    once on rank 0 (run_everywhere does). `front_door=False`: the dual-submission mode, every rank given the prompt."""
+    master, ports = free_port(), [free_port() for _ in range(tp_size)]
+    env = {"TP2_WORLD_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
+    if front_door:
+        secret = os.path.join(root, "secret")
+        with open(secret, "w") as f:
+            f.write(uuid.uuid4().hex)
+        env.update(TP2_SECRET_FILE=secret, TP2_RANK_URLS=",".join(f"http://127.0.0.1:{p}" for p in ports))
     servers = []
     for r in reversed(range(tp_size)):
-        env = {"TP2_RANK": str(r), "TP2_WORLD_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
-        env.update(extra_env or {})
-        servers.insert(0, Server(os.path.join(root, f"rank{r}"), models, env, args=args))
+        rank_env = dict(env, TP2_RANK=str(r), **(extra_env or {}))
+        servers.insert(0, Server(os.path.join(root, f"rank{r}"), models, rank_env, args=args, port=ports[r]))
+        servers[0].follower = front_door and r > 0
     for s in servers:
         s.wait_ready()
     return servers
@@ -153,11 +166,18 @@ def servers_for(request, tmp_path_factory, models: dict[str, str], name: str, tp
     return stop_at_teardown(request, servers, root)
 
 
-def run_everywhere(servers: list[Server], prompt: dict, timeout_s: float = 120) -> list[dict]:
-    """Submit one prompt with one prompt id to every server; each server's finished history entry."""
-    pid = new_id()
+def submit_once(servers: list[Server], prompt: dict, prompt_id: str) -> None:
+    """Queue `prompt` under one id on every server that takes prompts: rank 0 of a TP set with a front door (it hands
+    the prompt to its followers), every rank without one, and plain servers."""
     for s in servers:
-        s.submit(prompt, pid)
+        if not s.follower:
+            s.submit(prompt, prompt_id)
+
+
+def run_everywhere(servers: list[Server], prompt: dict, timeout_s: float = 120) -> list[dict]:
+    """submit_once, then each server's finished history entry."""
+    pid = new_id()
+    submit_once(servers, prompt, pid)
     return [s.wait_history(pid, timeout_s) for s in servers]
 
 

@@ -302,7 +302,8 @@ def nudged(request, tmp_path_factory, models):
     from safetensors.torch import save_file
 
     root = _rank_dirs(str(tmp_path_factory.mktemp("wf_nudged")))
-    ranks = start_tp(root, 2, models, dict(TP_ENV, TP2_TEST_NUDGE_RANKS="1", TP2_PROMPT_TIMEOUT_S="10"))
+    env = dict(TP_ENV, TP2_TEST_NUDGE_RANKS="1", TP2_PROMPT_TIMEOUT_S="10")
+    ranks = start_tp(root, 2, models, env, front_door=False)  # dual submission: rank 0's cache can be freed alone
     latent = torch.randn(1, 24, 2, 4, 4, generator=torch.Generator().manual_seed(7))  # one chunk: decoded on each rank
     for s in ranks:
         save_file({"latent_tensor": latent, "latent_format_version_0": torch.tensor([])}, os.path.join(s.base, "input", "h3_small.latent"))

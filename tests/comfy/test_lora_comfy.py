@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from comfy_harness import COMFYUI_DIR, error_message, have_comfyui, new_id, run_everywhere, servers_for, tiny_workflow
+from comfy_harness import COMFYUI_DIR, error_message, have_comfyui, new_id, run_everywhere, servers_for, submit_once, tiny_workflow
 from conftest import TINY_COND, make_models, make_tiny_h3
 from test_tp_comfy import TP_ENV, latent, ok, rel, sqnr_db
 
@@ -107,6 +107,5 @@ def test_dora_on_sharded_layer_refused_with_its_key(tp2):
         assert h["status"]["status_str"] == "error" and "AdapterPlacementError" in msg, msg
         assert "diffusion_model.blocks.1.attn.qkv_proj.weight: DoRA" in msg, msg
     pid = new_id()
-    for s in tp2:
-        s.submit(lora_workflow(INT8, None, 0, "after_dora"), pid)
+    submit_once(tp2, lora_workflow(INT8, None, 0, "after_dora"), pid)
     assert all(s.wait_history(pid, 60)["status"]["status_str"] == "success" for s in tp2)

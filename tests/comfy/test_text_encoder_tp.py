@@ -35,6 +35,7 @@ from comfy_harness import (
     run_everywhere,
     start_tp,
     stop_at_teardown,
+    submit_once,
 )
 from safetensors.torch import load
 
@@ -148,8 +149,7 @@ def test_tp2_refuses_a_qwen_model_that_is_not_h3s(tp2, tmp_path):
     for s in ranks:
         save_file(bogus, os.path.join(s.base, "models", "text_encoders", "qwen_not_h3.safetensors"))
     pid = new_id()
-    for s in ranks:
-        s.submit(encode_workflow("qwen_not_h3.safetensors", "te_bogus"), pid)
+    submit_once(ranks, encode_workflow("qwen_not_h3.safetensors", "te_bogus"), pid)
     for s in ranks:
         h = s.wait_history(pid, 120)
         assert h["status"]["status_str"] == "error"
@@ -184,8 +184,7 @@ def test_follower_never_holds_the_whole_encoder(request, tmp_path_factory, model
     warm = encode_workflow(te_file("bf16"), "te_warm")  # the first encoder load imports transformers and builds the tokenizer
     warm["3"] = {"class_type": "TP2Status", "inputs": {"after": ["2", 0]}}
     pid = new_id()
-    for s in ranks:
-        s.submit(warm, pid)
+    submit_once(ranks, warm, pid)
     assert_success(ranks, [s.wait_history(pid, 300) for s in ranks])
     before = []
     for s in ranks:
@@ -195,8 +194,7 @@ def test_follower_never_holds_the_whole_encoder(request, tmp_path_factory, model
     wf = encode_workflow(BIG_FFN, "te_rss")
     wf["3"] = {"class_type": "TP2Status", "inputs": {"after": ["2", 0]}}  # load and encode only
     pid = new_id()
-    for s in ranks:
-        s.submit(wf, pid)
+    submit_once(ranks, wf, pid)
     assert_success(ranks, [s.wait_history(pid, 300) for s in ranks])
     from tp2.checkpoint import CheckpointLayout
     from tp2.te_plan import resolve_te_plan

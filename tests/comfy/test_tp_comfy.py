@@ -30,6 +30,8 @@ from comfy_harness import (
     output_files,
     run_everywhere,
     servers_for,
+    start_tp,
+    stop_at_teardown,
     tiny_workflow,
 )
 from conftest import TINY_COND, make_models
@@ -103,6 +105,13 @@ def _servers(request, tmp_path_factory, models, name, tp_size=None, pack=True):
 @pytest.fixture(scope="module")
 def tp2(request, tmp_path_factory, models):
     return _servers(request, tmp_path_factory, models, "tp2", tp_size=2)
+
+
+@pytest.fixture(scope="module")
+def dual(request, tmp_path_factory, models):
+    """Two ranks without the front door (the dual-submission mode): every rank is given its own prompt."""
+    root = str(tmp_path_factory.mktemp("dual"))
+    return stop_at_teardown(request, start_tp(root, 2, models, TP_ENV, front_door=False), root)
 
 
 @pytest.fixture(scope="module")
@@ -203,30 +212,30 @@ def test_inactive_pack_changes_nothing(plain, stock, models):
     assert "TP2Status" in plain.get("/object_info") and "TP2Status" not in stock.get("/object_info")
 
 
-def test_prompt_on_one_rank_only_is_refused_then_next_prompt_works(tp2):
+def test_prompt_on_one_rank_only_is_refused_then_next_prompt_works(dual):
     wf = tiny_workflow(FLOAT, COND, prefix="alone")
     pid = new_id()
     t0 = time.monotonic()
-    tp2[0].submit(wf, pid)
-    h = tp2[0].wait_history(pid, 60)
+    dual[0].submit(wf, pid)
+    h = dual[0].wait_history(pid, 60)
     assert h["status"]["status_str"] == "error" and time.monotonic() - t0 < 60
     assert "PeerLostError" in error_message(h) and "rank(s) 1 did not reach" in error_message(h)
-    ok(tp2, run(tp2, tiny_workflow(FLOAT, COND, prefix="after_alone")))
+    ok(dual, run(dual, tiny_workflow(FLOAT, COND, prefix="after_alone")))
 
 
-def test_different_seeds_refused_on_every_rank(tp2):
+def test_different_seeds_refused_on_every_rank(dual):
     pid = new_id()
     t0 = time.monotonic()
-    for s, seed in zip(tp2, (1, 2)):
+    for s, seed in zip(dual, (1, 2)):
         s.submit(tiny_workflow(FLOAT, COND, seed=seed, prefix="seeds"), pid)
-    hs = [s.wait_history(pid, 60) for s in tp2]
+    hs = [s.wait_history(pid, 60) for s in dual]
     assert time.monotonic() - t0 < 60
     for h in hs:
         msg = error_message(h)
         assert h["status"]["status_str"] == "error" and "RankMismatchError" in msg, msg
         assert "'seed' (rank 0: 1, rank 1: 2)" in msg and "'prompt' (rank 0:" in msg
         assert "node 5 (KSampler) input 'seed' (rank 0: 1, rank 1: 2)" in msg, msg  # names the node and input
-    ok(tp2, run(tp2, tiny_workflow(FLOAT, COND, prefix="after_seeds")))
+    ok(dual, run(dual, tiny_workflow(FLOAT, COND, prefix="after_seeds")))
 
 
 def test_unsplittable_tp_size_refused(tp4):

@@ -50,7 +50,7 @@ def world(tmp_path_factory):
         save_file(load_file(src), os.path.join(d, "forged", f"forged.tp2-rank{r}.safetensors"), metadata=md)
         models[f"diffusion_models/forged.tp2-rank{r}.safetensors"] = os.path.join(d, "forged", f"forged.tp2-rank{r}.safetensors")
     root = str(tmp_path_factory.mktemp("fail_world"))
-    servers = start_tp(root, 2, models, TP_ENV)
+    servers = start_tp(root, 2, models, TP_ENV, front_door=False)  # the dual-submission mode
     yield servers, models
     for s in servers:
         s.stop()

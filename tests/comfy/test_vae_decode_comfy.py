@@ -16,7 +16,18 @@ import sys
 
 import pytest
 import torch
-from comfy_harness import COMFYUI_DIR, ROOT, Server, assert_success, have_comfyui, new_id, output_files, start_tp, stop_at_teardown
+from comfy_harness import (
+    COMFYUI_DIR,
+    ROOT,
+    Server,
+    assert_success,
+    have_comfyui,
+    new_id,
+    output_files,
+    start_tp,
+    stop_at_teardown,
+    submit_once,
+)
 from safetensors.torch import save_file
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
@@ -63,8 +74,7 @@ def decode_workflow(latent: str, prefix: str) -> dict:
 
 def decode_everywhere(servers, latent: str, prefix: str) -> list[dict[str, bytes]]:
     pid = new_id()  # the same prompt on the two ranks and the plain server
-    for s in servers:
-        s.submit(decode_workflow(latent, prefix), pid)
+    submit_once(servers, decode_workflow(latent, prefix), pid)
     histories = [s.wait_history(pid, 120) for s in servers]
     assert_success(servers, histories)
     return [output_files(s, h) for s, h in zip(servers, histories)]
