@@ -33,17 +33,25 @@ log = logging.getLogger("minimax_h3_tp2")
 HEADER = "X-TP2-Secret"
 ENV_SECRET_FILE = "TP2_SECRET_FILE"
 ENV_RANK_URLS = "TP2_RANK_URLS"
-PROMPT_PATHS = ("/prompt", "/api/prompt")
-FOLLOWER_GUARDED = PROMPT_PATHS + ("/queue", "/api/queue", "/interrupt", "/api/interrupt", "/free", "/api/free", "/history", "/api/history")
-REPEATED = ("/free", "/api/free", "/history", "/api/history")  # rank 0 repeats these on every follower
+FOLLOWER_GUARDED = ("/prompt", "/queue", "/interrupt", "/free", "/history")  # routes, as _route names them
+REPEATED = ("/free", "/history")  # rank 0 repeats these on every follower
 FORWARD_TIMEOUT = ClientTimeout(total=60, sock_connect=3)
+
+
+def _route(request: web.Request) -> str:
+    """The route a request reaches, without the /api prefixes: ComfyUI serves every route again under /api, its
+    /api/... routes included (so /api/api/jobs/cancel is the jobs cancel route)."""
+    path = request.path
+    while path.startswith("/api/"):
+        path = path[len("/api") :]
+    return path
 
 
 def _guarded_on_follower(request: web.Request) -> bool:
     if request.method != "POST":
         return False
-    path = request.path
-    return path in FOLLOWER_GUARDED or (path.startswith(("/api/jobs/", "/jobs/")) and path.endswith("/cancel"))
+    route = _route(request)
+    return route in FOLLOWER_GUARDED or (route.startswith("/jobs/") and route.endswith("/cancel"))
 
 
 class FrontDoor:
@@ -98,20 +106,21 @@ class FrontDoor:
         return prompt_id in queue.history or any(item[1] == prompt_id for item in [*running, *pending])
 
     async def _rank0(self, request: web.Request, handler):
-        if request.path in PROMPT_PATHS:
+        route = _route(request)
+        if route == "/prompt":
             prompt_id = (await _json(request)).get("prompt_id")
             if prompt_id is not None and self._known_prompt_id(prompt_id):
                 why = f"prompt id {prompt_id} was queued or run before on this server: a prompt id is used once. Omit it to get a new one."
                 return _refusal("tp2_prompt_id_reused", why, 409)
             return await handler(request)
         body = await _json(request)
-        if request.path in ("/free", "/api/free"):
+        if route == "/free":
             if body.get("free_memory"):  # every rank clears its node cache before the next prompt, in step
                 STATE.session.cache_epoch(bump=True)
             body = {"unload_models": bool(body.get("unload_models"))}
-        problems = await self.forward(request.path, body)
+        problems = await self.forward(route, body)
         for p in problems:
-            log.warning("%s could not repeat %s on a follower: %s", STATE.tag, request.path, p)
+            log.warning("%s could not repeat %s on a follower: %s", STATE.tag, route, p)
         return await handler(request)
 
     # -- followers -------------------------------------------------------------------------------------
@@ -121,7 +130,7 @@ class FrontDoor:
             why = (f"This ComfyUI is tensor-parallel rank {STATE.env.tp_rank} of {STATE.env.tp_size}, a follower: use rank 0 "
                    f"({front}); it queues prompts and runs them on every rank.")  # fmt: skip
             return _refusal("tp2_follower", why, 403)
-        if request.path not in PROMPT_PATHS:
+        if _route(request) != "/prompt":
             return await handler(request)
         # a restarted follower takes prompts only once its peers can see it restarted (its boot id is published)
         await asyncio.get_running_loop().run_in_executor(None, STATE.boot_registered.wait, 15.0)
@@ -154,7 +163,7 @@ class FrontDoor:
     async def middleware(self, request: web.Request, handler):
         if STATE.env.tp_rank != 0:
             return await self._follower(request, handler) if _guarded_on_follower(request) else await handler(request)
-        if request.method == "POST" and request.path in PROMPT_PATHS + REPEATED:
+        if request.method == "POST" and _route(request) in ("/prompt", *REPEATED):
             return await self._rank0(request, handler)
         return await handler(request)
 

@@ -88,6 +88,14 @@ def test_follower_refuses_prompts_without_the_secret(front):
     assert status == 403
 
 
+@pytest.mark.parametrize("path", ["/api/api/jobs/some-id/cancel", "/api/api/jobs/cancel", "/api/api/interrupt", "/api/api/prompt"])
+def test_follower_refuses_doubled_api_prefixes_without_the_secret(front, path):
+    """ComfyUI serves every route again under /api, /api/... routes included: the follower's guard is not a list of
+    spellings, so /api/api/... is refused like the route it reaches."""
+    status, body = call(front["urls"][1], path, {"job_ids": ["some-id"]})
+    assert status == 403 and "a follower: use rank 0" in body["error"]["message"], (status, body)
+
+
 def test_interrupt_on_rank0_stops_every_rank_then_next_prompt_works(front):
     status, body = call(front["urls"][0], "/prompt", {"prompt": workflow("long", steps=400)})
     assert status == 200
