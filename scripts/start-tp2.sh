@@ -275,10 +275,12 @@ if [[ -f "$PIDS" ]]; then
   rm -f "$PIDS"
 fi
 for a in "${EXTRA[@]}"; do  # the launcher owns these: after -- they would bypass the checks below, or clash
-  case "$a" in
-    --listen|--listen=*) die "'--listen' after -- is not allowed: use start-tp2.sh --listen ADDR (with --allow-remote beyond loopback)" ;;
-    --port|--port=*) die "'--port' after -- is not allowed: use start-tp2.sh --base-port N (rank r gets N + r)" ;;
-  esac
+  opt="${a%%=*}"  # ComfyUI's argparse also takes '--opt=value' and any unambiguous abbreviation ('--liste')
+  if [[ ${#opt} -ge 3 && "--listen" == "$opt"* ]]; then
+    die "'$a' after -- is ComfyUI's --listen, which the launcher owns: use start-tp2.sh --listen ADDR (with --allow-remote beyond loopback)"
+  elif [[ ${#opt} -ge 3 && "--port" == "$opt"* ]]; then
+    die "'$a' after -- is ComfyUI's --port, which the launcher owns: use start-tp2.sh --base-port N (rank r gets N + r)"
+  fi
 done
 if [[ "$LISTEN" != 127.0.0.1 && "$LISTEN" != localhost ]]; then
   [[ $ALLOW_REMOTE -eq 1 ]] || die "--listen $LISTEN exposes ComfyUI's API (no authentication) beyond this machine; add --allow-remote if you mean it"

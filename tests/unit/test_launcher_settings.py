@@ -40,7 +40,15 @@ def test_launcher_settings(tmp_path, args, env, expected):
 
 
 @pytest.mark.parametrize(
-    "extra,says", [(("--listen", "0.0.0.0"), "'--listen' after -- is not allowed"), (("--port=9000",), "'--port' after --")]
+    "extra,says",
+    [
+        (("--listen", "0.0.0.0"), "'--listen' after -- is ComfyUI's --listen, which the launcher owns"),
+        (("--listen=0.0.0.0",), "'--listen=0.0.0.0' after -- is ComfyUI's --listen"),
+        (("--liste", "0.0.0.0"), "'--liste' after -- is ComfyUI's --listen"),  # argparse takes abbreviations
+        (("--lis", "::"), "'--lis' after -- is ComfyUI's --listen"),
+        (("--port=9000",), "'--port=9000' after -- is ComfyUI's --port, which the launcher owns: use start-tp2.sh --base-port N"),
+        (("--po", "9000"), "'--po' after -- is ComfyUI's --port"),
+    ],
 )
 def test_launcher_owns_listen_and_port(tmp_path, extra, says):
     comfy = tmp_path / "ComfyUI"
