@@ -105,10 +105,21 @@ def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbort
     gone = tp.loss_check() if tp.loss_check is not None else None
     if gone:
         return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {gone}")
-    return PeerLostError(
-        f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: a peer rank died or did not answer within "
-        f"{tp.timeout_s:.0f} s ({type(e).__name__}: {e}). Check the other ranks' logs; restart the ranks that died."
-    )
+    return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {_what_happened(tp, e)} ({type(e).__name__}: {e})")
+
+
+ENDED = ("closed", "reset by peer", "refused", "broken pipe", "end of file")  # words of a connection whose process ended
+
+
+def _what_happened(tp: TPGroup, e: BaseException) -> str:
+    """What a failed collective says of the peer, from the error itself: with two ranks the peer is the other one."""
+    who = f"rank {1 - tp.tp_rank}" if tp.tp_size == 2 else "a peer rank"
+    text = str(e).lower()
+    if any(word in text for word in ENDED):
+        return f"{who} ended: it closed its connection (killed, crashed or out of host memory); the launcher starts it again, read its log"
+    if "timeout" in text or "timed out" in text:
+        return f"{who} did not answer within {tp.timeout_s:.0f} s: it is frozen or stuck; read its log (scripts/start-tp2.sh status)"
+    return f"{who} failed or died; read the other ranks' logs (scripts/start-tp2.sh status)"
 
 
 def wait(work, tp: TPGroup, what: str | Callable[[], str], host_side: bool) -> None:

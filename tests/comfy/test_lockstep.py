@@ -191,7 +191,7 @@ def test_exception_on_rank1_mid_sampling_fails_rank0_within_seconds_with_its_rea
     message = error_text(h0)
     for text in expect:
         assert text in message, message
-    assert "a peer rank died" not in message
+    assert "ended: it closed its connection" not in message and "failed or died" not in message  # the real reason, not the loss
     assert not ranks["fault"].exists()
     assert_next_prompt_identical(ranks, "after_" + fault.split(":")[2])
 

@@ -131,5 +131,5 @@ def test_peer_restart_gets_a_new_generation():
     for p in (p0, p1b):
         p.join(30)
     lost, gen, total = results[0]
-    assert "all_reduce of (1,) torch.float32 failed: a peer rank died" in lost
+    assert "all_reduce of (1,) torch.float32 failed: rank 1 ended" in lost, lost
     assert gen == 2 and results[1] == (2, 7.0) and total == 7.0
