@@ -123,8 +123,25 @@ check_tp_size() {  # before any rank starts: refuse a tp_size that the H3 checkp
   esac
 }
 
+running_elsewhere() {  # the run folders of other sets of ranks running on this machine, from the ranks' command lines
+  ps -ww -eo args= 2>/dev/null | sed -n 's|.* --output-directory \(.*\)/rank[0-9][0-9]*/output .*|\1|p' | sort -u | grep -vxF "$RUN_DIR" || true
+}
+
+no_run_here() {  # what: say there is no run in $RUN_DIR and where sets are running; exit 1 if any is
+  local others; others="$(running_elsewhere)"
+  if [[ -n "$others" ]]; then
+    echo "start-tp2: $1 in $RUN_DIR; ranks are running from:" >&2
+    while IFS= read -r d; do echo "  $d   ($(pack_cmd start-tp2.sh) $cmd --run-dir $d)" >&2; done <<< "$others"
+    exit 1
+  fi
+}
+
 stop_ranks() {
-  [[ -f "$PIDS" ]] || { echo "start-tp2: nothing to stop in $RUN_DIR ($([[ -d "$RUN_DIR" ]] && echo "no pids file" || echo "no such folder"))"; return 0; }
+  if [[ ! -f "$PIDS" ]]; then
+    no_run_here "nothing to stop ($([[ -d "$RUN_DIR" ]] && echo "no pids file" || echo "no such folder"))"
+    echo "start-tp2: nothing to stop in $RUN_DIR ($([[ -d "$RUN_DIR" ]] && echo "no pids file" || echo "no such folder")), and no ranks run elsewhere"
+    return 0
+  fi
   : > "$RUN_DIR/stopping"  # the supervisors see it and do not start what is being stopped
   for f in "$RUN_DIR"/rank*.supervisor; do
     [[ -f "$f" ]] || continue
@@ -159,8 +176,8 @@ restarts_of() {  # rank: "N restart(s), last: <when and why>", or nothing
 }
 
 status_ranks() {
-  [[ -d "$RUN_DIR" ]] || die "no run folder $RUN_DIR (not started here; give the start's --run-dir DIR)"
-  [[ -f "$PIDS" ]] || die "no ranks recorded in $RUN_DIR (not started, or stopped)"
+  [[ -d "$RUN_DIR" ]] || { no_run_here "no run folder"; die "no run folder $RUN_DIR (not started here; give the start's --run-dir DIR)"; }
+  [[ -f "$PIDS" ]] || { no_run_here "no ranks recorded"; die "no ranks recorded in $RUN_DIR (not started, or stopped)"; }
   local bad=0
   while read -r rank pid port; do
     local sup="" spid=""; [[ -f "$RUN_DIR/rank$rank.supervisor" ]] && spid="$(cat "$RUN_DIR/rank$rank.supervisor")"

@@ -191,3 +191,26 @@ def test_a_port_already_taken_is_refused_before_any_rank(tmp_path):
     assert f"port {base + 1} (rank 1) is in use on 127.0.0.1" in res.stderr and "--base-port N" in res.stderr, res.stderr
     assert_refused_quickly(took)
     assert not (tmp_path / "run" / "pids").exists()
+
+
+@pytest.mark.parametrize("cmd", ["stop", "status"])
+def test_stop_or_status_where_no_run_is_says_where_ranks_run(tmp_path, cmd):
+    """`stop` in a folder with no run exited 0 while ranks ran elsewhere: now it names their run folder (from the
+    ranks' command lines) and the command for it, and exits 1."""
+    elsewhere = tmp_path / "elsewhere" / "tp2-run"
+    out_dir = elsewhere / "rank0" / "output"
+    fake_rank = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "--output-directory", str(out_dir), "--temp-directory", "x"]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while b"--output-directory" not in open(f"/proc/{fake_rank.pid}/cmdline", "rb").read() and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the fork has become the fake rank
+        here = tmp_path / "here"
+        here.mkdir()
+        res = subprocess.run(["bash", LAUNCHER, cmd], cwd=here, capture_output=True, text=True, timeout=60)
+    finally:
+        fake_rank.kill()
+        fake_rank.wait()
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "ranks are running from:" in res.stderr and f"{elsewhere}   (" in res.stderr and f"{cmd} --run-dir {elsewhere}" in res.stderr, res.stderr
