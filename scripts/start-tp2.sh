@@ -207,6 +207,11 @@ supervise() {  # rank port cmd...: run one rank's ComfyUI, start it again when i
     set_pid "$rank" "$child" "$port"
     local rc=0; wait "$child" || rc=$?
     [[ -f "$RUN_DIR/stopping" ]] && exit 0
+    if [[ -f "$RUN_DIR/rank$rank.by-hand" ]]; then  # `restart --rank N`: started again at once, not counted as a crash
+      rm -f "$RUN_DIR/rank$rank.by-hand"
+      echo "==== minimax-h3-tp2: rank $rank restarted by hand ====" >> "$log"
+      continue
+    fi
     local why="with status $rc"; (( rc > 128 )) && why="killed by signal $((rc - 128)) ($(kill -l $((rc - 128)) 2>/dev/null || echo ?))"
     (( $(date +%s) - started > 300 )) && tries=0  # a crash after a long healthy run is a new problem
     tries=$((tries + 1))
@@ -245,6 +250,7 @@ restart_rank() {
   if alive "${spid:-0}"; then
     echo "restarting rank $RANK_ARG (pid $pid): its supervisor starts it again"
     echo "$(date '+%F %T') rank $RANK_ARG restarted by hand (start-tp2.sh restart)" >> "$RUN_DIR/rank$RANK_ARG.restarts"
+    : > "$RUN_DIR/rank$RANK_ARG.by-hand"  # its supervisor does not count this exit against TP2_MAX_RESTARTS
     kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
   else
     [[ -f "$RUN_DIR/launch.env" ]] || die "no launch settings in $RUN_DIR (started by an older start-tp2.sh): stop and start the ranks"
