@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start, stop or inspect one ComfyUI per GPU, joined into one tensor-parallel world by minimax-h3-tp2.
 #
-#   scripts/start-tp2.sh [--comfyui DIR] [--tp-size N] [--gpus 0,1 | --cpu] [--fast] [--lean-memory] [--ckpt NAME] [--base-port 18188]
+#   scripts/start-tp2.sh [--comfyui DIR] [--python PATH] [--tp-size N] [--gpus 0,1 | --cpu] [--fast] [--lean-memory] [--ckpt NAME] [--base-port 18188]
 #                        [--run-dir DIR] [--base-dir DIR] [--listen ADDR --allow-remote] [-- extra ComfyUI args]
 #   scripts/start-tp2.sh stop    --run-dir DIR
 #   scripts/start-tp2.sh status  --run-dir DIR
@@ -21,7 +21,9 @@
 # --base-dir passes ComfyUI's --base-directory (models and custom_nodes from there; the demo uses it).
 # --fast starts with the fastest measured settings (bf16 reduce, sequence parallelism, fused Triton kernels; about
 # 1.9x one GPU at 832x480 on 2x H200, docs/PERFORMANCE.md) instead of the exact defaults; a variable set in the
-# environment still wins. ComfyUI runs under $PYTHON if set, else the pack's .venv (scripts/install.sh), else python3.
+# environment still wins. ComfyUI runs under --python PATH, else $PYTHON, else the Python ComfyUI runs with (its venv/ or
+# .venv/, or the active virtualenv or conda environment), else the pack's .venv (scripts/install.sh), else python3; it
+# is checked for what the pack needs (torch, comfy-kitchen's int8 kernels, ComfyUI with H3) before any rank starts.
 # --lean-memory: torch's own CUDA allocator (ComfyUI's --disable-cuda-malloc) instead of ComfyUI's cudaMallocAsync: for
 # the longest videos on small cards (at 1920x1088x362 a rank's pool held 1.24x its 14.1 GiB of tensors where
 # cudaMallocAsync held ~1.39x; the same speed, docs/PERFORMANCE.md). Without expandable segments:
@@ -57,7 +59,7 @@ cmd=start
 if [[ $# -gt 0 && ( "$1" == stop || "$1" == status || "$1" == restart || "$1" == _supervise ) ]]; then cmd=$1; shift; fi
 RANK_ARG=""
 COMFYUI_ARG=""; CKPT=""; TP_SIZE=2; GPUS=""; CPU=0; BASE_PORT=18188; RUN_DIR="$PWD/tp2-run"; BASE_DIR=""
-LISTEN=127.0.0.1; ALLOW_REMOTE=0; EXTRA=()
+LISTEN=127.0.0.1; ALLOW_REMOTE=0; EXTRA=(); PYTHON_ARG=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --comfyui) COMFYUI_ARG="$2"; shift 2 ;;
@@ -72,6 +74,7 @@ while [[ $# -gt 0 ]]; do
     --listen) LISTEN="$2"; shift 2 ;;
     --allow-remote) ALLOW_REMOTE=1; shift ;;
     --rank) RANK_ARG="$2"; shift 2 ;;
+    --python) PYTHON_ARG="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo pipefail/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
@@ -95,9 +98,44 @@ import sys, urllib.request
 urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/system_stats", timeout=2).read()
 EOF
 }
-PY="${PYTHON:-}"
+PY="${PYTHON:-}"  # for stop/status; a start chooses again once it knows ComfyUI (choose_python)
 [[ -z "$PY" && -x "$PACK_DIR/.venv/bin/python" ]] && PY="$PACK_DIR/.venv/bin/python"
 [[ -z "$PY" ]] && PY=python3
+
+choose_python() {  # the Python the ranks run under: --python, $PYTHON, the one ComfyUI runs with, the pack's own .venv
+  local v env_py
+  if [[ -n "$PYTHON_ARG" ]]; then PY="$PYTHON_ARG" PY_FROM="--python"; return; fi
+  if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON" PY_FROM='$PYTHON'; return; fi
+  for v in venv .venv; do
+    [[ -x "$COMFYUI/$v/bin/python" ]] && { PY="$COMFYUI/$v/bin/python" PY_FROM="ComfyUI's own $v"; return; }
+  done
+  env_py="${VIRTUAL_ENV:-${CONDA_PREFIX:-}}/bin/python"
+  if [[ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" && -x "$env_py" ]] && "$env_py" -c "import torch, aiohttp" 2>/dev/null; then
+    PY="$env_py" PY_FROM="the active environment"; return
+  fi
+  if [[ -x "$PACK_DIR/.venv/bin/python" ]]; then PY="$PACK_DIR/.venv/bin/python" PY_FROM="the pack's .venv (scripts/install.sh)"; return; fi
+  PY=python3 PY_FROM="python3 on PATH"
+}
+
+check_python() {  # before any rank starts: this Python has what the pack needs, else say what to install
+  local missing
+  [[ -f "$COMFYUI/comfy/ldm/minimax/model.py" ]] \
+    || die "$COMFYUI has no MiniMax-H3 support (comfy/ldm/minimax/model.py): update ComfyUI (git -C $COMFYUI pull), or give --comfyui DIR"
+  missing="$("$PY" - "$CPU" 2>/dev/null <<'EOF'
+import importlib.util, sys
+gone = [m for m in ("torch", "safetensors", "numpy", "aiohttp", "comfy_kitchen") if importlib.util.find_spec(m) is None]
+if gone:
+    print(", ".join(gone))
+    sys.exit(0)
+import comfy_kitchen, torch
+if not hasattr(comfy_kitchen, "int8_linear"):
+    print(f"comfy_kitchen with the int8 kernels (this one is {getattr(comfy_kitchen, '__version__', 'older')})")
+elif sys.argv[1] == "0" and not torch.cuda.is_available():
+    print(f"a torch with CUDA (this one is {torch.__version__}, which sees no GPU)")
+EOF
+)" || missing="a Python that runs (it failed: run $PY -c 'import torch, comfy_kitchen' to see why)"
+  [[ -z "$missing" ]] || die "$PY ($PY_FROM) lacks $missing: install the pack's requirements into it ($PY -m pip install -r $PACK_DIR/requirements.txt), or choose another with --python PATH"
+}
 
 tail_log() { echo "---- last lines of $1 ----" >&2; tail -n "${2:-15}" "$1" >&2 || true; }
 
@@ -283,6 +321,8 @@ resolve_comfyui "$COMFYUI_ARG"
 echo "ComfyUI: $COMFYUI ($COMFYUI_FROM)"
 [[ -f "$COMFYUI/main.py" ]] || die "no ComfyUI at '$COMFYUI' ($COMFYUI_FROM): give --comfyui DIR, or run $(pack_cmd install.sh) --comfyui DIR (it clones ComfyUI into DIR when there is none)"
 COMFYUI="$(cd "$COMFYUI" && pwd)"
+choose_python
+echo "Python: $PY ($PY_FROM)"
 ALLOCATOR="ComfyUI's (cudaMallocAsync where it chooses it)"
 if [[ $LEAN_MEMORY -eq 1 ]]; then
   [[ "${PYTORCH_CUDA_ALLOC_CONF:-}" == *cudaMallocAsync* ]] \
@@ -350,6 +390,7 @@ HOST="$LISTEN"; [[ "$HOST" == 0.0.0.0 ]] && HOST=127.0.0.1
 RANK_URLS="$(for (( r = 0; r < TP_SIZE; r++ )); do printf 'http://%s:%d,' "$HOST" $((BASE_PORT + r)); done)"
 RANK_URLS="${RANK_URLS%,}"
 
+check_python
 echo "minimax-h3-tp2: starting $TP_SIZE ranks of $COMFYUI under $PY (MASTER_PORT=$MASTER_PORT)"
 : > "$PIDS"; rm -f "$RUN_DIR"/rank*.restarts "$RUN_DIR/stopping"
 for (( r = 0; r < TP_SIZE; r++ )); do : > "$RUN_DIR/rank$r.log"; done

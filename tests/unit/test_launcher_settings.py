@@ -213,4 +213,59 @@ def test_stop_or_status_where_no_run_is_says_where_ranks_run(tmp_path, cmd):
         fake_rank.kill()
         fake_rank.wait()
     assert res.returncode == 1, res.stdout + res.stderr
-    assert "ranks are running from:" in res.stderr and f"{elsewhere}   (" in res.stderr and f"{cmd} --run-dir {elsewhere}" in res.stderr, res.stderr
+    assert "ranks are running from:" in res.stderr and f"{elsewhere}   (" in res.stderr and f"{cmd} --run-dir {elsewhere}" in res.stderr, (
+        res.stderr
+    )
+
+
+def _h3_comfyui_with_pack(tmp_path):
+    comfy = _comfyui_with_pack(tmp_path)
+    (comfy / "comfy" / "ldm" / "minimax").mkdir(parents=True)
+    (comfy / "comfy" / "ldm" / "minimax" / "model.py").write_text("")
+    return comfy
+
+
+def test_a_python_without_the_packs_requirements_is_refused_naming_them(tmp_path):
+    """PYTHON without torch or comfy-kitchen (a bare virtualenv): refused within seconds, before any rank starts,
+    naming what is missing and the pip command that installs it into that Python."""
+    from conftest import assert_refused_quickly, free_port
+
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=60)
+    comfy = _h3_comfyui_with_pack(tmp_path)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "VIRTUAL_ENV", "CONDA_PREFIX"))}
+    t0 = time.monotonic()
+    res = subprocess.run(
+        ["bash", LAUNCHER, "--comfyui", str(comfy), "--cpu", "--run-dir", str(tmp_path / "run"), "--base-port", str(free_port()),
+         "--python", str(bare / "bin" / "python")],
+        env=clean, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"Python: {bare}/bin/python (--python)" in res.stdout, res.stdout
+    assert "(--python) lacks torch, safetensors, numpy, aiohttp, comfy_kitchen" in res.stderr, res.stderr
+    assert f"-m pip install -r {ROOT}/requirements.txt" in res.stderr, res.stderr
+    assert_refused_quickly(time.monotonic() - t0)
+    assert not (tmp_path / "run" / "pids").exists()
+
+
+def test_a_comfyui_without_h3_is_refused_before_any_rank(tmp_path):
+    from conftest import free_port
+
+    res, took = _launch(tmp_path, _comfyui_with_pack(tmp_path), "--cpu", "--base-port", str(free_port()))
+    assert res.returncode == 1 and "has no MiniMax-H3 support (comfy/ldm/minimax/model.py): update ComfyUI" in res.stderr, res.stderr
+    assert not (tmp_path / "run" / "pids").exists()
+
+
+def test_the_python_comfyui_runs_with_comes_before_the_packs_own(tmp_path):
+    """A ComfyUI with its own venv/ (the usual manual install): the ranks run under it, and the launcher says so."""
+    from conftest import free_port
+
+    comfy = _h3_comfyui_with_pack(tmp_path)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(comfy / "venv")], check=True, timeout=60)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHON"))}
+    res = subprocess.run(
+        ["bash", LAUNCHER, "--comfyui", str(comfy), "--cpu", "--run-dir", str(tmp_path / "run"), "--base-port", str(free_port())],
+        env=clean, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert f"Python: {comfy}/venv/bin/python (ComfyUI's own venv)" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 1 and "(ComfyUI's own venv) lacks torch" in res.stderr, res.stderr  # a bare venv, here
