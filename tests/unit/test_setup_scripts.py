@@ -27,6 +27,7 @@ def pack(tmp_path):
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(os.path.join(ROOT, "scripts"), p / "scripts", ignore=ignore)
     shutil.copytree(os.path.join(ROOT, "tp2"), p / "tp2", ignore=ignore)
+    shutil.copy(os.path.join(ROOT, "requirements.txt"), p / "requirements.txt")
     return p
 
 
