@@ -139,7 +139,7 @@ if [[ -f "$COMFYUI/requirements.txt" ]]; then
   need "ComfyUI's requirements ($COMFYUI/requirements.txt)" -r "$COMFYUI/requirements.txt"
 fi
 
-need "the pack's dependencies ($PACK_DIR/requirements.txt)" -r "$PACK_DIR/requirements.txt"
+need "the pack's dependencies" -r "$PACK_DIR/requirements.txt"
 if [[ $DEV -eq 1 ]]; then
   need "test tools" "pytest>=8" "ruff>=0.6" "psutil>=5.9"
   if command -v chromium >/dev/null 2>&1; then
