@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Set up minimax-h3-tp2: a virtualenv with torch, ComfyUI's requirements and the pack's, and the pack linked
-# into ComfyUI's custom_nodes. Idempotent: run it again to repair or update; it says what it did.
+# Set up minimax-h3-tp2: the pack's requirements in the Python your ComfyUI runs with (its venv/ or .venv/, when it
+# has one with torch), else a virtualenv of the pack's own with torch, ComfyUI's requirements and the pack's; and
+# the pack linked into ComfyUI's custom_nodes. Idempotent: run it again to repair or update; it says what it did.
 #
-#   scripts/install.sh [--comfyui DIR] [--venv DIR] [--no-link] [--dev]
+#   scripts/install.sh [--comfyui DIR] [--venv DIR | --own-venv] [--no-link] [--dev]
 #
 #   --comfyui DIR  the ComfyUI to use (default: $COMFYUI_DIR, else the one remembered in <pack>/.comfyui-dir,
 #                  else ~/ComfyUI; cloned at the pinned release when absent and the network allows). The ComfyUI
 #                  used is remembered in <pack>/.comfyui-dir: start-tp2.sh, demo.sh and the tests use it when
 #                  given no --comfyui and no $COMFYUI_DIR (scripts/lib/comfyui_dir.sh has the rule)
-#   --venv DIR     where the virtualenv goes (default: $TP2_VENV, else <pack>/.venv)
+#   --venv DIR     where the virtualenv goes (default: $TP2_VENV, else ComfyUI's own venv/ or .venv/ when it has
+#                  torch, else <pack>/.venv)
+#   --own-venv     the pack's own <pack>/.venv even when ComfyUI has a virtualenv (a second torch, ~6.9 GB)
 #   --no-link      do not link the pack into DIR/custom_nodes
 #   --dev          also install the test tools (pytest, ruff, psutil; Debian's chromium for the browser test)
 #
@@ -23,6 +26,8 @@ COMFYUI_RELEASE="v0.33.0"
 COMFYUI_GIT="https://github.com/comfyanonymous/ComfyUI.git"
 COMFYUI_ARG=""
 VENV="${TP2_VENV:-$PACK_DIR/.venv}"
+VENV_CHOSEN="${TP2_VENV:+1}"
+OWN_VENV=0
 LINK=1
 DEV=0
 TORCH_SPEC="${TP2_TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
@@ -30,7 +35,8 @@ TORCH_SPEC="${TP2_TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --comfyui) COMFYUI_ARG="$2"; shift 2 ;;
-    --venv) VENV="$2"; shift 2 ;;
+    --venv) VENV="$2"; VENV_CHOSEN=1; shift 2 ;;
+    --own-venv) OWN_VENV=1; shift ;;
     --no-link) LINK=0; shift ;;
     --dev) DEV=1; shift ;;
     -h|--help) sed -n '2,/^set -euo pipefail/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
@@ -44,6 +50,16 @@ source "$PACK_DIR/scripts/lib/comfyui_dir.sh"
 resolve_comfyui "$COMFYUI_ARG"
 say "ComfyUI: $COMFYUI ($COMFYUI_FROM)"
 PY="${PYTHON:-python3}"
+REUSED=0  # the virtualenv is the one the user's ComfyUI runs with: its torch is used, never replaced
+if [[ $OWN_VENV -eq 0 && -z "$VENV_CHOSEN" ]]; then
+  for v in venv .venv; do
+    if [[ -x "$COMFYUI/$v/bin/python" ]] && "$COMFYUI/$v/bin/python" -c "import torch" 2>/dev/null; then
+      VENV="$COMFYUI/$v" REUSED=1
+      say "using the Python your ComfyUI runs with ($VENV): no second torch (--own-venv makes the pack's own .venv instead)"
+      break
+    fi
+  done
+fi
 
 free_gib() {  # GiB free on the filesystem holding $1 (or the nearest folder above it that exists)
   local d=$1; while [[ ! -e "$d" ]]; do d="$(dirname "$d")"; done
@@ -72,7 +88,9 @@ pip_quiet() {  # pip, minus the noise of local index mirrors that some machines 
   "$VPY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 
-if have_torch; then
+if [[ $REUSED -eq 1 ]]; then
+  say "torch $("$VPY" -c 'import torch; print(torch.__version__)'): your ComfyUI's, left as it is"
+elif have_torch; then
   say "torch $("$VPY" -c 'import torch; print(torch.__version__)'): already there"
 else
   say "installing $TORCH_SPEC (+ torchaudio 2.11.1)"

@@ -182,3 +182,22 @@ def test_requirements_txt_is_pyprojects_dependencies_without_torch():
     assert listed == project["project"]["dependencies"], (listed, project["project"]["dependencies"])
     assert not any(r.split(">")[0].split("=")[0].strip().lower() in ("torch", "torchvision", "torchaudio") for r in listed)
     assert "comfy" in project["tool"] and project["tool"]["comfy"]["PublisherId"]
+
+
+def test_install_reuses_the_virtualenv_comfyui_runs_with(pack, tmp_path):
+    """A ComfyUI with its own working venv/ (here: this suite's virtualenv, torch and all): the set-up installs the
+    pack's requirements there (already satisfied) and makes no second virtualenv, in seconds; --own-venv would."""
+    import time
+
+    comfy = tmp_path / "ComfyUI"
+    stand_in_comfyui(comfy)
+    os.symlink(VENV, comfy / "venv")
+    t0 = time.monotonic()
+    res = run(["bash", str(pack / "scripts" / "install.sh"), "--comfyui", str(comfy), "--no-link"], tmp_path, pack)
+    took = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"using the Python your ComfyUI runs with ({comfy}/venv): no second torch" in res.stdout, res.stdout
+    assert "your ComfyUI's, left as it is" in res.stdout and "the pack's dependencies: already there" in res.stdout, res.stdout
+    assert f"python: {comfy}/venv/bin/python" in res.stdout and not (pack / ".venv").exists()
+    print(f"set-up reusing ComfyUI's virtualenv: {took:.1f} s")
+    assert took < 60, took
