@@ -207,3 +207,31 @@ def set_for_libraries(cuda: bool, loopback: bool, environ: dict | None = None) -
     if loopback:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return replaced
+
+
+def markdown() -> str:
+    """docs/SETTINGS.md: every setting with its kind, default and meaning; user settings first, then the seams."""
+
+    def rows(seam: bool) -> list[str]:
+        out = ["| Variable | Kind | Default | What it does |", "|---|---|---|---|"]
+        for s in SETTINGS.values():
+            if s.seam == seam:
+                kind = f"{s.kind}: {' / '.join(s.choices)}" if s.choices else s.kind
+                default = s.shown or (f"`{s.default}`" if s.default is not None else "unset")
+                out.append(f"| `{s.name}` | {kind} | {default} | {s.means} |")
+        return out
+
+    head = [
+        "# Settings",
+        "",
+        "Environment variables the pack reads (ComfyUI refuses unknown command-line flags). Generated from",
+        "`tp2/settings.py` by `python -m tp2.settings > docs/SETTINGS.md`; a test checks it is current.",
+        "",
+        "## For users",
+        "",
+    ]
+    return "\n".join([*head, *rows(False), "", "## Seams for the tests and benchmarks (not for users)", "", *rows(True), ""])
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")

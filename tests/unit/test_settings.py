@@ -114,3 +114,8 @@ def test_a_frozen_snapshot_answers_every_read_after_activation(monkeypatch):
     monkeypatch.setenv("TP2_SP_PIECES", "many")
     with pytest.raises(SettingError, match="TP2_SP_PIECES='many' must be a whole number"):
         settings.freeze()
+
+
+def test_docs_settings_is_generated_from_the_table():
+    with open(os.path.join(ROOT, "docs", "SETTINGS.md")) as f:
+        assert f.read() == settings.markdown(), "docs/SETTINGS.md is stale: run `python -m tp2.settings > docs/SETTINGS.md`"
