@@ -11,6 +11,8 @@ peer's failure reaches every rank in about a second instead of at a collective's
     tp2/run/{run}/stop          the first stop notice of a run: JSON {rank, reason, mac}
     tp2/run/{run}/state/rank{r} "started" or "done" (rank r finished the run, with or without an error)
 
+A rank deletes its keys of a run once it has begun two runs after it (KEPT_RUNS): the store stays the same size.
+
 Stop notices are signed with the run's secret (HMAC-SHA256) when one is given: a notice that no rank signed is
 logged and never shown to the user. Imports torch only; never `comfy`.
 """
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
 STORE_OP_TIMEOUT_S = 5.0
+KEPT_RUNS = 2  # a rank keeps its store keys of its last runs: the current one, and the previous for a late peer
 OOM_HINT = "use fewer frames, a lower resolution or more ranks"
 
 
@@ -95,6 +98,7 @@ class Watcher:
         self._store_failures = 0
         self._clients = threading.local()  # one store connection per thread (the watcher's, the prompt worker's)
         self._thread: threading.Thread | None = None
+        self._runs: list[str] = []  # the runs whose keys this rank still keeps, oldest first
 
     # -- the run ---------------------------------------------------------------------------------------
     def heartbeat_ages(self) -> dict[int, float]:
@@ -104,11 +108,17 @@ class Watcher:
 
     def begin(self, run: str, boots: dict[int, str] | None = None) -> None:
         """Start watching run `run`; `boots` are peers' boot ids known to be part of it (rank 0's, from its order).
-        Other peers' are taken from their first heartbeat read during the run: a change after that is a restart."""
+        Other peers' are taken from their first heartbeat read during the run: a change after that is a restart.
+        This rank's keys of the run before the previous one are deleted (a late peer may still read the previous
+        run's): the store does not grow with the prompts."""
         with self._lock:
             self._run, self._stop = run, None
             self._boots = dict(boots or {})
         self._set(f"tp2/run/{run}/state/rank{self.rank}", "started")
+        self._runs.append(run)
+        if len(self._runs) > KEPT_RUNS:
+            old = self._runs.pop(0)
+            self._delete(f"tp2/run/{old}/state/rank{self.rank}", f"tp2/run/{old}/stop")
 
     def end(self) -> None:
         with self._lock:
@@ -261,6 +271,14 @@ class Watcher:
         except (RuntimeError, dist.DistError) as e:
             self._clients.store = None
             log.warning("[tp2 r%d/%d] rank store unreachable (%s)", self.rank, self.size, e)
+
+    def _delete(self, *keys: str) -> None:
+        try:
+            store = self._client()
+            for key in keys:
+                store.delete_key(key)
+        except (RuntimeError, dist.DistError):
+            self._clients.store = None
 
     def _get(self, key: str) -> str | None:
         try:

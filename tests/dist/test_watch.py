@@ -205,3 +205,28 @@ def test_the_store_listens_on_loopback_only():
     for listening, ifname, generation in values(run_ranks(_store_sockets, 2, timeout_s=60)):
         assert listening == ["127.0.0.1:" + listening[0].rsplit(":", 1)[1]], listening  # not *:PORT
         assert ifname == "lo" and generation == 1
+
+
+def _keys_over_prompts(tp_rank, tp_size):
+    import torch.distributed as dist
+
+    s = _session()
+    counts = []
+    for i in range(20):
+        run = f"run-{i}"
+        s.begin_run(run)
+        s.agree(f"{run}/sampler1", {"seed": "1"}, timeout_s=30)  # both ranks have begun this run, ended the last
+        if tp_rank == 0:
+            store = dist.TCPStore("127.0.0.1", s.env.master_port, is_master=False, wait_for_workers=False)
+            counts.append(store.num_keys())
+        if i % 5 == 4 and tp_rank == 1:
+            s.stop_run("a failed prompt leaves a stop notice")  # its key goes too
+        s.end_run()
+    return counts
+
+
+def test_the_store_does_not_grow_with_the_prompts():
+    counts = values(run_ranks(_keys_over_prompts, 2, timeout_s=60))[0]
+    # bounded by the keys of two runs, a rendezvous in flight and a stop notice; kept for good, 2 keys a prompt
+    # would have added 38 over these 20
+    assert max(counts) < counts[0] + 12, counts
