@@ -30,9 +30,44 @@ def activate() -> None:
         return
     settings.freeze()  # every setting read once, now: a bad value is refused at start-up
     import comfy.model_management
+
+    from .front_door import read_secret
+
+    device = comfy.model_management.get_torch_device()
+    device = device if device.type == "cuda" else torch.device("cpu")
+    _take_settings(env, device)
+    STATE.boot_id = uuid.uuid4().hex
+    secret = read_secret()
+    STATE.session = TPSession(env, device, boot_id=STATE.boot_id, secret=secret)
+    _install_hooks(secret)
+    threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
+    log.info(
+        "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, reduce %s, sequence parallel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
+        STATE.tag, device, env.master_addr, env.master_port, STATE.int8_kernel, STATE.reduce_dtype,
+        f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}, pieces {STATE.sp_pieces})" if STATE.sequence_parallel else "off",
+        env.timeout_s, STATE.prompt_timeout_s,
+    )  # fmt: skip
+    _warn_if_dynamic_vram_cannot_evict()
+
+
+def _take_settings(env, device) -> None:
+    """This rank's env, device, kernels and the settings the hot paths read, from the frozen settings."""
+    STATE.env, STATE.device = env, device
+    STATE.prompt_timeout_s = settings.value("TP2_PROMPT_TIMEOUT_S")
+    STATE.int8_gemm = maybe_break_int8(select_int8_gemm(settings.value("TP2_INT8_KERNEL")), env.tp_rank)
+    STATE.int8_kernel = STATE.int8_gemm.kernel_name
+    STATE.reduce_dtype = reduce_dtype_from_env()
+    STATE.sequence_parallel = settings.value("TP2_SEQUENCE_PARALLEL")
+    STATE.sp_pieces = settings.value("TP2_SP_PIECES")
+    STATE.sp_int8_gather = settings.value("TP2_SP_INT8_GATHER")
+    STATE.sp_fused_norm = settings.value("TP2_SP_FUSED_NORM")
+
+
+def _install_hooks(secret: str | None) -> None:
+    """Every change the pack makes to ComfyUI (nodes/patches.py lists them), and its routes."""
     from server import PromptServer
 
-    from .front_door import install_front_door, read_secret
+    from .front_door import install_front_door
     from .interrupts import install_interrupt_deferral
     from .loader import install_loader_hook
     from .lora import install_lora_hooks
@@ -43,20 +78,6 @@ def activate() -> None:
     from .text_encoder import install_text_encoder_hook
     from .vae_decode import install_parallel_vae_decode
 
-    device = comfy.model_management.get_torch_device()
-    device = device if device.type == "cuda" else torch.device("cpu")
-    STATE.env, STATE.device = env, device
-    STATE.prompt_timeout_s = settings.value("TP2_PROMPT_TIMEOUT_S")
-    STATE.int8_gemm = maybe_break_int8(select_int8_gemm(settings.value("TP2_INT8_KERNEL")), env.tp_rank)
-    STATE.int8_kernel = STATE.int8_gemm.kernel_name
-    STATE.reduce_dtype = reduce_dtype_from_env()
-    STATE.sequence_parallel = settings.value("TP2_SEQUENCE_PARALLEL")
-    STATE.sp_pieces = settings.value("TP2_SP_PIECES")
-    STATE.sp_int8_gather = settings.value("TP2_SP_INT8_GATHER")
-    STATE.sp_fused_norm = settings.value("TP2_SP_FUSED_NORM")
-    STATE.boot_id = uuid.uuid4().hex
-    secret = read_secret()
-    STATE.session = TPSession(env, device, boot_id=STATE.boot_id, secret=secret)
     install_loader_hook()
     install_text_encoder_hook()
     install_lora_hooks()
@@ -67,14 +88,6 @@ def activate() -> None:
     install_status_routes(PromptServer.instance.routes)  # read-only GETs, with or without the front door
     install_parallel_vae_decode()
     install_same_outputs()
-    threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
-    log.info(
-        "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, reduce %s, sequence parallel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
-        STATE.tag, device, env.master_addr, env.master_port, STATE.int8_kernel, STATE.reduce_dtype,
-        f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}, pieces {STATE.sp_pieces})" if STATE.sequence_parallel else "off",
-        env.timeout_s, STATE.prompt_timeout_s,
-    )  # fmt: skip
-    _warn_if_dynamic_vram_cannot_evict()
 
 
 def _warn_if_dynamic_vram_cannot_evict() -> None:
