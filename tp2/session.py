@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from .collectives import TPEnv, TPGroup, init_tp_group
-from .errors import PeerLostError, PromptAbortedError
+from .errors import PeerLostError, PromptAbortedError, RankMismatchError
 from .handshake import DETAIL, compare_fields
 from .settings import NCCL_ERROR_HANDLING, set_for_libraries
-from .watch import Watcher
+from .watch import Watcher, signed, unsigned
 
 
 def listening_socket(addr: str, port: int) -> socket.socket:
@@ -141,7 +141,7 @@ class TPSession:
         run = self.watcher.run
         base = f"tp2/rv/{key}"
         keys = [f"{base}/rank{r}" for r in range(self.env.tp_size)]
-        mine = json.dumps(fields, sort_keys=True)
+        mine = signed(self.watcher.secret, keys[self.env.tp_rank], json.dumps(fields, sort_keys=True))
         self._store_op(timeout_s, lambda s: s.set(keys[self.env.tp_rank], mine))
         deadline = time.monotonic() + timeout_s
         polls = 0
@@ -168,12 +168,13 @@ class TPSession:
                 self._give_up(key, run, finished, missing, timeout_s)
             time.sleep(POLL_S)
         try:
-            everyone = [json.loads(v) for v in self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])]
+            raws = self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])
         except (RuntimeError, dist.DistError):  # a peer took its key back between our check and our read: it saw a stop
             why = self.watcher.stop_reason() or (self.watcher.read_stop(run) if run is not None else None)
             if why:
                 raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}") from None
             raise
+        everyone = [self._record(k, raw) for k, raw in zip(keys, raws)]
         if self._store_op(timeout_s, lambda s: s.add(f"{base}/read", 1)) == self.env.tp_size:
             self._store_op(timeout_s, lambda s: [s.delete_key(k) for k in (*keys, f"{base}/read")])
         compare_fields(everyone, self.tag, f"prompt '{key}'", skip_prefix=_PRIVATE)  # the same verdict on every rank
@@ -184,6 +185,18 @@ class TPSession:
         if why:  # a stop is honoured even when every rank has arrived
             raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}")
         return everyone
+
+    def _record(self, key: str, raw: bytes) -> dict[str, str]:
+        """A rank's rendezvous record, checked against the run's secret; a record no rank signed is refused without
+        showing what it says (something other than the ranks writes to the rank store)."""
+        text = unsigned(self.watcher.secret, key, raw.decode())
+        if text is None:
+            log.warning("%s the rendezvous record at %s is not signed by a rank: ignored", self.tag, key)
+            raise RankMismatchError(
+                f"{self.tag} the record at '{key}' in the rank store was not written by a rank of this set (no valid "
+                "signature): something else writes to the store. Restart the ranks with scripts/start-tp2.sh."
+            )
+        return json.loads(text)
 
     def _give_up(self, key: str, run: str | None, finished: list[int], missing: list[int], timeout_s: float) -> None:
         """Raise why the rendezvous at `key` ends without the `missing` peers (`finished`: those done with the run)."""

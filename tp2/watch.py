@@ -6,15 +6,15 @@ watcher thread reads the store every `POLL_S` and exposes the first notice (or a
 quiet, or restarted) as `stop_reason()`. Collectives and rendezvous poll `stop_reason()` while they wait, so a
 peer's failure reaches every rank in about a second instead of at a collective's timeout.
 
-    tp2/hb/rank{r}              "<boot id>:<count>", rewritten every POLL_S by rank r's watcher
+    tp2/hb/rank{r}              "<boot id>:<count>|<mac>", rewritten every POLL_S by rank r's watcher
     tp2/boot/rank{r}            rank r's boot id (rewritten too, so a restarted store learns it again)
     tp2/run/{run}/stop          the first stop notice of a run: JSON {rank, reason, mac}
     tp2/run/{run}/state/rank{r} "started" or "done" (rank r finished the run, with or without an error)
 
 A rank deletes its keys of a run once it has begun two runs after it (KEPT_RUNS): the store stays the same size.
 
-Stop notices are signed with the run's secret (HMAC-SHA256) when one is given: a notice that no rank signed is
-logged and never shown to the user. Imports torch only; never `comfy`.
+Stop notices, heartbeats and rendezvous records (tp2/session.py) are signed with the run's secret (HMAC-SHA256)
+when one is given: an entry that no rank signed is logged and never acted on or shown to the user. Imports torch only; never `comfy`.
 """
 
 from __future__ import annotations
@@ -69,6 +69,19 @@ def sign(secret: str, run: str, rank: int, reason: str) -> str:
     return hmac.new(secret.encode(), f"{run}\n{rank}\n{reason}".encode(), hashlib.sha256).hexdigest()
 
 
+def signed(secret: str | None, where: str, value: str) -> str:
+    """`value` with the run's signature for the store key `where` appended ("value|mac"); as it is without a secret."""
+    return value if secret is None else f"{value}|{sign(secret, where, -1, value)[:32]}"
+
+
+def unsigned(secret: str | None, where: str, raw: str) -> str | None:
+    """The value of a `signed` store entry, or None when it does not carry a valid signature for `where`."""
+    if secret is None:
+        return raw
+    value, _, mac = raw.rpartition("|")
+    return value if value and hmac.compare_digest(mac, sign(secret, where, -1, value)[:32]) else None
+
+
 def decode_stop(raw: bytes, run: str, secret: str | None) -> tuple[int, str] | None:
     """(rank, reason) of a stop notice, or None when it is malformed or not signed by a rank."""
     try:
@@ -99,6 +112,7 @@ class Watcher:
         self._clients = threading.local()  # one store connection per thread (the watcher's, the prompt worker's)
         self._thread: threading.Thread | None = None
         self._runs: list[str] = []  # the runs whose keys this rank still keeps, oldest first
+        self._forged: set[int] = set()  # ranks whose store heartbeat was found unsigned (logged once each)
 
     # -- the run ---------------------------------------------------------------------------------------
     def heartbeat_ages(self) -> dict[int, float]:
@@ -200,7 +214,7 @@ class Watcher:
         try:
             store = self._client()
             self._beats += 1
-            store.set(f"tp2/hb/rank{self.rank}", f"{self.boot_id}:{self._beats}")
+            store.set(f"tp2/hb/rank{self.rank}", signed(self.secret, f"tp2/hb/rank{self.rank}", f"{self.boot_id}:{self._beats}"))
             store.set(f"tp2/boot/rank{self.rank}", self.boot_id)
             beats = store.multi_get([f"tp2/hb/rank{r}" for r in range(self.size)]) if self._all_beating(store) else None
             run = self._run
@@ -222,7 +236,12 @@ class Watcher:
         for r, value in enumerate(beats or []):
             if r == self.rank:
                 continue
-            value = value.decode()
+            value = unsigned(self.secret, f"tp2/hb/rank{r}", value.decode())
+            if value is None:  # written by something that is not a rank of this run: not a heartbeat
+                if r not in self._forged:
+                    self._forged.add(r)
+                    log.warning("[tp2 r%d/%d] ignored a heartbeat for rank %d that no rank signed", self.rank, self.size, r)
+                continue
             old = self._seen.get(r)
             if old is None or old[0] != value:
                 self._seen[r] = (value, now)

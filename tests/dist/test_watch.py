@@ -230,3 +230,35 @@ def test_the_store_does_not_grow_with_the_prompts():
     # bounded by the keys of two runs, a rendezvous in flight and a stop notice; kept for good, 2 keys a prompt
     # would have added 38 over these 20
     assert max(counts) < counts[0] + 12, counts
+
+
+def _forgery(tp_rank, tp_size):
+    import torch.distributed as dist
+
+    from tp2.errors import RankMismatchError
+
+    s = _session()
+    s.begin_run("run-f")
+    s.agree("run-f/sampler1", {"seed": "1"}, timeout_s=30)
+    if tp_rank == 0:  # a local process that knows the store's address but not the secret
+        forger = dist.TCPStore("127.0.0.1", s.env.master_port, is_master=False, wait_for_workers=False)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            forger.set("tp2/hb/rank1", "a-restarted-rank:1")  # would read as rank 1 restarted mid-prompt
+            time.sleep(0.05)
+    else:
+        time.sleep(3.5)
+    stopped = s.stop_reason()
+    try:
+        s._record("tp2/rv/run-f/x/rank1", b'{"prompt": "text the forger wants shown"}')
+        refused = "accepted?!"
+    except RankMismatchError as e:
+        refused = str(e)
+    s.agree("run-f/end", {"x": "1"}, timeout_s=30)
+    return stopped, refused
+
+
+def test_a_forged_heartbeat_or_rendezvous_record_changes_nothing():
+    for stopped, refused in values(run_ranks(_forgery, 2, timeout_s=60)):
+        assert stopped is None, stopped  # the forged heartbeat did not stop the run
+        assert "was not written by a rank of this set" in refused and "forger" not in refused, refused
