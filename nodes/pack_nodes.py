@@ -39,7 +39,7 @@ def status_text() -> str:
     if not STATE.active:
         return "TP inactive: TP2_RANK / TP2_WORLD_SIZE are not set, ComfyUI runs as usual."
     env, lines = STATE.env, []
-    lines.append(f"rank {env.tp_rank} of tp_size {env.tp_size}; peers at {env.master_addr}:{env.master_port}")
+    lines.append(f"rank {env.tp_rank} of tp_size {env.tp_size}")  # not the rank store's address: that is for the ranks
     session = STATE.session
     lines.append(f"process group: generation {session.generation}, {'healthy' if session.healthy else 'not formed / needs re-forming'}")
     lines.append(f"last agreement: {STATE.last_agreement}")

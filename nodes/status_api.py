@@ -87,7 +87,7 @@ def settings() -> dict[str, str]:
 
     return {
         "device": str(STATE.device),
-        "rank store": f"{env.master_addr}:{env.master_port}",
+        "rank store": "on loopback" if env.master_addr in ("127.0.0.1", "localhost", "::1") else "on the network",
         "int8 GEMM": STATE.int8_kernel,
         "attention": STATE.attention,
         "all-reduce dtype": str(STATE.reduce_dtype).replace("torch.", ""),
