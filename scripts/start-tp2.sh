@@ -54,6 +54,9 @@ export TP2_INT8_KERNEL TP2_ATTN_BACKEND TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S TP2_R
 
 PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 die() { echo "start-tp2: $*" >&2; exit 1; }
+case "$(uname -s)" in  # Git Bash, MSYS2 and Cygwin run this script on native Windows, where the pack cannot run
+  MINGW*|MSYS*|CYGWIN*) die "native Windows is not supported (the pack needs Linux: NCCL, fcntl); run ComfyUI and this launcher inside WSL2 (untested) or on Linux" ;;
+esac
 
 cmd=start
 if [[ $# -gt 0 && ( "$1" == stop || "$1" == status || "$1" == restart || "$1" == _supervise ) ]]; then cmd=$1; shift; fi

@@ -269,3 +269,14 @@ def test_the_python_comfyui_runs_with_comes_before_the_packs_own(tmp_path):
     )  # fmt: skip
     assert f"Python: {comfy}/venv/bin/python (ComfyUI's own venv)" in res.stdout, res.stdout + res.stderr
     assert res.returncode == 1 and "(ComfyUI's own venv) lacks torch" in res.stderr, res.stderr  # a bare venv, here
+
+
+def test_native_windows_is_refused_at_once_with_the_wsl2_pointer(tmp_path):
+    """Git Bash on Windows runs bash scripts: the launcher says at once that the pack needs Linux (or WSL2)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "uname").write_text("#!/bin/sh\necho MINGW64_NT-10.0-19045\n")
+    (fake / "uname").chmod(0o755)
+    res, took = _launch(tmp_path, _comfyui_with_pack(tmp_path), "--cpu", path=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    assert res.returncode == 1 and "native Windows is not supported" in res.stderr and "WSL2" in res.stderr, res.stderr
+    assert took < 10
