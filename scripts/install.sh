@@ -67,7 +67,7 @@ free_gib() {  # GiB free on the filesystem holding $1 (or the nearest folder abo
 }
 have_torch() { [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "import torch, torchvision, torchaudio" 2>/dev/null; }
 free="$(free_gib "$VENV")"
-if ! have_torch && awk -v f="$free" 'BEGIN { exit !(f < 8) }'; then  # torch's CUDA build ~5.6 GB, ComfyUI's requirements ~1.3 GB
+if [[ $REUSED -eq 0 ]] && ! have_torch && awk -v f="$free" 'BEGIN { exit !(f < 8) }'; then  # torch's CUDA build ~5.6 GB, ComfyUI's requirements ~1.3 GB
   say "ERROR: $free GiB free on the disk of $VENV; installing needs about 8 GiB (torch's CUDA build alone is ~5.6 GB)."
   say "Free some space there, or put the virtualenv on a disk with room: --venv DIR (or \$TP2_VENV)."
   exit 1

@@ -37,6 +37,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def load_submit():
+    """scripts/tp2-submit (a script without .py) as a module, for tests of its functions."""
+    import importlib.machinery
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "tp2-submit")
+    loader = importlib.machinery.SourceFileLoader("tp2_submit", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("tp2_submit", loader))
+    loader.exec_module(module)
+    return module
+
+
 def assert_refused_quickly(took: float) -> None:
     """The launcher refuses a tp_size within 5 s (issue 18): on 2 idle cores the check takes about 3.5 s, nearly all of it Python importing
     torch (tp2's checkpoint reader needs it). On a machine that other work slows down, the bound is that import, timed

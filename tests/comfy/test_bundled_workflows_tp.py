@@ -131,17 +131,13 @@ def test_bundled_workflow_runs_on_tp2_to_an_mp4(servers, name):
 
 def _media_stage(r0, r1, histories) -> str:
     """tp2-submit's verdict on the two ranks' MP4 files: frames, audio or only the container."""
-    import importlib.machinery
-    import importlib.util
+    from conftest import load_submit
 
-    loader = importlib.machinery.SourceFileLoader("tp2_submit", os.path.join(ROOT, "scripts", "tp2-submit"))
-    submit = importlib.util.module_from_spec(importlib.util.spec_from_loader("tp2_submit", loader))
-    loader.exec_module(submit)
     paths = []
     for s, h in zip((r0, r1), histories):
         (rel,) = [k for k in output_files(s, h) if k.endswith(".mp4")]
         paths.append(os.path.join(s.base, "output", rel))
-    return submit.where_media_differ(*paths)
+    return load_submit().where_media_differ(*paths)
 
 
 def test_a_lora_on_the_split_text_encoder_is_refused(servers):

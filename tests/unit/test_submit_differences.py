@@ -3,23 +3,11 @@ frames, the audio, or only the video container (real MP4 files written with PyAV
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import os
-
 import numpy as np
 import pytest
+from conftest import load_submit
 
 av = pytest.importorskip("av")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _submit():
-    loader = importlib.machinery.SourceFileLoader("tp2_submit", os.path.join(ROOT, "scripts", "tp2-submit"))
-    spec = importlib.util.spec_from_loader("tp2_submit", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 def _mp4(path, frame_shift=0, audio_shift=0.0, comment="") -> str:
@@ -47,7 +35,7 @@ def _mp4(path, frame_shift=0, audio_shift=0.0, comment="") -> str:
 
 
 def test_the_stage_that_differs_is_named(tmp_path):
-    submit = _submit()
+    submit = load_submit()
     base = _mp4(tmp_path / "a.mp4")
     assert "the decoded frames differ (first at frame 3" in submit.where_media_differ(base, _mp4(tmp_path / "b.mp4", frame_shift=40))
     assert submit.where_media_differ(base, _mp4(tmp_path / "c.mp4", audio_shift=0.3)) == "the frames are equal, the audio differs"
