@@ -8,7 +8,8 @@ torch.OutOfMemoryError worded like CUDA's), `sleep` (5 s late).
 With TP2_TEST_NUDGE_RANKS=R[,R...] those ranks move a few hundred values of every VAE decode's output up by one 8-bit
 step (1/255: what a last-bit difference does to a value that sat next to a rounding step; a one-ulp change alone
 rarely reaches the file), so the ranks' comparison (nodes/same_outputs.py) must find the difference and every
-rank must end with rank 0's bytes.
+rank must end with rank 0's bytes; their video files also carry one metadata key more, so the ranks' files differ
+in the container only and the comparison after the write must find that too.
 
 With TP2_TEST_BREAK_INT8_RANKS=R[,R...] those ranks' int8 GEMM returns its rows in the wrong order (as a kernel with
 swapped tiles would), so their numerics check (nodes/numerics_check.py) must refuse the model.
@@ -52,6 +53,12 @@ def nudge_output(rank: int, t: torch.Tensor) -> None:
     flat = dense.view(-1)
     at = torch.linspace(0, flat.numel() - 1, NUDGED_VALUES).long()
     flat[at] += 1.0 / 255
+
+
+def nudge_metadata(rank: int, save_kwargs: dict) -> None:
+    """On a rank listed in TP2_TEST_NUDGE_RANKS: one metadata key more in a video file's save_to keyword arguments."""
+    if str(rank) in settings.value(ENV_NUDGE):
+        save_kwargs["metadata"] = {**(save_kwargs.get("metadata") or {}), "tp2_test_nudge": rank}
 
 
 def inject_fault(rank: int, call: int | str) -> None:

@@ -1,6 +1,6 @@
 """Outputs each rank computes alone, made identical on every rank before they reach an output node.
 
-    install_same_outputs()   wraps comfy.sd.VAE.decode and VAE.decode_tiled (once; tp_size >= 2)
+    install_same_outputs()   wraps comfy.sd.VAE.decode, VAE.decode_tiled and the video file write (tp_size >= 2)
 
 A VAE decode that runs on each rank alone (the video decode when it is not split: a latent of one chunk,
 TP2_PARALLEL_VAE=0; the audio decode, always; a decode ComfyUI retried in tiles after an out-of-memory on one
@@ -9,21 +9,26 @@ last-bit difference into a different MP4. So after every such decode the ranks m
 the latent, the output's shape and dtype), compare a SHA-256 of the output's bytes, and where a rank's differs
 every rank takes rank 0's (tp2.collectives.same_everywhere), with one log line naming the stage. In the common
 case only the digests travel. A split video decode (nodes/vae_decode.py) is identical by construction and is not
-compared. A peer that never reaches the decode (its node cache served it) leaves this rank's output as it is,
+compared. The video encoder and muxer run on each rank alone too, so after a video file is written
+(VideoFromComponents.save_to, what SaveVideo calls) the ranks compare its SHA-256 the same way and a rank whose
+file differs writes rank 0's bytes over it. A peer that never reaches the decode (its node cache served it) leaves this rank's output as it is,
 with a log line that it may differ from the other ranks'.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import time
 
 import comfy.sd
+from comfy_api.latest import InputImpl
 
 from ..tp2 import __version__
-from ..tp2.collectives import same_everywhere
+from ..tp2.collectives import all_gather_object, broadcast_object, same_everywhere
 from ..tp2.errors import PeerLostError
-from .faults import inject_fault, nudge_output
+from .faults import inject_fault, nudge_metadata, nudge_output
 from .patches import PATCHES
 from .run import agree_step, in_step, step_key, tensor_digest
 from .state import STATE, log
@@ -34,6 +39,7 @@ def install_same_outputs() -> None:
         return
     PATCHES.install(comfy.sd.VAE, "decode", functools.partial(_hooked, "decode"))
     PATCHES.install(comfy.sd.VAE, "decode_tiled", functools.partial(_hooked, "tiled decode"))
+    PATCHES.install(InputImpl.VideoFromComponents, "save_to", _saved)
 
 
 def _hooked(how: str, original):
@@ -78,3 +84,45 @@ def _make_same(stage: str, samples, out) -> None:
         )  # fmt: skip
     else:
         log.info("%s %s: the same bytes on every rank (checked in %.2f s)", STATE.tag, stage, time.monotonic() - t0)
+
+
+def _saved(original):
+    @functools.wraps(original)
+    def save_to(self, path, *args, **kwargs):
+        nudge_metadata(STATE.env.tp_rank, kwargs)  # tests only (TP2_TEST_NUDGE_RANKS); inert by default
+        out = original(self, path, *args, **kwargs)
+        if isinstance(path, (str, os.PathLike)) and not STATE.prompt.alone:
+            _make_file_same(os.fspath(path))
+        return out
+
+    return save_to
+
+
+def _make_file_same(path: str) -> None:
+    """Every rank's file at `path` (each rank its own output folder) ends as rank 0's bytes."""
+    key = step_key("saved")
+    fields = {"pack_version": __version__, "prompt": STATE.prompt.fingerprint, "stage": "video file"}
+    try:
+        group = agree_step(key, fields)
+    except PeerLostError as e:
+        log.warning("%s %s: this rank's video file is kept, and may differ from the other ranks'", STATE.tag, e)
+        STATE.prompt.alone = True
+        return
+    t0 = time.monotonic()
+    with in_step():
+        with open(path, "rb") as f:
+            blob = f.read()
+        digests = all_gather_object(hashlib.sha256(blob).hexdigest(), group)
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if not differ:
+            log.info("%s video file: the same bytes on every rank (checked in %.2f s)", STATE.tag, time.monotonic() - t0)
+            return
+        blob = broadcast_object(blob if group.tp_rank == 0 else None, group)
+        if group.tp_rank != 0:
+            with open(path + ".tp2-part", "wb") as f:
+                f.write(blob)
+            os.replace(path + ".tp2-part", path)
+    log.warning(
+        "%s video file: rank(s) %s wrote other bytes than rank 0; every rank now has rank 0's file (%.2f s)",
+        STATE.tag, ", ".join(map(str, differ)), time.monotonic() - t0,
+    )  # fmt: skip
