@@ -8,8 +8,9 @@
     torch_allocator_conf()        PYTORCH_CUDA_ALLOC_CONF (read, never set: the capacity check names the allocator from it)
     set_for_libraries(...)        what the pack sets for PyTorch (NCCL error handling) and gloo (its interface)
 
-Every other module asks here; none reads `os.environ`. The launcher's defaults (scripts/start-tp2.sh) and the
-README's settings table are checked against SETTINGS by tests/unit/test_settings.py. Imports nothing from `comfy`.
+Every other module asks here; none reads `os.environ`. The launcher's defaults (scripts/start-tp2.sh) and
+docs/SETTINGS.md (generated: `python -m tp2.settings`) are checked against SETTINGS by tests/unit/test_settings.py.
+Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Setting:
     low: float | None = None
     high: float | None = None
     launcher: bool = False  # scripts/start-tp2.sh exports it with this default
-    shown: str | None = None  # the default as the README states it, where it is worked out (not a fixed value)
+    shown: str | None = None  # the default as docs/SETTINGS.md states it, where it is worked out (not a fixed value)
     seam: bool = False  # for the tests and benchmarks only, not a user setting (listed apart from the user's)
 
 

