@@ -9,10 +9,9 @@ half calls the very kernel int8_linear calls for that shape (tests/gpu checks th
     q, s = split.quantize(x)                      # int8 [M, K], fp32 [M, 1]
     y = split.gemm(q, s, w_qdata, w_scale, bias, out_dtype)   # == int8_linear(x, w_qdata, w_scale, bias, ...)
 
-Backends: comfy-kitchen's CUDA backend (the fused ConvRot quantiser; the Turing, CUTLASS or cuBLAS GEMM in the
-order int8_linear tries them) and its eager backend (CPU). The CUDA half reaches into comfy-kitchen's backend
-module; `split_int8_linear` checks that every entry point is there and returns None otherwise, so a comfy-kitchen
-that moved them makes callers keep their bf16 path instead of failing. No TP logic here.
+Backends: comfy-kitchen's CUDA backend (its fused ConvRot quantiser; the Turing, CUTLASS or cuBLAS GEMM in
+int8_linear's order) and its eager backend (CPU). The CUDA half reaches into comfy-kitchen's backend module, so
+`split_int8_linear` returns None unless every entry point is there: callers then keep their bf16 path. No TP logic.
 """
 
 from __future__ import annotations

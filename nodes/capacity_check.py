@@ -9,7 +9,7 @@ model's width): with the weights resident, or, where ComfyUI's dynamic VRAM can 
 only the blocks in flight. What is available is the device's free memory plus what this process already holds
 (its cached blocks, the weights dynamic VRAM can evict), less what ComfyUI is told to leave alone (--reserve-vram).
 It never refuses a prompt: its constants were fitted on H200s from a few measured lengths, so a model error would
-refuse a prompt that fits, while a real out-of-memory already stops every rank within a second with the reason.
+refuse a prompt that fits, while a real out-of-memory already stops every rank within a watcher poll, with the reason.
 On a CPU it runs only when a test sets TP2_TEST_AVAILABLE_GIB.
 """
 

@@ -1,44 +1,17 @@
-"""Sequence parallelism for H3's DiT blocks (opt-in, TP2_SEQUENCE_PARALLEL=1): the replicated part is split too.
+"""Sequence parallelism for H3's DiT blocks (opt-in, TP2_SEQUENCE_PARALLEL=1): each rank keeps 1/tp_size of the rows.
 
-Plain TP keeps the residual stream whole on every rank, so norms, adaln modulation and gated residuals are done
-tp_size times over. With sequence parallelism (Megatron-LM's) each rank keeps 1/tp_size of the rows:
+    x_r -> norm1, modulation -> all-gather -> qkv | attention | out_proj partial -> reduce-scatter -> x_r += gate * attn_r
+        -> norm2, modulation -> all-gather -> fc1 | fc2 partial -> reduce-scatter -> x_r += gate * mlp_r
 
-    x_r (this rank's rows) -> norm1, modulation on x_r -> all-gather -> qkv | attention | out_proj partial
-      -> reduce-scatter -> x_r += gate * attn_r -> norm2, modulation -> all-gather -> fc1 | fc2 partial
-      -> reduce-scatter -> x_r += gate * mlp_r
-
-An all-gather plus a reduce-scatter move the bytes of one all-reduce, and the elementwise work per rank is
-divided by tp_size. Options, all off-switchable and agreed between the ranks at each prompt:
-
-- TP2_SP_INT8_GATHER (default on): where the gathered rows feed an int8 linear (qkv_proj, fc1), each rank
-  quantises its own rows and the all-gather moves int8 rows plus row scales: half the bytes, and the
-  quantisation split too. Row-wise quantisation is row-independent, so the GEMM gets the very bits it would have
-  made from gathered bf16 rows (kernels/int8_split.py); the ranks vote on it once per sampling run, else all
-  gather bf16.
-- TP2_SP_PIECES=N (default 1): the sequence is dealt out in N pieces (tp2/sequence_layout.py), and out_proj and
-  the MLP run piece by piece, each piece's reduce-scatter (and the MLP's all-gathers) in flight while the next
-  piece computes.
-- TP2_SP_FUSED_NORM=1 (CUDA with Triton): each norm + modulation, with the gated residual before it (the
-  attention's before norm2; the previous block's MLP's before norm1, which that block leaves pending), as one
-  kernel per segment (kernels/norm_modulate.py), and the q/k norm + rope as one Triton kernel
-  (kernels/qk_norm_rope.py): ulp-level differences to ComfyUI's ops.
-
-The first DiT block takes its rows of the full stream, the last gathers it back, so the rest of ComfyUI's
-forward (refiner, final layer) is unchanged. Pad rows (zeros, at the end of the sequence) are in no segment and
-are dropped by every gather. Every row's math is the same as without sequence parallelism (at tp_size 2 and
-one piece bit for bit; with pieces the GEMMs see fewer rows per call: bit for bit on CUDA's int8 path, ulp-level
-in a CPU BLAS).
-
-The block forward below follows ComfyUI's DiTBlock.forward step for step and calls ComfyUI's own modulation
-helpers on this rank's rows; its attention is ComfyUI's Attention.forward as nodes/h3_attention.py has it, and its
-MLP is ComfyUI's MLP.forward in row chunks (TP2_SP_CHUNK_ROWS: at long sequences fc1's output is never whole),
-reduce-scattered per piece. Each row-parallel call is told its reduction (tp2.layers.row_parallel): the RowLayout
-to reduce-scatter to (out_proj), or PARTIAL (the MLP's chunks). Each activation is dropped as soon as nothing reads
-it. One model evaluation's state
-(the layout, this rank's segments, the int8-gather vote, the pending residual) is a SequenceParallelForward that
-the pack's model call puts in transformer_options (nodes/model_wrappers.py) and each block reads: no ambient state.
-The gathers are in nodes/sp_gathers.py, the fused norms in nodes/sp_norms.py. `install` checks that the ComfyUI
-code this stands in for is what it was written against and falls back to plain TP otherwise.
+As in Megatron-LM, the two collectives move one all-reduce's bytes and the elementwise work is split. The first block takes
+this rank's rows, the last gathers them back; pad rows (zeros, at the end) are in no segment and gathers drop them. Row math
+is unchanged: bit for bit at tp_size 2 with one piece; with pieces, on CUDA's int8 path (ulp-level in a CPU BLAS). Options,
+agreed per prompt: TP2_SP_INT8_GATHER gathers int8 rows + scales into qkv_proj and fc1, bit-exact (kernels/int8_split.py,
+voted per sampling run); TP2_SP_PIECES=N runs out_proj and the MLP per piece, collectives in flight (tp2/sequence_layout.py);
+TP2_SP_FUSED_NORM fuses gated residual + norm + modulation (sp_norms.py; norm1 adds the previous block's pending MLP
+residual) and q/k norm + rope in Triton (ulp-level). Blocks follow ComfyUI's DiTBlock.forward (its modulation helpers,
+nodes/h3_attention.py, MLP in TP2_SP_CHUNK_ROWS chunks, RowLayout or PARTIAL reductions); per-evaluation state is a
+SequenceParallelForward in transformer_options (nodes/model_wrappers.py). `install` falls back to plain TP if that code changed.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
-"""H3's text encoder under tensor parallelism: the CLIPLoader hook, the wiring of the built encoder, and the
-encode every rank runs together.
+"""H3's text encoder under TP: the CLIPLoader hook, the wiring of the built encoder, and the encode every rank runs together.
 
-    install_text_encoder_hook()   replaces comfy.sd.load_clip (looked up by module attribute, also by
-                                  load_clip_model_patcher when ComfyUI re-creates the patcher)
+    install_text_encoder_hook()   replaces comfy.sd.load_clip (by module attribute; load_clip_model_patcher too)
 
-For H3's Qwen3-VL-32B file (CLIPLoader type 'minimax') on an active rank with tp_size > 1: the plan
-(tp2/te_plan.py) is resolved and checked before any weight is read, this rank reads only its slices
-(tp2.rank_cache.read_rank_slices: a follower never holds the whole file), and ComfyUI builds its own encoder classes at
-this rank's width (its `qwen3vl_32b_model_config` override: local heads, KV heads and FFN) through its own
-`load_text_encoder_state_dicts`, so every quantised format loads exactly as without the pack. Then:
-  - every linear gets its plan role; o_proj and down_proj run ComfyUI's own forward on their K slice (AWQ
-    smoothing, input quantisation and the quantised GEMM included) and all-reduce the partial products in
-    TP2_REDUCE_DTYPE; the token embedding looks up the tokens in this rank's rows and all-reduces (exact);
-  - each encode is a rendezvous: ranks agree on the prompt, the plan and the digest of the encoder's inputs
-    (token ids, images), then embed and run the 50 layers in step, under the role guard, with interrupts
-    deferred to the end of the encode. A rank that does not arrive fails the prompt with the reason
-    (the encoder cannot run alone: this rank holds a slice of it).
-The DiT still receives rank 0's context at every model evaluation (nodes/model_wrappers.py), so the conditioning every
-rank samples with is identical bit for bit whatever happens here.
+For H3's Qwen3-VL-32B file (CLIPLoader type 'minimax') on an active rank with tp_size > 1, the plan (tp2/te_plan.py) is
+resolved and checked before any weight is read; this rank reads only its slices (tp2.rank_cache.read_rank_slices: a follower
+never holds the whole file); ComfyUI's `load_text_encoder_state_dicts` builds its own encoder classes at this rank's width
+(local heads, KV heads and FFN via its `qwen3vl_32b_model_config` override), so every quantised format loads as without the
+pack. Every linear gets its plan role. o_proj and down_proj run ComfyUI's own forward on their K slice (AWQ smoothing, input
+quantisation, quantised GEMM) and all-reduce in TP2_REDUCE_DTYPE; the token embedding looks up this rank's rows and
+all-reduces (exact). Each encode is a rendezvous (prompt, plan, digest of token ids and images); then the ranks run the 50
+layers in step under the role guard, interrupts deferred to its end. A rank that does not arrive fails the prompt with the
+reason: the encoder cannot run alone. The DiT still takes rank 0's context at every model evaluation (nodes/model_wrappers.py),
+so every rank samples with bit-identical conditioning whatever happens here.
 """
 
 from __future__ import annotations

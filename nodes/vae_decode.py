@@ -2,24 +2,16 @@
 
     install_parallel_vae_decode()   wraps comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal (once)
 
-ComfyUI's `decode_temporal` pads the latent with its last token, decodes chunks of tokens_chunk_size +
-token_overlap tokens one after another, each in spatial tiles (`tiled_decode`: one `_decode_pixels` call, the
-36-layer ViT, per tile: the expensive part, independent per tile), blending the tiles of a chunk and each chunk
-into the previous one. Here every chunk's tiles form one list, in ComfyUI's order; rank r decodes tiles r,
-r + tp_size, ... (equal shares: 84 tiles at 832x480x124 are 42 per rank, where the 7 chunks gave 4 and 3) and
-each decoded tile is broadcast from its owner (tp2.chunk_decode); ComfyUI's own tiling and blends then run
-unchanged on every rank, on exactly the tensors a single-rank decode makes, so every rank ends with the
-single-rank video, bit for bit. Each tile ComfyUI asks for is checked against the tile decoded for it (a changed
-chunking or tiling in ComfyUI is an error, never a wrong video).
+ComfyUI's `decode_temporal` decodes latent chunks in turn, each in spatial tiles (per tile one `_decode_pixels` call, the
+36-layer ViT: costly, independent), then blends. All chunks' tiles form one list in ComfyUI's order; rank r decodes tiles
+r, r + tp_size, ... and broadcasts each (tp2.chunk_decode), so ComfyUI's own tiling and blends run unchanged on every rank
+and give the single-rank video bit for bit. A tile asked for that is not the one decoded is an error, not a wrong video.
 
-Falls back to ComfyUI's decode on this rank alone, with one log line: TP2_PARALLEL_VAE=0 or tp_size 1 (read
-at start-up: no split), fewer than 2 chunks, or a peer that does not reach the decode within
-TP2_PROMPT_TIMEOUT_S (e.g. its node cache served the decode; the cache epoch is raised so the next prompt clears
-the caches). Refused on every rank: different latents (RankMismatchError). A failed collective or chunk decode
-mid-way marks the process group broken, raises the cache epoch and fails the prompt; an out-of-memory there is
-re-raised as a TP2Error, because ComfyUI's OOM retry on one rank alone would leave the others waiting.
-Interrupts take effect after the decode (the deferral used during sampling). The audio VAE is not split (not
-measured: a 1-D decoder over a few seconds of audio, expected far cheaper than the video decode).
+Falls back to ComfyUI's decode on this rank alone, logged: TP2_PARALLEL_VAE=0 or tp_size 1 (read at start-up), under 2 chunks,
+or a peer not at the decode within TP2_PROMPT_TIMEOUT_S (e.g. its node cache served it; the cache epoch is raised so the next
+prompt clears caches). Different latents: RankMismatchError on every rank. A failed collective or chunk decode marks the group
+broken, raises the cache epoch and fails the prompt; an OOM there is a TP2Error (ComfyUI's one-rank OOM retry would strand the
+others). Interrupts act after the decode. The audio VAE is not split.
 """
 
 from __future__ import annotations

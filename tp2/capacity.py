@@ -1,30 +1,17 @@
 """How much GPU memory one rank needs to sample an H3 video, and the longest video that fits: a model calibrated on
-measurements, so a prompt that cannot fit is refused before sampling instead of failing mid-step.
+measurements (MEASURED, MEASURED_STREAMED), for the advice logged at every sampler. Imports nothing from `comfy`.
 
-    tokens(width, height, frames)                 the packed sequence length the DiT samples
-    predict_peak_gib(tokens, tp_size)             one rank's peak with its weights resident (--highvram)
-    predict_peak_gib(..., streamed=True)          the least it runs with when ComfyUI's dynamic VRAM streams the
-                                                  weights block by block (allocator: ComfyUI's cudaMallocAsync, or
-                                                  torch's native one: the launcher's --lean-memory)
-    longest_frames(width, height, gpu_gib, tp)    the longest length on H3's 17k+5 grid under `gpu_gib`
+    tokens(width, height, frames)                   the packed sequence length the DiT samples
+    predict_peak_gib(tokens, tp, streamed=False)    one rank's peak: weights resident (--highvram), or streamed by dynamic VRAM
+    longest_frames(width, height, gpu_gib, tp)      the longest length on H3's 17k+5 grid under `gpu_gib`
     python -m tp2.capacity --gpu-mem 22 --tp-size 2    the table of longest lengths per resolution
 
-Resident: peak = weights / tp + fixed + tokens x (shared + split / tp) GiB, least squares on the peaks measured with
-all weights resident (nvidia-smi, ComfyUI --highvram, int8 ConvRot DiT; docs/PERFORMANCE.md): stock ComfyUI on one
-H200 at 832x480 and 1344x768 x124, and TP2 with --fast on 2x H200 at 832x480, 1344x768, 1600x896 and 1920x1088 x124,
-1920x1088 x158 and x175, within 0.6% of every point. Those TP2 peaks predate the chunked MLP (1.8 GiB less at
-1920x1088x175 on the one-GPU stand-in), so at TP2 this errs towards more.
-
-Streamed: peak = CUDA context + STREAMED_BLOCKS of BLOCKS of the weights (the block computing and the next, copied in
-beside it) + torch's pool, the pool being the live tensors times what the allocator holds on top of them. Live tensors
-grow per sequence row as the activation accounting of docs/PERFORMANCE.md says (21,504 bytes every rank holds whole:
-the video embedding and the stream outside the blocks; 75,264 / tp at the attention's peak: the stream's rows, qkv
-and its int8 copy), scaled to the one measured length, a TP2 rank at 1920x1088x362 (14.1 GiB live; pooled: 1.39x
-live for cudaMallocAsync on the one-GPU stand-in, 1.31x with expandable segments, 1.24x for the native allocator
-in the whole prompt). One length, one tp size: other lengths and tp sizes follow the accounting unmeasured.
-Expandable segments are outside what dynamic VRAM sees (it frees weights for cudaMalloc and cudaMallocAsync calls
-only; with the text encoder resident a rank ran out of memory at 12.4 GiB live), so --lean-memory is the native
-allocator without them. Imports nothing from `comfy`.
+Resident: peak = weights / tp + FIXED_GIB + tokens x (SHARED + SPLIT / tp), least squares on peaks measured with all weights
+resident (nvidia-smi, int8 ConvRot DiT; docs/PERFORMANCE.md); its TP2 points predate the chunked MLP, so at TP2 it errs
+towards more. Streamed: peak = CONTEXT_GIB + STREAMED_BLOCKS / BLOCKS of the weights (the block computing and the next) +
+torch's pool = live x POOL_OVER_LIVE[allocator]; live bytes per row follow the activation accounting (SHARED_ROW_BYTES held
+whole, SPLIT_ROW_BYTES / tp at the attention's peak), scaled to one measured TP2 length (others unmeasured). --lean-memory is
+the native allocator without expandable segments (dynamic VRAM frees weights only for cudaMalloc/cudaMallocAsync calls).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Independent decodes spread over TP ranks: who decodes which unit, and the exchange that hands every rank every
-decoded unit, in order.
+"""Independent decodes spread over TP ranks: who decodes which unit, and the exchange handing every rank every decoded unit.
 
-A chunked, tiled video decode (the H3 VAE: temporal chunks, each decoded in spatial tiles) decodes its tiles one
-after another and blends each into its neighbours; the tile decodes themselves are independent. The units dealt
-out are every chunk's tiles in one list, in the order the model asks for them, so the ranks get equal shares
-(84 tiles at 832x480x124: 42 each, where 7 chunks gave 4 and 3). `RoundRobinDecoder` decodes unit i on rank
-i % tp_size, a round of tp_size units at a time, and broadcasts each decoded unit from its owner, so every rank
+A chunked, tiled video decode (the H3 VAE: temporal chunks, each decoded in spatial tiles) decodes its tiles one after
+another and blends each into its neighbours; the tile decodes themselves are independent. The units dealt out are every
+chunk's tiles in one list, in the order the model asks for them, so the ranks get equal shares. `RoundRobinDecoder`
+decodes unit i on rank i % tp_size, a round of tp_size units at a time, and broadcasts each from its owner, so every rank
 can run the model's own serial blend on exactly the tensors a single-rank decode would have made.
 
     clips = temporal_chunks(z, pad, n, size, overlap)       chunk inputs, cut as the H3 VAE cuts them

@@ -1,31 +1,17 @@
-"""nvfp4 (with AWQ) linears cut for tensor parallelism: split checks, per-rank slicing, and a quantiser that writes
-the tensors a ComfyUI nvfp4 file stores. Imports torch only (not `comfy`, not `comfy_kitchen`).
+"""nvfp4 (AWQ) linears cut for TP: split checks, per-rank slicing, and a quantiser writing what a ComfyUI nvfp4 file stores.
 
-The layout, as comfy-kitchen 0.2.31 writes and reads it (tensor/nvfp4.py, backends/eager/quantization.py
-quantize_nvfp4 / dequantize_nvfp4, float_utils.py to_blocked / from_blocked) and ComfyUI loads it
-(comfy/ops.py `_load_quantized_module`), for a linear of logical shape [n, k] (out, in):
-  weight          uint8 [roundup(n,16), roundup(k,16)/2]: two E2M1 codes a byte, the even column in the high
-                  nibble; padding is zero.
-  weight_scale    float8_e4m3fn (ComfyUI also accepts uint8 bytes) [roundup(n,128), roundup(roundup(k,16)/16, 4)]:
-                  one scale per 16 input columns, stored in cuBLAS's swizzled 128x4-tile layout (SWIZZLE_32_4_4),
-                  zero in the padding.
-  weight_scale_2  float32 scalar: the per-tensor scale, amax(|W|) / (448 * 6).
-  input_scale     float32 scalar (optional): the static per-tensor activation scale.
-  pre_quant_scale [k] (optional, AWQ): the layer multiplies its input by it; the stored weight is W / pre_quant_scale.
-  comfy_quant     uint8 JSON bytes, {"format": "nvfp4"}.
-W[i, j] = e2m1(weight)[i, j] * weight_scale_2 * unswizzle(weight_scale)[i, j // 16].
-
-The text encoder builds these layers with full_precision_mm (comfy/sd1_clip.py), and ComfyUI disables nvfp4 compute
-below sm_100: the input is only multiplied by pre_quant_scale, never quantised (input_scale is loaded, unused), and
-the weight is dequantised for a plain F.linear. A K slice's partial product is then exactly its share of the terms.
-Were the input quantised (sm_100 without full_precision_mm), the slice would still match when K / tp_size is a
-multiple of 16 and input_scale is present; without it each rank would take its own amax as the per-tensor scale.
-
-A rank can read just its bytes: its weight rows (or byte columns) are a plain narrow, and the swizzled scales keep
-each 128-row band contiguous, so for a row split whose local rows are a multiple of 128 a rank's weight_scale is
-rows [start, start + local_n) of the stored tensor as it is; for a K split with local K / 16 a multiple of 4 it is,
-per 128-row band, one contiguous run of 512-byte tiles. Other splits read the (small) whole scale tensor and slice
-it here (`slice_block_scales`).
+Layout of a linear [n, k] (out, in), as comfy-kitchen 0.2.31 (tensor/nvfp4.py, float_utils.py) and comfy/ops.py have it:
+  weight          uint8 [roundup(n,16), roundup(k,16)/2]: two E2M1 codes a byte, the even column in the high nibble
+  weight_scale    float8_e4m3fn (or uint8) [roundup(n,128), roundup(roundup(k,16)/16, 4)]: one scale per 16 input columns,
+                  in cuBLAS's swizzled 128x4-tile layout (SWIZZLE_32_4_4); all padding is zero
+  weight_scale_2  float32 scalar amax(|W|) / (448 * 6);  input_scale (optional) float32, the static activation scale
+  pre_quant_scale [k] (optional, AWQ): multiplies the input; the stored weight is W / pre_quant_scale
+  comfy_quant     uint8 JSON {"format": "nvfp4"};  W[i,j] = e2m1(weight)[i,j] * weight_scale_2 * unswizzle(weight_scale)[i,j//16]
+The text encoder runs full_precision_mm (comfy/sd1_clip.py), and ComfyUI has no nvfp4 compute below sm_100: the input is only
+scaled by pre_quant_scale and the weight dequantised for F.linear, so a K slice's partial product is exactly its share
+(quantised inputs would need K / tp_size a multiple of 16 and an input_scale). A rank reads only its bytes: weight rows or byte
+columns are a narrow; weight_scale is a row range for local rows a multiple of 128, and one run of 512-byte tiles per 128-row
+band for local K / 16 a multiple of 4; else the whole (small) scale is sliced (`slice_block_scales`). Imports torch only.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
-"""What a rank loads of a checkpoint, and the rank cache: this rank's slices of a checkpoint, cut once into a file
-under TP2_CACHE_DIR, so the loader maps them from disk as it maps any checkpoint.
-
-Why: ComfyUI's dynamic VRAM keeps a pinned host copy of every weight. For a tensor mapped from a file it fills that
-copy straight from the file and holds nothing else; for a tensor in ordinary memory (a rank's slices as
-shard-on-read makes them) it copies it, and both copies stay alive (a rank held about twice its share,
-docs/PERFORMANCE.md). From a rank-cache file a rank holds one copy.
-
-A cache file is named by the checkpoint's name, its fingerprint and the plan's fingerprint, for this rank and
-tp_size; it carries a digest per tensor, computed as it is written and checked (one tensor at a time, read into a
-scratch buffer) when the file is loaded after a change of its size or mtime (checks are remembered by path, size
-and mtime). A file that fails the check is deleted and cut again. A disk without room for the file leaves the rank
-on shard-on-read, with a warning.
+"""What a rank loads of a checkpoint, and the rank cache: this rank's slices of a checkpoint, cut once into a file under
+TP2_CACHE_DIR, so the loader maps them from disk as it maps any checkpoint.
 
     shard = open_rank_shard(path, tp_rank, tp_size, cache_dir, read_all)   # the DiT (a rank file beside it wins)
     sd, metadata, origin = read_rank_slices(path, te_plan.tensors, te_plan.fingerprint(), tp_rank, tp_size, what,
                                             cache_dir, read_all)                # the text encoder
 
-Imports nothing from `comfy`: `read_all(path) -> state dict` is the loader's own file reader.
+Why: ComfyUI's dynamic VRAM keeps a pinned host copy of every weight. A tensor mapped from a file fills that copy straight
+from the file and nothing else is held; a tensor in ordinary memory (shard-on-read slices) is copied, and both copies stay
+alive. From a rank-cache file a rank holds one copy. A cache file is named by the checkpoint's name and fingerprint, the
+plan's fingerprint, this rank and tp_size; it carries a digest per tensor, computed as it is written and checked (a tensor
+at a time, in a scratch buffer) on load after a change of its size or mtime (checks are remembered by path, size and
+mtime). A file that fails the check is deleted and cut again; a disk without room leaves the rank on shard-on-read, with a
+warning. Imports nothing from `comfy`: `read_all(path) -> state dict` is the loader's own file reader.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Safetensors files without holding them: header parsing, ranged reads, streaming writes.
 
 Owns the byte-level view of a `.safetensors` file. Reads go through `os.pread` into buffers that
-this process owns (not an mmap), so a rank that takes half of a 20 GB checkpoint never has the other
+this process owns (not an mmap), so a rank that takes half of a checkpoint never has the other
 half resident, and its peak RSS is what it keeps plus one read chunk per reading thread. Writes stream
 one tensor at a time, so neither the pre-sharder nor the synthetic generator holds a whole file.
 

@@ -1,18 +1,17 @@
 """The tensor-parallel plan of H3's text encoder (Qwen3-VL-32B, truncated to 50 layers), resolved from a file's layout.
 
-Megatron style, per decoder layer: q/k/v and gate/up are column-parallel (each rank its query heads, its KV heads
-and its FFN columns: contiguous head ranges keep every query head with its KV head), o_proj and down_proj
-row-parallel (each rank a K slice; one all-reduce each). The token embedding (0.78 B parameters, 1.56 GB in bf16)
-is vocabulary-parallel: each rank holds a contiguous 1/tp_size of the rows, looks up the tokens that fall in it,
-and one all-reduce per encode sums the rows (each token's row comes from exactly one rank: exact). Replicated:
-  - norms and per-head q/k norms (per-channel weights);
-  - the vision tower (0.6 B parameters, run only for image inputs, over a few hundred patches).
-Layers the built model does not have (past H3_TE_LAYERS, an lm_head) are not read at all.
+Megatron style, per decoder layer: q/k/v and gate/up are column-parallel (each rank its query heads, its KV heads and its
+FFN columns: contiguous head ranges keep every query head with its KV head), o_proj and down_proj row-parallel (each rank
+a K slice; one all-reduce each). The token embedding (0.78 B parameters) is vocabulary-parallel: each rank holds a
+contiguous 1/tp_size of the rows, looks up the tokens that fall in it, and one all-reduce per encode sums the rows (each
+token's row comes from exactly one rank: exact). Replicated: norms and per-head q/k norms (per-channel weights), and the
+vision tower (0.6 B parameters, run only for image inputs, over a few hundred patches). Layers the built model does not
+have (past H3_TE_LAYERS, an lm_head) are not read at all.
 
-Every quantisation layout is sliced with its scales: int8 tensorwise (with or without ConvRot) and fp8 (scalar
-scales: whole on every rank), nvfp4 with AWQ (packed weight and block scales sliced along the split dim,
-pre_quant_scale along K for row-parallel layers, see tp2/nvfp4.py), unquantised bf16/fp16/fp32.
-Everything is checked here, before any weight is read. Imports nothing from `comfy`.
+Every quantisation layout is sliced with its scales: int8 tensorwise (with or without ConvRot) and fp8 (scalar scales:
+whole on every rank), nvfp4 with AWQ (packed weight and block scales sliced along the split dim, pre_quant_scale along K
+for row-parallel layers, see tp2/nvfp4.py), unquantised bf16/fp16/fp32. Everything is checked here, before any weight is
+read. Imports nothing from `comfy`.
 """
 
 from __future__ import annotations

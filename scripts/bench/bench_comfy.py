@@ -1,24 +1,18 @@
 #!/usr/bin/env python3
 """TP1 vs TP2 (vs TP4) on real ComfyUI servers, side by side in one invocation, on one GPU machine.
 
-For each tp_size: start the servers (one per GPU; tp_size 1 = plain ComfyUI with the pack inactive), run the
-same latent-only T2V workflow (conditioning from file, cfg 1, res_multistep/simple, seed 145) at each
-resolution, and record: s/step (rank 0's time from its first step's progress event to the end of the sampler
-node, whose latent is then on the host, per remaining step; the median spacing of the progress events is kept
-beside it as s_per_step_progress, which understates a step where the CPU runs ahead of the GPU; with --profile the
-span includes the trace's writing in the 3rd step), checkpoint load time per rank (UNETLoader's span), peak GPU memory per rank (nvidia-smi every
-0.5 s), and whether all ranks' saved latents are byte-identical. Prints a table; writes bench.json.
+    python scripts/bench/bench_comfy.py --comfyui DIR --base DIR --front-end DIR --out DIR [--tp-sizes 1,2] [--steps 8]
+        [--frames 124] [--resolutions 832x480,1344x768] [--memory-resolutions 1600x896,1920x1088] [--cap-gib G] [--one-gpu]
 
-    python scripts/bench/bench_comfy.py --comfyui DIR --base DIR --front-end DIR --out DIR [--tp-sizes 1,2]
-        [--resolutions 832x480,1344x768] [--memory-resolutions 1600x896,1920x1088] [--steps 8] [--frames 124]
-        [--cap-gib G] [--one-gpu]
-
---cap-gib G: every GPU made a G GiB card per process on it before the servers start (scripts/bench/gpu_ballast.py
-holds the rest), so torch's allocator, ComfyUI and its dynamic VRAM meet a real limit. --one-gpu: every rank on
-GPU 0, the ranks' group over gloo (the one-GPU measuring mode: each process's memory is real, the speed is not;
-with --cap-gib the ranks share G x tp_size GiB).
-Each row also has every process's own nvidia-smi peak and the pack's log lines of the capacity check (its
-prediction; the check is not enforced here) and of the sampler's peak of live tensors.
+Per tp_size: start the servers (one per GPU; tp_size 1 = plain ComfyUI, pack inactive), run one latent-only T2V workflow
+(conditioning from file, cfg 1, res_multistep/simple, seed 145) per resolution, and record: s/step (rank 0, from its first
+step's progress event to the sampler node's end, its latent then on the host, per remaining step; beside it
+s_per_step_progress, the median progress-event spacing, which understates a step the CPU runs ahead of; with --profile the span
+includes writing the trace in step 3); each rank's checkpoint load (UNETLoader's span) and peak GPU memory (nvidia-smi every
+0.5 s, also per process); whether all ranks' saved latents are byte-identical; the pack's capacity-check (not enforced here)
+and sampler-peak log lines. Prints a table; writes bench.json. --cap-gib G: every GPU made a G GiB card per process before the
+servers start (scripts/bench/gpu_ballast.py holds the rest): a real limit for the allocator and dynamic VRAM. --one-gpu: every
+rank on GPU 0 over gloo (memory real, speed not; with --cap-gib the ranks share G x tp_size GiB).
 """
 
 from __future__ import annotations

@@ -1,28 +1,18 @@
 #!/usr/bin/env python3
-"""The whole video as a user waits for it: a bundled text-to-video-with-audio workflow, unchanged, on real ComfyUI
-servers, TP1 and TP2 side by side in one invocation, cold and warm, timed per phase from ComfyUI's own events.
+"""The whole video as a user waits for it: a bundled text-to-video-with-audio workflow, unchanged, on real ComfyUI servers.
 
-    python scripts/bench/whole_video.py --comfyui DIR --base DIR --front-end DIR --out DIR
-        [--configs tp1,tp2] [--workflow h3_tp2_t2v_832x480] [--one-gpu] [--fast] [--steps N] [--frames N]
-        [--size WxH] [--prompts cold,warm] [--tiny]
+    python scripts/bench/whole_video.py --comfyui DIR --base DIR --front-end DIR --out DIR [--configs tp1,tp2] [--one-gpu]
+        [--workflow h3_tp2_t2v_832x480] [--fast] [--steps N] [--frames N] [--size WxH] [--prompts cold,warm] [--tiny]
 
-BASE is a ComfyUI --base-directory whose models/ holds the four files the bundled workflows load (write them with
-scripts/bench/make_models.py); the pack is linked into BASE/custom_nodes here. Each config runs on its own servers:
-`tp1` is stock ComfyUI on one GPU (the pack linked but inactive), `tp1pack` the pack at tp_size 1, `tpN` is N ranks (GPU r each, NCCL; with
---one-gpu all on GPU 0 over gloo: memory real, speed meaningless), and `@G` caps every process at G GiB of GPU
-memory (`tp2@22`): before the servers start, scripts/bench/gpu_ballast.py holds all of each GPU but G GiB per
-process on it, so torch's allocator, ComfyUI and its dynamic VRAM meet a real limit. Per config: the workflow
-as shipped (cold: the first prompt after start, models from disk or page cache), then the same workflow with
-another text and seed (warm: models loaded, every node but the loaders runs again).
-
-Per prompt and process: each phase's wall time (the span between ComfyUI's `executing` events: load = the loader
-nodes, text encode = MiniMaxH3ImageToVideo, sampling = KSampler, with s/step from its progress events, video
-decode, audio decode, mux and save = CreateVideo + SaveVideo), the whole prompt, the peak GPU memory (nvidia-smi,
-per process, every 0.5 s; also per phase), the pack's capacity and sampling-peak log lines, the peak host RSS split into anonymous and file-backed pages (/proc/PID/status), the
-models ComfyUI (re)loaded during the prompt (its "Requested to load" lines: none in a warm prompt means encoder and
-DiT stayed resident), and the MP4's size and sha256 (the ranks' must be equal). Writes OUT/whole_video.jsonl (a
-line per prompt, as it goes) and prints a table with the ratio to stock TP1 per phase. --tiny: CPU, the test stand-ins, 64x64,
-5 frames, 2 steps (a check of the script, not a measurement).
+BASE: a ComfyUI --base-directory whose models/ holds the bundled workflows' four files (scripts/bench/make_models.py); the pack
+is linked into BASE/custom_nodes. Configs, side by side in one run, each on its own servers: `tp1` stock ComfyUI on one GPU
+(pack inactive), `tp1pack` the pack at tp_size 1, `tpN` N ranks, GPU r each, NCCL (--one-gpu: GPU 0, gloo; memory real, speed
+not); suffix `@G` (tp2@22) caps each process at G GiB (gpu_ballast.py holds the rest). Prompts: cold (as shipped, first after
+start), warm (new text and seed; all but the loaders run again). Per prompt and process: wall time per phase (PHASES: spans
+between `executing` events; s/step from KSampler's progress) and in all; nvidia-smi peak (every 0.5 s, also per phase); the
+pack's capacity and peak log lines; peak host RSS, anonymous and file-backed; models (re)loaded ("Requested to load": none when
+warm = encoder and DiT resident); the MP4's size and sha256 (equal on all ranks). Writes OUT/whole_video.jsonl (a line per
+prompt) and OUT/whole_video_table.md (each phase's ratio to stock TP1). --tiny: CPU stand-ins, 64x64, 5 frames, 2 steps.
 """
 
 from __future__ import annotations

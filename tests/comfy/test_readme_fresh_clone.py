@@ -1,34 +1,17 @@
 """The README followed on a fresh clone, in a temporary HOME, as a new user would (issue 18's first evidence item).
 
-From the folder of a `git clone` of this repository's committed HEAD, with HOME a fresh empty folder, each command
-exactly as the README writes it, changed only where the README itself says it may be:
-
-1. set-up: `scripts/install.sh --comfyui DIR`, DIR a copy of the ComfyUI checkout the suite uses (COMFYUI_DIR; its
-   code copied, its models/ as empty folders, so nothing is written into the shared checkout);
-2. the demo: `scripts/demo.sh --base-port N` (free ports instead of 18288/18289), with no --comfyui: it must use DIR,
-   remembered by the set-up;
-3. the launcher: `scripts/start-tp2.sh --tp-size 2 --cpu --base-port M` (the README's `--gpus 0,1` form on a machine
-   without GPUs is `--cpu`, as its troubleshooting table says; free ports instead of 18188/18189);
-4. `scripts/tp2-submit workflows/api/h3_tp2_tiny_demo.json --run-dir tp2-run --set KSampler.seed=7`: the README's
-   command with the tiny workflow (whose files the demo left in DIR) for the 832x480 one, whose 20 GB model is not
-   here; run by a shell whose `python3` is whatever PATH gives (without aiohttp here: tp2-submit must find .venv);
-5. `scripts/start-tp2.sh status` and 6. `scripts/start-tp2.sh stop`.
-
-Each must exit 0; the set-up, the demo and the launcher must name DIR as the ComfyUI they use, and the ranks that
-tp2-submit, status and stop talk to must be DIR's (their working folder, as the launcher starts them) under the
-clone's new .venv; tp2-submit exits 0 only when every rank wrote identical files, which the test checks again on
-the downloaded files.
-
-The set-up makes a real virtualenv (torch with CUDA and its NVIDIA wheels, ComfyUI's requirements, the pack's):
-about 6.9 GB. It runs with pip's configuration and cache of the real user (PIP_CONFIG_FILE, PIP_CACHE_DIR; the
-temporary HOME would hide them), so the wheels come from wherever that user's pip gets them; scripts/install.sh
-offers no wheel reuse or constraint of its own. On the development machine that is local wheel folders and indexes
-for torch, the NVIDIA wheels and most requirements, and the package registry for the few that are not there
-(comfyui-frontend-package, comfyui-workflow-templates, comfyui-embedded-docs, comfy-kitchen, comfy-aimdo, ...):
-the set-up needs the registry, as a user's does; without it this test fails at the set-up (it is never skipped).
-Measured on the 2-core development machine: the set-up 189 s alone and 249 s in this test, the whole test 337 s
-(the demo, the launcher, tp2-submit, status and stop together about 85 s). The clone, its venv and DIR are removed
-afterwards (kept with TP2_KEEP_TEST_DIRS=1).
+From a `git clone` of HEAD, with HOME fresh and empty, each command as the README writes it (changed only where it allows):
+1. `scripts/install.sh --comfyui DIR`, DIR a copy of the suite's ComfyUI (COMFYUI_DIR: code copied, models/ empty folders);
+2. `scripts/demo.sh --base-port N` (free ports), no --comfyui: it must use DIR, remembered by the set-up;
+3. `scripts/start-tp2.sh --tp-size 2 --cpu --base-port M` (its `--gpus 0,1` without GPUs, per the troubleshooting table);
+4. `scripts/tp2-submit workflows/api/h3_tp2_tiny_demo.json --run-dir tp2-run --set KSampler.seed=7` (the tiny workflow the demo
+   left in DIR, for the 832x480 one) from a shell whose `python3` is PATH's, without aiohttp: tp2-submit must find .venv;
+5. `scripts/start-tp2.sh status`; 6. `scripts/start-tp2.sh stop`.
+Each must exit 0; set-up, demo and launcher must name DIR; the ranks tp2-submit, status and stop reach must be DIR's (their
+working folder) under the clone's new .venv; tp2-submit exits 0 only when every rank wrote identical files, checked again here.
+The set-up makes a real virtualenv (torch with CUDA, ComfyUI's and the pack's requirements) with the real user's pip config and
+cache (PIP_CONFIG_FILE, PIP_CACHE_DIR; scripts/install.sh has no wheel reuse of its own): it needs the package registry, as a
+user's does, and fails without it (not skipped). Clone, venv and DIR are removed afterwards (kept with TP2_KEEP_TEST_DIRS=1).
 """
 
 from __future__ import annotations
