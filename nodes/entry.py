@@ -38,7 +38,7 @@ def activate() -> None:
     _take_settings(env, device)
     STATE.boot_id = uuid.uuid4().hex
     secret = read_secret()
-    STATE.session = TPSession(env, device, boot_id=STATE.boot_id, secret=secret)
+    STATE.session = TPSession(env, device, boot_id=STATE.boot_id, secret=secret, peer_urls=settings.value("TP2_RANK_URLS"))
     _install_hooks(secret)
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     log.info(
@@ -73,6 +73,7 @@ def _install_hooks(secret: str | None) -> None:
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
     from .prompt_lifecycle import track_prompts
+    from .queue_journal import install_queue_journal
     from .same_outputs import install_same_outputs
     from .status_api import install_status_routes
     from .text_encoder import install_text_encoder_hook
@@ -85,6 +86,7 @@ def _install_hooks(secret: str | None) -> None:
     track_prompts()
     install_interrupt_deferral()
     install_front_door(secret)
+    install_queue_journal()
     install_status_routes(PromptServer.instance.routes)  # read-only GETs, with or without the front door
     install_parallel_vae_decode()
     install_same_outputs()

@@ -1,18 +1,17 @@
 """Rank 0 is the front door and holds the only queue: a prompt reaches the followers when rank 0 starts it.
 
-On by TP2_SECRET_FILE (the launcher writes a per-run secret there); without it every rank keeps its own queue
-and accepts prompts as before (submit the same prompt id to every rank).
+On by TP2_SECRET_FILE (the launcher writes a per-run secret there); without it every rank keeps its own queue and accepts
+prompts as before (submit the same prompt id to every rank). GET /tp2/status and /tp2/cluster: nodes/status_api.py.
 
-    rank 0     POST /prompt queues here only (a prompt id seen before is refused). When the prompt worker starts
-               a prompt, `dispatch` sends it to every follower with rank 0's sequence number, a run id unique to
-               this execution and whether every rank clears its node cache first; a follower that cannot take it
-               fails the prompt at once, with the rank named. Cancel, delete and clear act on rank 0's queue alone
-               (the followers hold nothing pending); a running prompt that stops tells the followers itself (see
-               prompt_lifecycle). POST /free (unload_models) and /history are repeated on every follower; free_memory
-               becomes a node-cache clear on every rank before the next prompt. GET /tp2/ranks lists the ranks;
-               (GET /tp2/status and /tp2/cluster, read-only, are nodes/status_api.py's, installed by entry.)
-    followers  every state-changing route (prompt, queue, interrupt, jobs cancel, free, history) refuses without
-               the secret; prompts only from rank 0's dispatcher, strictly in its order
+    rank 0     POST /prompt queues here only (a prompt id seen before is refused). As the prompt worker starts it, `dispatch`
+               sends it to every follower with rank 0's sequence number, a run id unique to this execution and whether every rank
+               clears its node cache first. A follower that cannot take it fails the prompt at once, naming the rank, unless it
+               is down while its launcher starts it again: then the prompt (and the queue behind it) waits up to REJOIN_WAIT_S.
+               Cancel, delete and clear act on rank 0's queue alone (followers hold nothing pending); a running prompt that stops
+               tells the followers itself (prompt_lifecycle). POST /free and /history are repeated on every follower; free_memory
+               becomes a node-cache clear on all ranks before the next prompt. GET /tp2/ranks lists the ranks.
+    followers  every state-changing route (prompt, queue, interrupt, jobs cancel, free, history) refuses without the
+               secret; prompts only from rank 0's dispatcher, strictly in its order
 """
 
 from __future__ import annotations
@@ -21,7 +20,10 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+import time
 
+import comfy.model_management as mm
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from execution import SENSITIVE_EXTRA_DATA_KEYS
 
@@ -36,6 +38,8 @@ ENV_RANK_URLS = "TP2_RANK_URLS"
 FOLLOWER_GUARDED = ("/prompt", "/queue", "/interrupt", "/free", "/history")  # routes, as _route names them
 REPEATED = ("/free", "/history")  # rank 0 repeats these on every follower
 FORWARD_TIMEOUT = ClientTimeout(total=60, sock_connect=3)
+PROBE_TIMEOUT = ClientTimeout(total=5, sock_connect=2)
+REJOIN_WAIT_S = 120.0  # how long rank 0 holds a prompt for a follower its launcher is starting again
 
 
 def _route(request: web.Request) -> str:
@@ -69,26 +73,31 @@ class FrontDoor:
     def followers(self) -> list[tuple[int, str]]:
         return [(r, u) for r, u in enumerate(self.rank_urls) if r != 0]
 
-    async def forward(self, path: str, body: dict) -> list[str]:
-        """POST `body` to `path` on every follower; the problems, one line per rank that did not take it."""
+    async def forward(self, path: str, body: dict) -> dict[int, tuple[str, bool]]:
+        """POST `body` to `path` on every follower: rank -> (the problem, whether the rank did not answer at all), for
+        each rank that did not take it."""
 
-        async def one(rank: int, url: str) -> str | None:
+        async def one(rank: int, url: str) -> tuple[str, bool] | None:
             try:
                 async with ClientSession(timeout=FORWARD_TIMEOUT) as s, s.post(url + path, json=body, headers={HEADER: self.secret}) as r:
                     if r.status == 200:
                         return None
-                    return f"rank {rank} ({url}) refused it ({r.status}): {_error_text(await r.text())}"
+                    return f"rank {rank} ({url}) refused it ({r.status}): {_error_text(await r.text())}", False
             except asyncio.TimeoutError:
                 return (f"rank {rank} ({url}) did not answer within {FORWARD_TIMEOUT.total:.0f} s: it is frozen or overloaded "
-                        f"(scripts/start-tp2.sh status; restart it with scripts/start-tp2.sh restart --rank {rank})")  # fmt: skip
+                        f"(scripts/start-tp2.sh status; restart it with scripts/start-tp2.sh restart --rank {rank})"), False  # fmt: skip
             except (ClientError, OSError) as e:
-                return f"rank {rank} ({url}) is not reachable ({type(e).__name__}: {e}); start it again (scripts/start-tp2.sh status)"
+                return f"rank {rank} ({url}) is not reachable ({type(e).__name__}: {e}); start it again (scripts/start-tp2.sh status)", True
 
-        return [p for p in await asyncio.gather(*(one(r, u) for r, u in self.followers)) if p]
+        answers = await asyncio.gather(*(one(r, u) for r, u in self.followers))
+        return {r: a for (r, _), a in zip(self.followers, answers) if a is not None}
 
     # -- rank 0 ----------------------------------------------------------------------------------------
-    async def dispatch(self, prompt: dict, prompt_id: str, extra_data: dict, outputs: list, reset: bool) -> tuple[str, str | None]:
-        """Send the prompt rank 0 is starting to every follower: (the run id, why a follower could not take it)."""
+    async def dispatch(self, prompt: dict, prompt_id: str, extra_data: dict, outputs: list, reset: bool) -> tuple[str, bool, str | None]:
+        """Send the prompt rank 0 is starting to every follower: (the run id, whether every rank clears its node cache
+        first, why a follower could not take it). A follower its launcher is starting again is waited for first (and
+        then every rank clears its cache: the restarted one has none)."""
+        reset = await self._wait_for_restarts(prompt_id) or reset
         self.seq += 1
         run = f"{prompt_id}.{STATE.boot_id[:8]}.{self.seq}"
         order = {"run": run, "seq": self.seq, "boot": STATE.boot_id, "reset": reset}
@@ -96,7 +105,49 @@ class FrontDoor:
         body = {"prompt": prompt, "prompt_id": prompt_id, "extra_data": extra, "number": self.seq, "tp2": order,
                 "partial_execution_targets": list(outputs)}  # fmt: skip
         problems = await self.forward("/prompt", body)
-        return run, "; ".join(problems) or None
+        return run, reset, "; ".join(p for p, _ in problems.values()) or None
+
+    async def _wait_for_restarts(self, prompt_id: str) -> bool:
+        """Wait (at most REJOIN_WAIT_S, until an interrupt) while a follower is down and its launcher is starting it
+        again; whether there was one."""
+        down = [r for r, answers in zip((r for r, _ in self.followers), await self._answering()) if not answers and self.restarting(r)]
+        if not down:
+            return False
+        log.warning("%s rank(s) %s not reachable while the launcher starts them again: prompt %s waits up to %.0f s",
+                    STATE.tag, ", ".join(map(str, down)), prompt_id, REJOIN_WAIT_S)  # fmt: skip
+        deadline = time.monotonic() + REJOIN_WAIT_S
+        while time.monotonic() < deadline and not mm.processing_interrupted():
+            await asyncio.sleep(1.0)
+            if all(await self._answering()):
+                log.info("%s every rank is back: prompt %s is handed over", STATE.tag, prompt_id)
+                break
+        return True
+
+    async def _answering(self) -> list[bool]:
+        """Whether each follower's HTTP API answers (GET /tp2/ranks)."""
+
+        async def one(url: str) -> bool:
+            try:
+                async with ClientSession(timeout=PROBE_TIMEOUT) as s, s.get(url + "/tp2/ranks") as r:
+                    return r.status == 200
+            except (ClientError, OSError, asyncio.TimeoutError):
+                return False
+
+        return list(await asyncio.gather(*(one(u) for _, u in self.followers)))
+
+    def restarting(self, rank: int) -> bool:
+        """Whether the launcher's supervisor of `rank` is alive to start it again (RUN_DIR/rank<r>.supervisor)."""
+        run_dir = os.path.dirname(settings.value(ENV_SECRET_FILE) or "")
+        if not run_dir or os.path.exists(os.path.join(run_dir, "stopping")):
+            return False
+        try:
+            with open(os.path.join(run_dir, f"rank{rank}.supervisor")) as f:
+                pid = int(f.read().strip())
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:  # a supervisor that ended unreaped (no init to reap it) is a zombie
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, ValueError, IndexError):
+            return False
 
     def _known_prompt_id(self, prompt_id) -> bool:
         from server import PromptServer
@@ -119,7 +170,7 @@ class FrontDoor:
                 STATE.session.cache_epoch(bump=True)
             body = {"unload_models": bool(body.get("unload_models"))}
         problems = await self.forward(route, body)
-        for p in problems:
+        for p, _ in problems.values():
             log.warning("%s could not repeat %s on a follower: %s", STATE.tag, route, p)
         return await handler(request)
 

@@ -2,18 +2,16 @@
 
     track_prompts()   wraps execution.PromptExecutor.execute_async (once)
 
-Rank 0 dispatches each prompt to the followers as it starts (front door on), with whether every rank clears its
-node cache first; a rank whose prompt fails for any reason tells every rank at once, with its reason
-(tp2/watch.py), and gives up its process group.
+Rank 0 dispatches each prompt to the followers as it starts (front door on), with whether every rank clears its node cache
+first; a rank whose prompt fails for any reason tells every rank at once, with its reason (tp2/watch.py), and gives up its group.
 
-Node caching: the pack does not depend on caches being alike. Every rank clears its node cache before a prompt
-when any rank restarted since its last prompt (boot ids in the store: a restarted rank has an empty cache) or
-reported a failed rendezvous or collective; what is left (e.g. RAM-pressure eviction on one rank) is detected
-at the sampler rendezvous (a bounded wait, a clear error) and cleared the same way before the next prompt.
+Node caches need not be alike. Every rank clears its node cache before a prompt when any rank restarted since its last prompt
+(boot ids in the store: a restarted rank has an empty cache) or reported a failed rendezvous or collective; anything else (e.g.
+RAM-pressure eviction on one rank) is caught at the sampler rendezvous (a bounded wait, a clear error) and cleared likewise.
 
-ComfyUI internals this writes (execution.PromptExecutor, 0.33): when a prompt is refused before it starts,
-`server.client_id`, `status_messages` (through `add_message`), `success` and `history_result`, as its own
-execute_async does for a node's error; `reset()` clears the node cache. It reads `status_messages` after a run.
+ComfyUI internals (execution.PromptExecutor, 0.33): for a prompt refused before it starts this writes `server.client_id`,
+`status_messages` (through `add_message`), `success` and `history_result`, as execute_async does for a node's error;
+`reset()` clears the node cache; `status_messages` is read after a run.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ import execution
 from ..tp2.handshake import prompt_details
 from . import front_door
 from .patches import PATCHES
+from .queue_journal import lost_in_restart
 from .state import STATE, Prompt, log
 
 
@@ -75,8 +74,10 @@ async def _run_id(prompt, prompt_id, extra_data, execute_outputs) -> tuple[str, 
     """(run id, whether to clear the node cache, why the ranks are unavailable or None, boot ids known from rank 0)."""
     door = front_door.FRONT_DOOR
     if door is not None and STATE.env.tp_rank == 0:
-        reset = _caches_may_differ()
-        run, refused = await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, reset)
+        lost = lost_in_restart(extra_data)
+        if lost is not None:  # never handed to the followers: it fails here, with the reason
+            return prompt_id, False, lost, {}
+        run, reset, refused = await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, _caches_may_differ())
         return run, reset, refused, {}
     if door is not None:
         order = door.take_order(prompt_id) or {"run": prompt_id, "reset": _caches_may_differ()}

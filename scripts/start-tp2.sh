@@ -395,7 +395,7 @@ RANK_URLS="${RANK_URLS%,}"
 
 check_python
 echo "minimax-h3-tp2: starting $TP_SIZE ranks of $COMFYUI under $PY (MASTER_PORT=$MASTER_PORT)"
-: > "$PIDS"; rm -f "$RUN_DIR"/rank*.restarts "$RUN_DIR/stopping"
+: > "$PIDS"; rm -f "$RUN_DIR"/rank*.restarts "$RUN_DIR/stopping" "$RUN_DIR/rank0.queue.json"  # a fresh start: an empty queue
 for (( r = 0; r < TP_SIZE; r++ )); do : > "$RUN_DIR/rank$r.log"; done
 # what `restart` needs to start a rank again the same way
 { declare -p COMFYUI PY LISTEN BASE_PORT BASE_DIR CPU GPU_LIST EXTRA TP_SIZE MASTER_PORT SECRET_FILE RANK_URLS

@@ -1,5 +1,5 @@
 """How much GPU memory one rank needs to sample an H3 video, and the longest video that fits: a model calibrated on
-measurements (MEASURED, MEASURED_STREAMED), for the advice logged at every sampler. Imports nothing from `comfy`.
+measurements (MEASURED, MEASURED_STREAMED), for the advice logged at every sampler.
 
     tokens(width, height, frames)                   the packed sequence length the DiT samples
     predict_peak_gib(tokens, tp, streamed=False)    one rank's peak: weights resident (--highvram), or streamed by dynamic VRAM
@@ -12,6 +12,7 @@ towards more. Streamed: peak = CONTEXT_GIB + STREAMED_BLOCKS / BLOCKS of the wei
 torch's pool = live x POOL_OVER_LIVE[allocator]; live bytes per row follow the activation accounting (SHARED_ROW_BYTES held
 whole, SPLIT_ROW_BYTES / tp at the attention's peak), scaled to one measured TP2 length (others unmeasured). --lean-memory is
 the native allocator without expandable segments (dynamic VRAM frees weights only for cudaMalloc/cudaMallocAsync calls).
+Imports nothing from `comfy`.
 """
 
 from __future__ import annotations

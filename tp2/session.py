@@ -1,23 +1,17 @@
 """A long-lived TP rank: agreement over a store that outlives process groups, and groups made by generation.
 
-ComfyUI servers run for days: a peer restarts, a prompt reaches one rank only, one rank's node cache serves a
-sampler the other runs. A collective cannot say "wait at most T for a peer that may never come, then carry on
-healthy": a timed-out or broken process group is unusable. So ranks agree over a TCPStore (hosted by rank 0,
-bounded polling, nothing left half-done), and the tensor process group is created, or re-created under a new
-generation, only once every rank has said it is about to run the same thing.
+ComfyUI servers run for days: a peer restarts, a prompt reaches one rank only, one rank's node cache serves a sampler the
+other runs. A timed-out or broken process group is unusable, so ranks agree over a TCPStore (hosted by rank 0, bounded
+polling, nothing left half-done); the tensor process group is (re)made, under a new generation, once every rank agreed.
 
-    session.begin_run(run) / end_run()   the run (one prompt) this rank is executing; its watcher (tp2/watch.py)
-                                         tells it when a peer stopped that run or went silent
-    session.agree(key, fields)  -> TPGroup ready for collectives, or PeerLostError / RankMismatchError /
-                                   PromptAbortedError (a peer stopped the run, with its reason)
-    session.stop_run(reason)     this rank stops the run: every rank is told (its watcher ends whatever wait it
-                                 is in within a poll), and this rank gives up its group
-    session.mark_broken()        after a failed collective: the next agreement makes a fresh group
+    session.begin_run(run) / end_run()   the run (one prompt) this rank executes; its watcher (tp2/watch.py) says when a
+                                         peer stopped it or went silent
+    session.agree(key, fields)           a TPGroup for collectives, or PeerLostError / RankMismatchError / PromptAbortedError
+    session.stop_run(reason)             every rank is told (a watcher ends any wait within a poll); this rank gives up its group
+    session.mark_broken()                after a failed collective: the next agreement makes a fresh group
 
-Under NCCL the pack aborts communicators itself (`TORCH_NCCL_ASYNC_ERROR_HANDLING=0`: PyTorch's watchdog must not
-end a process because a peer failed; see `tp2.settings.set_for_libraries`).
-
-Imports torch only; never `comfy`.
+Under NCCL the pack aborts communicators itself (TORCH_NCCL_ASYNC_ERROR_HANDLING=0: PyTorch's watchdog must not end a
+process because a peer failed; see `tp2.settings.set_for_libraries`). Imports torch only; never `comfy`.
 """
 
 from __future__ import annotations
@@ -76,7 +70,8 @@ def detail_key(field: str) -> str:
 class TPSession:
     """This rank's membership in the TP world across prompts."""
 
-    def __init__(self, env: TPEnv, device: torch.device | None = None, boot_id: str = "", secret: str | None = None):
+    def __init__(self, env: TPEnv, device: torch.device | None = None, boot_id: str = "", secret: str | None = None,
+                 peer_urls: list[str] | None = None):  # fmt: skip
         self.env = env
         self.device = device
         self._store: dist.Store | None = None
@@ -86,7 +81,7 @@ class TPSession:
         self.generation = 0
         self.healthy = False
         self._retired: list[tuple[float, list]] = []  # (when, [groups]) given up, kept until their waits are over
-        self.watcher = Watcher(env.tp_rank, env.tp_size, env.master_addr, env.master_port, boot_id, secret)
+        self.watcher = Watcher(env.tp_rank, env.tp_size, env.master_addr, env.master_port, boot_id, secret, peer_urls=peer_urls)
         self.watcher.on_stop = self._stopped_by_peer
 
     @property

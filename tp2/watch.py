@@ -1,20 +1,17 @@
-"""What every rank knows about the others between collectives: heartbeats, and why a run stopped.
+"""What every rank knows about the others between collectives: heartbeats, and why a run stopped. Imports torch only.
 
-A rank that stops a run (an exception in any node, out of memory, an interrupt, a failed load, a mismatch)
-publishes a stop notice under the run's id in the rank store, with its rank and its reason; every rank's
-watcher thread reads the store every `POLL_S` and exposes the first notice (or a peer whose heartbeat went
-quiet, or restarted) as `stop_reason()`. Collectives and rendezvous poll `stop_reason()` while they wait, so a
-peer's failure reaches every rank in about a second instead of at a collective's timeout.
+A rank that stops a run (a node's exception, out of memory, an interrupt, a failed load, a mismatch) publishes a stop notice
+with its rank and reason under the run's id in the rank store. Every watcher thread reads the store every `POLL_S` and exposes
+as `stop_reason()` the first notice, or a peer whose heartbeat went quiet, that restarted, or whose process ended (its HTTP
+port refuses connections); collectives and rendezvous poll it while they wait, so a failure ends every wait within a poll.
 
     tp2/hb/rank{r}              "<boot id>:<count>|<mac>", rewritten every POLL_S by rank r's watcher
     tp2/boot/rank{r}            rank r's boot id (rewritten too, so a restarted store learns it again)
     tp2/run/{run}/stop          the first stop notice of a run: JSON {rank, reason, mac}
     tp2/run/{run}/state/rank{r} "started" or "done" (rank r finished the run, with or without an error)
 
-A rank deletes its keys of a run once it has begun two runs after it (KEPT_RUNS): the store stays the same size.
-
-Stop notices, heartbeats and rendezvous records (tp2/session.py) are signed with the run's secret (HMAC-SHA256)
-when one is given: an entry that no rank signed is logged and never acted on or shown to the user. Imports torch only; never `comfy`.
+A rank deletes its keys of a run once it has begun KEPT_RUNS runs after it. Stop notices, heartbeats and rendezvous records
+(tp2/session.py) are signed with the run's secret (HMAC-SHA256) when given: an unsigned entry is logged, never acted on or shown.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -36,6 +34,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
+PROBE_AFTER_S = 2.0  # a peer's heartbeat quiet this long: ask its HTTP port whether its process still exists
 STORE_OP_TIMEOUT_S = 5.0
 KEPT_RUNS = 2  # a rank keeps its store keys of its last runs: the current one, and the previous for a late peer
 OOM_HINT = "use fewer frames, a lower resolution or more ranks"
@@ -98,9 +97,10 @@ class Watcher:
     """This rank's view of its peers; a daemon thread keeps it fresh. One run at a time (the prompt worker's)."""
 
     def __init__(self, rank: int, size: int, addr: str, port: int, boot_id: str, secret: str | None = None,
-                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S):  # fmt: skip
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S, peer_urls: list[str] | None = None):  # fmt: skip
         self.rank, self.size, self.addr, self.port, self.boot_id = rank, size, addr, port, boot_id
         self.secret, self.heartbeat_timeout_s = secret, heartbeat_timeout_s
+        self.peer_urls = peer_urls or []  # every rank's HTTP address (TP2_RANK_URLS): a port that refuses = gone
         self.on_stop: Callable[[str], None] | None = None  # called once per run, from the watcher thread
         self._lock = threading.Lock()
         self._run: str | None = None
@@ -251,9 +251,27 @@ class Watcher:
             if run is not None and self._boots[r] != boot:
                 self._decide(f"rank {r} restarted during the prompt (it died and came back): queue the prompt again", publish=True)
             quiet = now - self._seen[r][1]
+            if run is not None and quiet > PROBE_AFTER_S and self._process_gone(r):
+                self._decide(f"rank {r} ended: its heartbeat stopped {quiet:.0f} s ago and its HTTP port refuses connections "
+                             "(killed, crashed or out of host memory; its log says which); scripts/start-tp2.sh starts it again",
+                             publish=True)  # fmt: skip
             if run is not None and quiet > self.heartbeat_timeout_s:
                 self._decide(f"rank {r} is not responding (no heartbeat for {quiet:.0f} s): it is frozen, stopped or overloaded; "
                              "check its log, or restart it with scripts/start-tp2.sh restart --rank " + str(r), publish=True)  # fmt: skip
+
+    def _process_gone(self, rank: int) -> bool:
+        """Whether rank `rank`'s HTTP port refuses connections: its process ended. A frozen or busy process's port
+        still accepts (the kernel does), so this never mistakes a slow rank for a dead one."""
+        if rank >= len(self.peer_urls):
+            return False
+        where = urlsplit(self.peer_urls[rank])
+        try:
+            socket.create_connection((where.hostname, where.port or 80), timeout=0.5).close()
+            return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # unreachable or slow: not proof that the process ended
+            return False
 
     def _all_beating(self, store) -> bool:
         return store.check([f"tp2/hb/rank{r}" for r in range(self.size)])

@@ -130,6 +130,8 @@ def start_tp(
     env = {"TP2_WORLD_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
     if front_door:
         secret = os.path.join(root, "secret")
+        if os.path.exists(os.path.join(root, "rank0.queue.json")):
+            os.remove(os.path.join(root, "rank0.queue.json"))  # a fresh start, as the launcher's: an empty queue
         with open(secret, "w") as f:
             f.write(uuid.uuid4().hex)
         env.update(TP2_SECRET_FILE=secret, TP2_RANK_URLS=",".join(f"http://127.0.0.1:{p}" for p in ports))

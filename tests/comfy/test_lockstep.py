@@ -244,9 +244,12 @@ def test_frozen_follower_is_named_within_30_s_and_recovers_after_sigcont(ranks):
     assert_next_prompt_identical(ranks, "after_frozen")
 
 
-def test_rank0_killed_mid_sampling_follower_reports_within_10_s_then_rank0_restarts(ranks):
+def test_rank0_killed_mid_sampling_follower_reports_within_10_s_then_rank0_restarts_and_runs_its_queue(ranks):
+    """Rank 0 killed with 5 prompts pending: the follower names it within 10 s; the launcher starts rank 0 again,
+    which records the prompt that was running as failed with the reason and runs the 5, identical on both ranks."""
     pid0 = rank_pids(ranks)[0]
     pid = queue(ranks, "kill0", steps=400)
+    pending = {f"kill0_pending{i}": queue(ranks, f"kill0_pending{i}", seed=100 + i) for i in range(5)}
     running_on(ranks["urls"][1], pid)
     time.sleep(1.0)
     os.killpg(pid0, signal.SIGKILL)
@@ -258,4 +261,34 @@ def test_rank0_killed_mid_sampling_follower_reports_within_10_s_then_rank0_resta
     while rank_pids(ranks)[0] == pid0 and time.monotonic() < deadline:
         time.sleep(0.5)
     wait_answers(ranks["urls"][0])
+    h0 = wait_done(ranks["urls"][0], pid, timeout=60)
+    assert h0["status"]["status_str"] == "error" and "rank 0's process ended while this prompt ran" in error_text(h0), error_text(h0)
+    for prefix, prompt_id in pending.items():
+        for u in ranks["urls"]:
+            h = wait_done(u, prompt_id, timeout=120)
+            assert h["status"]["status_str"] == "success", (u, prefix, error_text(h))
+        a, b = outputs(ranks, 0, prefix), outputs(ranks, 1, prefix)
+        assert len(a) == 2 and a == b, prefix
     assert_next_prompt_identical(ranks, "after_kill0")
+
+
+def test_a_killed_follower_costs_only_the_running_prompt(ranks):
+    """A follower killed with 10 prompts pending: the running prompt fails on rank 0 within 5 s naming rank 1; rank 0
+    holds the queue while the launcher starts the follower again, then runs the 10, identical on both ranks."""
+    follower = rank_pids(ranks)[1]
+    pid = queue(ranks, "kill1", steps=400)
+    pending = {f"kill1_pending{i}": queue(ranks, f"kill1_pending{i}", seed=200 + i) for i in range(10)}
+    running_on(ranks["urls"][1], pid)
+    time.sleep(1.0)
+    os.killpg(follower, signal.SIGKILL)
+    t0 = time.monotonic()
+    h0 = wait_done(ranks["urls"][0], pid, timeout=60)
+    assert time.monotonic() - t0 < 5, (time.monotonic() - t0, error_text(h0))
+    assert h0["status"]["status_str"] == "error" and "rank 1 ended" in error_text(h0), error_text(h0)
+    wait_answers(ranks["urls"][1])
+    for prefix, prompt_id in pending.items():
+        for u in ranks["urls"]:
+            h = wait_done(u, prompt_id, timeout=180)
+            assert h["status"]["status_str"] == "success", (u, prefix, error_text(h))
+        a, b = outputs(ranks, 0, prefix), outputs(ranks, 1, prefix)
+        assert len(a) == 2 and a == b, prefix

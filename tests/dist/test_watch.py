@@ -262,3 +262,26 @@ def test_a_forged_heartbeat_or_rendezvous_record_changes_nothing():
     for stopped, refused in values(run_ranks(_forgery, 2, timeout_s=60)):
         assert stopped is None, stopped  # the forged heartbeat did not stop the run
         assert "was not written by a rank of this set" in refused and "forger" not in refused, refused
+
+
+def test_a_peer_whose_port_refuses_is_gone_and_one_that_only_listens_is_not():
+    """The evidence that a quiet peer ended: its HTTP port refuses connections. A frozen process's listening socket
+    still completes connections in the kernel, so a socket that listens and never accepts is not taken for gone."""
+    import socket
+
+    from tp2.watch import Watcher
+
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)  # never accepted: as a SIGSTOPped ComfyUI's port
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    gone_port = closed.getsockname()[1]
+    closed.close()  # nothing listens there: as a killed rank's port
+    urls = ["http://127.0.0.1:1", f"http://127.0.0.1:{frozen.getsockname()[1]}", f"http://127.0.0.1:{gone_port}"]
+    w = Watcher(0, 3, "127.0.0.1", 1, "boot", SECRET, peer_urls=urls)
+    try:
+        assert not w._process_gone(1) and w._process_gone(2)
+        assert not Watcher(0, 3, "127.0.0.1", 1, "boot", SECRET)._process_gone(2)  # no addresses: no evidence
+    finally:
+        frozen.close()
