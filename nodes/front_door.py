@@ -98,6 +98,8 @@ class FrontDoor:
         first, why a follower could not take it). A follower its launcher is starting again is waited for first (and
         then every rank clears its cache: the restarted one has none)."""
         reset = await self._wait_for_restarts(prompt_id) or reset
+        if mm.processing_interrupted():  # interrupted while it waited: it reaches no follower
+            return f"{prompt_id}.{STATE.boot_id[:8]}.interrupted", reset, None
         self.seq += 1
         run = f"{prompt_id}.{STATE.boot_id[:8]}.{self.seq}"
         order = {"run": run, "seq": self.seq, "boot": STATE.boot_id, "reset": reset}

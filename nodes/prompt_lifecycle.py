@@ -21,6 +21,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+import comfy.model_management as mm
 import execution
 
 from ..tp2.handshake import prompt_details
@@ -89,6 +90,7 @@ def _tracking_execute_async(original):
     @functools.wraps(original)
     async def execute_async(self, prompt, prompt_id, extra_data={}, execute_outputs=[]):  # noqa: B006 - ComfyUI's signature
         session = STATE.session
+        mm.interrupt_current_processing(False)  # as ComfyUI does as a prompt starts: an interrupt from now on is for this one
         run, reset, refused, boots = await _run_id(prompt, prompt_id, extra_data, execute_outputs)
         if reset:
             log.info("%s a rank restarted, failed or freed memory since the last prompt: clearing this rank's node cache", STATE.tag)
@@ -96,7 +98,12 @@ def _tracking_execute_async(original):
         STATE.prompt = Prompt(prompt_id, run, prompt_fingerprint(prompt), prompt_details(prompt))
         session.begin_run(run, boots)
         try:
-            if refused:
+            if front_door.FRONT_DOOR is not None and STATE.env.tp_rank == 0 and mm.processing_interrupted():
+                # interrupted while rank 0 handed it over (ComfyUI clears the flag as a prompt starts): it ends here,
+                # and a follower that took it is told by the stop notice below
+                log.warning("%s prompt %s interrupted while it was handed to the other ranks", STATE.tag, prompt_id)
+                _fail_before_start(self, prompt, prompt_id, extra_data, execute_outputs, None)
+            elif refused:
                 why = f"Tensor-parallel ranks unavailable: {refused}"
                 log.warning("%s prompt %s not started: %s", STATE.tag, prompt_id, why)
                 _fail_before_start(self, prompt, prompt_id, extra_data, execute_outputs, why)
@@ -126,23 +133,24 @@ def _failure(executor) -> str | None:
     return None
 
 
-def _fail_before_start(executor, prompt, prompt_id, extra_data, outputs, why: str) -> None:
-    """Record the prompt as failed without running a node, as ComfyUI records a node's error."""
+def _fail_before_start(executor, prompt, prompt_id, extra_data, outputs, why: str | None) -> None:
+    """Record the prompt as failed (`why`) or interrupted (None) without running a node, as ComfyUI records a node's."""
     executor.server.client_id = extra_data.get("client_id")
     executor.status_messages = []
     executor.add_message("execution_start", {"prompt_id": prompt_id}, broadcast=False)
     node_id = next(iter(outputs), None) or next(iter(prompt))
-    error = {
-        "prompt_id": prompt_id,
-        "node_id": node_id,
-        "node_type": prompt[node_id].get("class_type", "?"),
-        "executed": [],
-        "exception_message": why,
-        "exception_type": "TP2Error",
-        "traceback": [],
-        "current_inputs": {},
-        "current_outputs": [],
-    }
-    executor.add_message("execution_error", error, broadcast=False)
+    where = {"prompt_id": prompt_id, "node_id": node_id, "node_type": prompt[node_id].get("class_type", "?"), "executed": []}
+    if why is None:
+        executor.add_message("execution_interrupted", where, broadcast=True)
+    else:
+        error = {
+            **where,
+            "exception_message": why,
+            "exception_type": "TP2Error",
+            "traceback": [],
+            "current_inputs": {},
+            "current_outputs": [],
+        }
+        executor.add_message("execution_error", error, broadcast=False)
     executor.success = False
     executor.history_result = {"outputs": {}, "meta": {}}

@@ -158,6 +158,31 @@ def test_a_prompt_waits_for_a_follower_the_launcher_restarts_and_fails_fast_when
     assert outputs(front, 0, "back") == outputs(front, 1, "back")
 
 
+def test_an_interrupt_while_rank0_hands_a_prompt_over_ends_it_on_every_rank(front):
+    """Rank 0 holds a prompt while a killed follower is started again; an interrupt then (ComfyUI would clear it as
+    the prompt starts) ends the prompt on rank 0 as interrupted, it never reaches the follower, and the next prompt
+    runs on both."""
+    pid1 = int((front["run"] / "pids").read_text().split("\n")[1].split()[1])
+    log0 = front["run"] / "rank0.log"
+    waits_before = log0.read_text().count("not reachable while the launcher starts them again")
+    os.killpg(pid1, signal.SIGKILL)
+    time.sleep(0.3)
+    status, body = call(front["urls"][0], "/prompt", {"prompt": workflow("handover_interrupt", seed=3)})
+    assert status == 200, body
+    deadline = time.monotonic() + 30
+    while log0.read_text().count("not reachable while the launcher starts them again") == waits_before:
+        assert time.monotonic() < deadline, "rank 0 never held the prompt for the restarting follower"
+        time.sleep(0.1)
+    call(front["urls"][0], "/interrupt", {})
+    h0 = wait_done(front["urls"][0], body["prompt_id"], timeout=30)
+    assert h0["status"]["status_str"] == "error" and any(k == "execution_interrupted" for k, _ in h0["status"]["messages"]), h0["status"]
+    status, after = call(front["urls"][0], "/prompt", {"prompt": workflow("after_handover_interrupt")})
+    for u in front["urls"]:
+        assert wait_done(u, after["prompt_id"], timeout=150)["status"]["status_str"] == "success"
+    assert call(front["urls"][1], f"/history/{body['prompt_id']}")[1] == {}, "the interrupted prompt reached the follower"
+    assert outputs(front, 0, "after_handover_interrupt") == outputs(front, 1, "after_handover_interrupt") != {}
+
+
 def test_restart_a_rank_by_hand_then_next_prompt_works(front):
     old = int((front["run"] / "pids").read_text().split("\n")[1].split()[1])
     res = subprocess.run(
