@@ -6,10 +6,8 @@ ranks compare it) and then deletes the file, so the fault fires once. KIND: `err
 torch.OutOfMemoryError worded like CUDA's), `sleep` (5 s late).
 
 With TP2_TEST_NUDGE_RANKS=R[,R...] those ranks move a few hundred values of every VAE decode's output up by one 8-bit
-step (1/255: what a last-bit difference does to a value that sat next to a rounding step; a one-ulp change alone
-rarely reaches the file), so the ranks' comparison (nodes/same_outputs.py) must find the difference and every
-rank must end with rank 0's bytes; their video files also carry one metadata key more, so the ranks' files differ
-in the container only and the comparison after the write must find that too.
+step (what a last-bit difference does to a value next to a rounding step) and write one metadata key more into their
+video files (a container-only difference): nodes/same_outputs.py must find both and leave rank 0's bytes everywhere.
 
 With TP2_TEST_BREAK_INT8_RANKS=R[,R...] those ranks' int8 GEMM returns its rows in the wrong order (as a kernel with
 swapped tiles would), so their numerics check (nodes/numerics_check.py) must refuse the model.

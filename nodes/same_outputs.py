@@ -2,17 +2,15 @@
 
     install_same_outputs()   wraps comfy.sd.VAE.decode, VAE.decode_tiled and the video file write (tp_size >= 2)
 
-A VAE decode that runs on each rank alone (the video decode when it is not split: a latent of one chunk,
-TP2_PARALLEL_VAE=0; the audio decode, always; a decode ComfyUI retried in tiles after an out-of-memory on one
-rank) equals the other ranks' only if the processes happen to round alike, and the video encoder turns one
-last-bit difference into a different MP4. So after every such decode the ranks meet (run.agree_step: the prompt,
-the latent, the output's shape and dtype), compare a SHA-256 of the output's bytes, and where a rank's differs
-every rank takes rank 0's (tp2.collectives.same_everywhere), with one log line naming the stage. In the common
-case only the digests travel. A split video decode (nodes/vae_decode.py) is identical by construction and is not
-compared. The video encoder and muxer run on each rank alone too, so after a video file is written
-(VideoFromComponents.save_to, what SaveVideo calls) the ranks compare its SHA-256 the same way and a rank whose
-file differs writes rank 0's bytes over it. A peer that never reaches the decode (its node cache served it) leaves this rank's output as it is,
-with a log line that it may differ from the other ranks'.
+A VAE decode a rank runs alone (a one-chunk video, TP2_PARALLEL_VAE=0, the audio, a tiled retry after an
+out-of-memory on one rank) equals the other ranks' only if the processes round alike, and the video encoder turns
+one last-bit difference into another MP4. So after such a decode the ranks meet (run.agree_step: the prompt, the
+latent, the output's shape and dtype), compare a SHA-256 of its bytes, and where one differs every rank takes rank
+0's (tp2.collectives.same_everywhere), with a log line naming the stage; usually only the digests travel. A split
+video decode (nodes/vae_decode.py) is identical by construction. The encoder and muxer also run on each rank
+alone, so after a video file is written (VideoFromComponents.save_to, what SaveVideo calls) the ranks compare its
+SHA-256 and a rank whose file differs writes rank 0's bytes over it. A peer that never reaches the decode or the
+write (its node cache served it) leaves this rank's output as it is, with a log line that it may differ.
 """
 
 from __future__ import annotations

@@ -49,9 +49,9 @@ def load_submit():
 
 
 def assert_refused_quickly(took: float) -> None:
-    """The launcher refuses a tp_size within 5 s (issue 18): on 2 idle cores the check takes about 3.5 s, nearly all of it Python importing
-    torch (tp2's checkpoint reader needs it). On a machine that other work slows down, the bound is that import, timed
-    now, plus 1.5 s: a rank start (20 s and more) or a second check would still fail it."""
+    """The launcher refuses a tp_size within 5 s (issue 18), nearly all of it Python importing torch (tp2's checkpoint
+    reader needs it). On a machine that other work slows down, the bound is that import, timed now, plus 1.5 s: a rank
+    start or a second check would still fail it."""
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-c", "import tp2.plan"], cwd=ROOT, check=True, timeout=120)
     python_start = time.monotonic() - t0

@@ -4,7 +4,7 @@ measurements (MEASURED, MEASURED_STREAMED), for the advice logged at every sampl
     tokens(width, height, frames)                   the packed sequence length the DiT samples
     predict_peak_gib(tokens, tp, streamed=False)    one rank's peak: weights resident (--highvram), or streamed by dynamic VRAM
     longest_frames(width, height, gpu_gib, tp)      the longest length on H3's 17k+5 grid under `gpu_gib`
-    python -m tp2.capacity --gpu-mem 22 --tp-size 2    the table of longest lengths per resolution
+    python -m tp2.capacity --gpu-mem 22 --tp-size 2    the table of longest lengths per resolution (imports no `comfy`)
 
 Resident: peak = weights / tp + FIXED_GIB + tokens x (SHARED + SPLIT / tp), least squares on peaks measured with all weights
 resident (nvidia-smi, int8 ConvRot DiT; docs/PERFORMANCE.md); its TP2 points predate the chunked MLP, so at TP2 it errs
@@ -12,7 +12,6 @@ towards more. Streamed: peak = CONTEXT_GIB + STREAMED_BLOCKS / BLOCKS of the wei
 torch's pool = live x POOL_OVER_LIVE[allocator]; live bytes per row follow the activation accounting (SHARED_ROW_BYTES held
 whole, SPLIT_ROW_BYTES / tp at the attention's peak), scaled to one measured TP2 length (others unmeasured). --lean-memory is
 the native allocator without expandable segments (dynamic VRAM frees weights only for cudaMalloc/cudaMallocAsync calls).
-Imports nothing from `comfy`.
 """
 
 from __future__ import annotations

@@ -66,9 +66,8 @@ def ranks(tmp_path_factory):
 
 def test_tp_size_the_checkpoint_cannot_split_is_refused_before_any_rank(tmp_path):
     """The launcher as the README runs it, with --tp-size 3 and the tiny int8 model (it splits 1 or 2 ways) in the
-    ComfyUI's diffusion_models: refused within 5 s with the sizes that work, and no rank started (a rank start takes
-    about 20 s on 2 cores; no pids file, no rank log). It runs before the `ranks` fixture starts its servers: the
-    5 s include importing torch (about 3 s on 2 idle cores), which a ComfyUI booting alongside would slow down."""
+    ComfyUI's diffusion_models: refused within 5 s (importing torch included) with the sizes that work, and no rank
+    started (no pids file, no rank log). It runs before the `ranks` fixture starts its servers, which would slow it."""
     from conftest import assert_refused_quickly
 
     base = tiny_base(tmp_path)
