@@ -69,6 +69,28 @@ def assert_next_prompt_identical(ranks, prefix: str) -> None:
     assert len(a) == 2 and a == b
 
 
+def kill_mid_prompt(ranks, rank: int, prefix: str, pending: int, seed: int) -> tuple[str, dict[str, str], float]:
+    """A long prompt running on every rank with `pending` more queued behind it (seeds seed, seed + 1, ...), then
+    rank `rank`'s process group SIGKILLed: (the running prompt's id, output prefix -> pending prompt id, when)."""
+    victim = rank_pids(ranks)[rank]
+    running = queue(ranks, prefix, steps=400)
+    queued = {f"{prefix}_pending{i}": queue(ranks, f"{prefix}_pending{i}", seed=seed + i) for i in range(pending)}
+    running_on(ranks["urls"][1], running)
+    time.sleep(1.0)
+    os.killpg(victim, signal.SIGKILL)
+    return running, queued, time.monotonic()
+
+
+def assert_all_identical(ranks, prompts: dict[str, str], timeout: float = 180) -> None:
+    """Every prompt of `prompts` (prefix -> id) succeeded on every rank with byte-identical outputs."""
+    for prefix, prompt_id in prompts.items():
+        for u in ranks["urls"]:
+            h = wait_done(u, prompt_id, timeout=timeout)
+            assert h["status"]["status_str"] == "success", (u, prefix, error_text(h))
+        a, b = outputs(ranks, 0, prefix), outputs(ranks, 1, prefix)
+        assert len(a) == 2 and a == b, prefix
+
+
 def running_on(url: str, prompt_id: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -248,12 +270,7 @@ def test_rank0_killed_mid_sampling_follower_reports_within_10_s_then_rank0_resta
     """Rank 0 killed with 5 prompts pending: the follower names it within 10 s; the launcher starts rank 0 again,
     which records the prompt that was running as failed with the reason and runs the 5, identical on both ranks."""
     pid0 = rank_pids(ranks)[0]
-    pid = queue(ranks, "kill0", steps=400)
-    pending = {f"kill0_pending{i}": queue(ranks, f"kill0_pending{i}", seed=100 + i) for i in range(5)}
-    running_on(ranks["urls"][1], pid)
-    time.sleep(1.0)
-    os.killpg(pid0, signal.SIGKILL)
-    t0 = time.monotonic()
+    pid, pending, t0 = kill_mid_prompt(ranks, 0, "kill0", 5, seed=100)
     h1 = wait_done(ranks["urls"][1], pid, timeout=60)
     assert time.monotonic() - t0 < 10
     assert h1["status"]["status_str"] == "error" and "rank 0 died" in error_text(h1), error_text(h1)
@@ -263,32 +280,16 @@ def test_rank0_killed_mid_sampling_follower_reports_within_10_s_then_rank0_resta
     wait_answers(ranks["urls"][0])
     h0 = wait_done(ranks["urls"][0], pid, timeout=60)
     assert h0["status"]["status_str"] == "error" and "rank 0's process ended while this prompt ran" in error_text(h0), error_text(h0)
-    for prefix, prompt_id in pending.items():
-        for u in ranks["urls"]:
-            h = wait_done(u, prompt_id, timeout=120)
-            assert h["status"]["status_str"] == "success", (u, prefix, error_text(h))
-        a, b = outputs(ranks, 0, prefix), outputs(ranks, 1, prefix)
-        assert len(a) == 2 and a == b, prefix
+    assert_all_identical(ranks, pending)
     assert_next_prompt_identical(ranks, "after_kill0")
 
 
 def test_a_killed_follower_costs_only_the_running_prompt(ranks):
     """A follower killed with 10 prompts pending: the running prompt fails on rank 0 within 5 s naming rank 1; rank 0
     holds the queue while the launcher starts the follower again, then runs the 10, identical on both ranks."""
-    follower = rank_pids(ranks)[1]
-    pid = queue(ranks, "kill1", steps=400)
-    pending = {f"kill1_pending{i}": queue(ranks, f"kill1_pending{i}", seed=200 + i) for i in range(10)}
-    running_on(ranks["urls"][1], pid)
-    time.sleep(1.0)
-    os.killpg(follower, signal.SIGKILL)
-    t0 = time.monotonic()
+    pid, pending, t0 = kill_mid_prompt(ranks, 1, "kill1", 10, seed=200)
     h0 = wait_done(ranks["urls"][0], pid, timeout=60)
     assert time.monotonic() - t0 < 5, (time.monotonic() - t0, error_text(h0))
     assert h0["status"]["status_str"] == "error" and "rank 1 ended" in error_text(h0), error_text(h0)
     wait_answers(ranks["urls"][1])
-    for prefix, prompt_id in pending.items():
-        for u in ranks["urls"]:
-            h = wait_done(u, prompt_id, timeout=180)
-            assert h["status"]["status_str"] == "success", (u, prefix, error_text(h))
-        a, b = outputs(ranks, 0, prefix), outputs(ranks, 1, prefix)
-        assert len(a) == 2 and a == b, prefix
+    assert_all_identical(ranks, pending)
