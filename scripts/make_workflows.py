@@ -24,6 +24,8 @@ DIT = "minimax_h3_fl2va_pruned_int8_convrot.safetensors"
 TEXT_ENCODER = "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors"
 VIDEO_VAE = "minimax_h3_video_vae_fp16.safetensors"
 AUDIO_VAE = "minimax_h3_audio_vae_fp32.safetensors"
+RELEASE = {DIT: "diffusion_models", TEXT_ENCODER: "text_encoders", VIDEO_VAE: "vae", AUDIO_VAE: "vae"}  # file -> models/ folder
+DOWNLOAD = "https://huggingface.co/Comfy-Org/MiniMax-H3/resolve/main/{folder}/{name}"  # where ComfyUI's own H3 templates point
 PROMPT = (
     "A red fox trots through fresh snow in a quiet birch forest at dawn, breath steaming, soft crunch of footsteps and distant birdsong."
 )
@@ -103,6 +105,13 @@ def to_ui(graph: dict, info: dict) -> dict:
         node = by_id[nid]
         node.update(type=cls, pos=[80 + 380 * (order % 4), 80 + 360 * (order // 4)], size=[340, 160], flags={}, order=order, mode=0)
         node["properties"] = {"Node name for S&R": cls}
+        models = [
+            {"name": v, "url": DOWNLOAD.format(folder=RELEASE[v], name=v), "directory": RELEASE[v]}
+            for v in inputs.values()
+            if isinstance(v, str) and v in RELEASE
+        ]
+        if models:  # ComfyUI's missing-models dialog offers these downloads
+            node["properties"]["models"] = models
         node["inputs"], node["widgets_values"] = [], []
         for name, kind, opts in _spec(info, cls):
             value = inputs.get(name)

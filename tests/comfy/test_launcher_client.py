@@ -103,6 +103,25 @@ def test_submit_tiny_workflow_identical_hashes(ranks, tmp_path):
     assert os.path.exists(tmp_path / "rank1" / "latents")
 
 
+def test_submit_names_every_missing_model_file_and_its_folder(ranks, tmp_path):
+    """The bundled 832x480 workflow with none of its four model files present: tp2-submit exits 1 and names each file
+    with the folder it belongs in (ComfyUI's refusal lists them per node)."""
+    wf = json.load(open(os.path.join(ROOT, "workflows", "api", "h3_tp2_t2v_832x480.json")))
+    missing = {}
+    for node in wf.values():
+        for name in ("unet_name", "clip_name", "vae_name"):
+            if name in node["inputs"]:
+                node["inputs"][name] = "absent_" + node["inputs"][name]
+                missing[node["inputs"][name]] = make_workflows.RELEASE[node["inputs"][name][len("absent_") :]]
+    path = tmp_path / "missing.json"
+    path.write_text(json.dumps(wf))
+    res = submit(ranks, str(path))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert len(missing) == 4
+    for name, folder in missing.items():
+        assert f"missing model file '{name}': put it in ComfyUI/models/{folder}/" in res.stderr, res.stderr
+
+
 def _python_without_aiohttp() -> str | None:
     base = os.path.join(sys.base_prefix, "bin", "python3")  # the interpreter this test's venv was made from
     has = subprocess.run([base, "-c", "import aiohttp"], capture_output=True).returncode == 0
