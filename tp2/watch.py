@@ -234,30 +234,34 @@ class Watcher:
             elif notice[0] != self.rank:
                 self._decide(notice[1])
         for r, value in enumerate(beats or []):
-            if r == self.rank:
-                continue
-            value = unsigned(self.secret, f"tp2/hb/rank{r}", value.decode())
-            if value is None:  # written by something that is not a rank of this run: not a heartbeat
-                if r not in self._forged:
-                    self._forged.add(r)
-                    log.warning("[tp2 r%d/%d] ignored a heartbeat for rank %d that no rank signed", self.rank, self.size, r)
-                continue
-            old = self._seen.get(r)
-            if old is None or old[0] != value:
-                self._seen[r] = (value, now)
-            boot = value.split(":")[0]
-            if run is not None:
-                self._boots.setdefault(r, boot)
-            if run is not None and self._boots[r] != boot:
-                self._decide(f"rank {r} restarted during the prompt (it died and came back): queue the prompt again", publish=True)
-            quiet = now - self._seen[r][1]
-            if run is not None and quiet > PROBE_AFTER_S and self._process_gone(r):
-                self._decide(f"rank {r} ended: its heartbeat stopped {quiet:.0f} s ago and its HTTP port refuses connections "
-                             "(killed, crashed or out of host memory; its log says which); scripts/start-tp2.sh starts it again",
-                             publish=True)  # fmt: skip
-            if run is not None and quiet > self.heartbeat_timeout_s:
-                self._decide(f"rank {r} is not responding (no heartbeat for {quiet:.0f} s): it is frozen, stopped or overloaded; "
-                             "check its log, or restart it with scripts/start-tp2.sh restart --rank " + str(r), publish=True)  # fmt: skip
+            if r != self.rank:
+                self._judge_peer(r, value.decode(), run, now)
+
+    def _judge_peer(self, r: int, raw: str, run: str | None, now: float) -> None:
+        """Peer r's heartbeat as read now: a restart, an ended process or a silence stops the current run."""
+        value = unsigned(self.secret, f"tp2/hb/rank{r}", raw)
+        if value is None:  # written by something that is not a rank of this run: not a heartbeat
+            if r not in self._forged:
+                self._forged.add(r)
+                log.warning("[tp2 r%d/%d] ignored a heartbeat for rank %d that no rank signed", self.rank, self.size, r)
+            return
+        old = self._seen.get(r)
+        if old is None or old[0] != value:
+            self._seen[r] = (value, now)
+        boot = value.split(":")[0]
+        if run is None:
+            return
+        self._boots.setdefault(r, boot)
+        if self._boots[r] != boot:
+            self._decide(f"rank {r} restarted during the prompt (it died and came back): queue the prompt again", publish=True)
+        quiet = now - self._seen[r][1]
+        if quiet > PROBE_AFTER_S and self._process_gone(r):
+            self._decide(f"rank {r} ended: its heartbeat stopped {quiet:.0f} s ago and its HTTP port refuses connections "
+                         "(killed, crashed or out of host memory; its log says which); scripts/start-tp2.sh starts it again",
+                         publish=True)  # fmt: skip
+        if quiet > self.heartbeat_timeout_s:
+            self._decide(f"rank {r} is not responding (no heartbeat for {quiet:.0f} s): it is frozen, stopped or overloaded; "
+                         "check its log, or restart it with scripts/start-tp2.sh restart --rank " + str(r), publish=True)  # fmt: skip
 
     def _process_gone(self, rank: int) -> bool:
         """Whether rank `rank`'s HTTP port refuses connections: its process ended. A frozen or busy process's port
