@@ -83,7 +83,8 @@ else
   say "virtualenv $VENV: already there"
 fi
 VPY="$VENV/bin/python"
-PIP=(pip_quiet install --disable-pip-version-check -q)
+PIP=(pip_quiet install --disable-pip-version-check)  # pip's own lines show what it downloads (minutes, for torch)
+[[ -t 1 ]] || PIP+=(--progress-bar off)  # into a pipe or a log: one line per download, no bars
 pip_quiet() {  # pip, minus the noise of local index mirrors that some machines configure
   "$VPY" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
