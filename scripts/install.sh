@@ -188,8 +188,9 @@ fi
 
 "$VPY" - <<'EOF'
 import torch, comfy_kitchen, safetensors
+from importlib.metadata import version
 print(f"[install] ready: torch {torch.__version__} (CUDA {'yes, %d GPU(s)' % torch.cuda.device_count() if torch.cuda.is_available() else 'no'}), "
-      f"comfy-kitchen {getattr(comfy_kitchen, '__version__', '?')}, safetensors {safetensors.__version__}")
+      f"comfy-kitchen {version('comfy-kitchen')}, safetensors {safetensors.__version__}")
 EOF
 say "ComfyUI: $([[ -f "$COMFYUI/main.py" ]] && echo "$COMFYUI" || echo "none")"
 say "python: $VPY"
