@@ -68,11 +68,15 @@ def short_value(value, width: int = 40) -> str:
 
 
 def prompt_details(prompt: dict) -> str:
-    """JSON {"node N (Class) input 'name'": short value} of a ComfyUI API prompt, for `compare_fields`."""
+    """JSON {"node N (Class) input 'name'": short value, "node N (Class) key": short value} of a ComfyUI API prompt,
+    for `compare_fields`: every input, and every other key of a node (e.g. its `_meta` title), by name."""
     out = {}
     for node_id, node in prompt.items():
         cls = node.get("class_type", "?") if isinstance(node, dict) else "?"
         for name, value in (node.get("inputs") or {}).items() if isinstance(node, dict) else ():
             out[f"node {node_id} ({cls}) input '{name}'"] = short_value(value)
+        for key, value in node.items() if isinstance(node, dict) else ():
+            if key not in ("inputs", "class_type"):
+                out[f"node {node_id} ({cls}) {key}"] = short_value(value)
         out.setdefault(f"node {node_id} ({cls})", "present")
     return json.dumps(out, sort_keys=True)
