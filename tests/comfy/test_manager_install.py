@@ -1,0 +1,71 @@
+"""The ComfyUI-Manager way, from a fresh clone, as the README writes it: a ComfyUI with its own virtualenv (torch and
+ComfyUI's requirements, no pack), the pack cloned into its custom_nodes/ and its requirements installed with pip into
+that virtualenv. scripts/start-tp2.sh --tp-size 2 --cpu then runs both ranks under that virtualenv's Python (said in
+its first lines), scripts/tp2-submit finds that Python by itself and proves both ranks wrote the same bytes of the
+tiny demo workflow, and no second torch is installed anywhere: the virtualenv's own folder holds none (it sees the
+suite's packages through a .pth file, so nothing is downloaded) and the clone has no .venv."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui
+from conftest import free_port, make_checkpoint, make_tiny_h3
+
+pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
+
+OWN = ("custom_nodes", "models", "input", "output", "temp", "user", "venv", ".venv")  # the copy's own, not linked
+
+
+def _comfyui_with_its_own_venv(comfy: str) -> str:
+    os.makedirs(comfy)
+    for entry in os.listdir(COMFYUI_DIR):
+        if entry not in OWN:
+            os.symlink(os.path.join(COMFYUI_DIR, entry), os.path.join(comfy, entry))
+    for sub in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning", "input", "output"):
+        os.makedirs(os.path.join(comfy, sub))
+    subprocess.run([sys.executable, "-m", "venv", os.path.join(comfy, "venv")], check=True, timeout=120)
+    venv_py = os.path.join(comfy, "venv", "bin", "python")
+    site = subprocess.run([venv_py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+    with open(os.path.join(site, "suite_packages.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")  # torch and ComfyUI's requirements, as that venv would hold them
+    return venv_py
+
+
+def test_the_manager_way_runs_under_comfyuis_own_virtualenv(tmp_path):
+    comfy = str(tmp_path / "ComfyUI")
+    venv_py = _comfyui_with_its_own_venv(comfy)
+    pack = os.path.join(comfy, "custom_nodes", "minimax-h3-tp2")
+    subprocess.run(["git", "clone", "-q", ROOT, pack], check=True, timeout=120)
+    pip = subprocess.run([venv_py, "-m", "pip", "install", "--disable-pip-version-check", "--no-index", "-r", os.path.join(pack, "requirements.txt")],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    make_checkpoint(os.path.join(comfy, "models/diffusion_models/h3_tiny_int8.safetensors"), "--int8")
+    make_tiny_h3.main(["--conditioning", os.path.join(comfy, "models/h3_conditioning/h3_tiny_cond.safetensors")])
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX", "COMFYUI_DIR", "TP2_VENV")}
+    env["PATH"] = "/usr/bin:/bin"  # the user's python3, not this suite's
+    run_dir, port = str(tmp_path / "tp2-run"), free_port()
+    launcher = os.path.join(pack, "scripts", "start-tp2.sh")
+    # --base-dir: the copy links ComfyUI's code, whose folder_paths resolves its real folder; a real checkout needs none
+    start = subprocess.run([launcher, "--comfyui", comfy, "--base-dir", comfy, "--tp-size", "2", "--cpu", "--run-dir", run_dir,
+                            "--base-port", str(port), "--", "--disable-api-nodes"], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    try:
+        assert start.returncode == 0, start.stdout + start.stderr
+        assert f"Python: {venv_py} (ComfyUI's own venv)" in start.stdout, start.stdout
+        submit = subprocess.run([os.path.join(pack, "scripts", "tp2-submit"), os.path.join(pack, "workflows", "api", "h3_tp2_tiny_demo.json"),
+                                 "--run-dir", run_dir, "--out", str(tmp_path / "outputs")], env=env, capture_output=True, text=True,
+                                cwd=pack, timeout=300)  # fmt: skip
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+        assert submit.stdout.count(": identical") == 2 and "DIFFERENT" not in submit.stdout, submit.stdout
+    finally:
+        subprocess.run([launcher, "stop", "--run-dir", run_dir], env=env, capture_output=True, timeout=120)
+    assert not os.path.exists(os.path.join(pack, ".venv")), "a second virtualenv was made for the pack"
+    own = os.path.dirname(os.path.dirname(os.path.dirname(venv_py)))
+    assert not glob.glob(os.path.join(own, "venv", "lib", "python*", "site-packages", "torch")), "torch was installed again"
