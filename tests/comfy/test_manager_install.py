@@ -69,3 +69,27 @@ def test_the_manager_way_runs_under_comfyuis_own_virtualenv(tmp_path):
     assert not os.path.exists(os.path.join(pack, ".venv")), "a second virtualenv was made for the pack"
     own = os.path.dirname(os.path.dirname(os.path.dirname(venv_py)))
     assert not glob.glob(os.path.join(own, "venv", "lib", "python*", "site-packages", "torch")), "torch was installed again"
+
+
+def test_install_sh_uses_the_virtualenv_comfyui_runs_with(tmp_path):
+    """scripts/install.sh --comfyui DIR, DIR a ComfyUI whose venv/ has torch: that virtualenv gets the pack's
+    requirements (here already there) and keeps its torch; no .venv of the pack's own, nothing downloaded."""
+    import time
+
+    comfy = str(tmp_path / "ComfyUI")
+    venv_py = _comfyui_with_its_own_venv(comfy)
+    pack = str(tmp_path / "minimax-h3-tp2")
+    subprocess.run(["git", "clone", "-q", ROOT, pack], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX", "COMFYUI_DIR", "TP2_VENV")}
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", os.path.join(pack, "scripts", "install.sh"), "--comfyui", comfy, "--no-link"], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    took = time.monotonic() - t0
+    print(f"\n[install.sh into ComfyUI's own virtualenv] {took:.0f} s")
+    assert res.returncode == 0, res.stdout + res.stderr
+    venv = os.path.dirname(os.path.dirname(venv_py))
+    assert f"[install] using the Python your ComfyUI runs with ({venv})" in res.stdout, res.stdout
+    assert ": your ComfyUI's, left as it is" in res.stdout and "[install] the pack's dependencies: already there" in res.stdout, res.stdout
+    assert f"[install] python: {venv_py}" in res.stdout.splitlines(), res.stdout
+    assert not os.path.exists(os.path.join(pack, ".venv")), "a second virtualenv was made for the pack"
+    assert not glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "torch")), "torch was installed again"
