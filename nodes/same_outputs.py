@@ -6,7 +6,7 @@ A VAE decode a rank runs alone (a one-chunk video, TP2_PARALLEL_VAE=0, the audio
 out-of-memory on one rank) equals the other ranks' only if the processes round alike, and the video encoder turns
 one last-bit difference into another MP4. So after such a decode the ranks meet (run.agree_step: the prompt, the
 latent, the output's shape and dtype), compare a SHA-256 of its bytes, and where one differs every rank takes rank
-0's (tp2.collectives.same_everywhere), with a log line naming the stage; usually only the digests travel. A split
+0's (tp2.same_bytes.same_everywhere), with a log line naming the stage; usually only the digests travel. A split
 video decode (nodes/vae_decode.py) is identical by construction. The encoder and muxer also run on each rank
 alone, so after a video file is written (VideoFromComponents.save_to, what SaveVideo calls) the ranks compare its
 SHA-256 and a rank whose file differs writes rank 0's bytes over it. A peer that never reaches the decode or the
@@ -24,8 +24,9 @@ import comfy.sd
 from comfy_api.latest import InputImpl
 
 from ..tp2 import __version__
-from ..tp2.collectives import all_gather_object, broadcast_object, same_everywhere
+from ..tp2.collectives import all_gather_object, broadcast_object
 from ..tp2.errors import PeerLostError
+from ..tp2.same_bytes import same_everywhere
 from .faults import inject_fault, nudge_metadata, nudge_output
 from .patches import PATCHES
 from .run import agree_step, in_step, step_key, tensor_digest

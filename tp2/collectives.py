@@ -16,13 +16,10 @@ Imports torch only; never `comfy`.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
 import pickle
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -334,48 +331,3 @@ def _collect_meta(skel, out: list) -> None:
     elif isinstance(skel, (list, tuple)):
         for v in skel:
             _collect_meta(v, out)
-
-
-DIGEST_PIECE_BYTES = 64 << 20
-
-
-def bytes_digest(t: torch.Tensor) -> str:
-    """SHA-256 of the SHA-256s of a tensor's bytes in memory order, 64 MiB a piece, the pieces hashed on threads
-    (hashlib lets go of the GIL); no copy when the tensor's memory is dense in some dim order."""
-    data = memoryview(_dense(t.detach())[0].cpu().reshape(-1).view(torch.uint8).numpy())
-    pieces = [data[i : i + DIGEST_PIECE_BYTES] for i in range(0, len(data), DIGEST_PIECE_BYTES)]
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        parts = pool.map(lambda piece: hashlib.sha256(piece).digest(), pieces)
-        return hashlib.sha256(b"".join(parts)).hexdigest()
-
-
-def _dense(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(`t` with its dims in the order its memory holds them, whether that is a view of `t`'s own memory): a
-    contiguous view where there is one (e.g. a movedim of a contiguous tensor), else a contiguous copy."""
-    view = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    return (view, True) if view.is_contiguous() else (t.contiguous(), False)
-
-
-def same_everywhere(t: torch.Tensor, tp: TPGroup, src: int = 0, piece_bytes: int = 256 << 20) -> list[int]:
-    """Make `t` equal on every rank to rank `src`'s, bit for bit, in place.
-
-    Contract: every rank's `bytes_digest(t)` goes over the CPU group; only where one differs does rank src's tensor
-    travel (broadcast in pieces of at most `piece_bytes`, written into `t`). Returns the ranks whose tensor differed
-    from src's (empty: nothing moved)."""
-    if tp.tp_size == 1:
-        return []
-    digests = all_gather_object(bytes_digest(t), tp)
-    differ = [r for r, d in enumerate(digests) if d != digests[src]]
-    if not differ:
-        return []
-    dense, own_memory = _dense(t)
-    flat = dense.reshape(-1)
-    step = max(1, piece_bytes // t.element_size())
-    for start in range(0, flat.numel(), step):
-        piece = flat[start : start + step]
-        got = broadcast_tree(piece if tp.tp_rank == src else None, tp, src)
-        if tp.tp_rank != src:
-            piece.copy_(got)
-    if not own_memory:
-        t.copy_(dense)
-    return differ

@@ -1,4 +1,4 @@
-"""What making a decoded video the same on every rank costs (nodes/same_outputs.py, tp2.collectives.same_everywhere):
+"""What making a decoded video the same on every rank costs (nodes/same_outputs.py, tp2.same_bytes.same_everywhere):
 a float32 [1, T, H, W, 3] frames tensor as ComfyUI's VAE.decode returns it, on two ranks (gloo, the tensors on the
 CPU as ComfyUI keeps decoded frames), every rank equal (only digests travel) and rank 1 off (rank 0's bytes are
 broadcast). With `cuda`, the ranks share GPU 0 as in the benchmarks' one-GPU mode (TP2_BENCH_GLOO_ON_CUDA).
@@ -18,7 +18,8 @@ from harness import run_ranks, values  # noqa: E402
 
 
 def worker(tp_rank, tp_size, shapes, cuda):
-    from tp2.collectives import init_tp_group, same_everywhere
+    from tp2.collectives import init_tp_group
+    from tp2.same_bytes import same_everywhere
     from tp2.settings import read_tp_env
 
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -155,7 +155,8 @@ def test_sequence_in_pieces_gathers_and_reduces_in_place(tp_size, full, pieces):
 def _same_everywhere_worker(tp_rank, tp_size):
     import torch
 
-    from tp2.collectives import bytes_digest, init_tp_group, same_everywhere
+    from tp2.collectives import init_tp_group
+    from tp2.same_bytes import bytes_digest, same_everywhere
     from tp2.settings import read_tp_env
 
     tp = init_tp_group(read_tp_env())
