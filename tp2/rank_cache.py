@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from . import __version__
+from .checked_files import remember_verified, verified_before
 from .checkpoint import CheckpointLayout
 from .errors import ShardMismatchError
 from .plan import Plan, TensorShard, resolve_plan
@@ -54,8 +55,6 @@ from .shard import (
     rank_file_for,
     read_shard,
     read_shard_tensor,
-    remember_verified,
-    verified_before,
     without_pack_metadata,
 )  # fmt: skip
 from .te_plan import NVFP4_BLOCK_SCALE

@@ -15,8 +15,6 @@ Imports nothing from `comfy`.
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -26,7 +24,8 @@ import time
 
 import torch
 
-from . import __version__, settings
+from . import __version__
+from .checked_files import remember_verified, verified_before
 from .checkpoint import CheckpointLayout
 from .errors import PlanError, ShardMismatchError, TP2Error
 from .nvfp4 import slice_block_scales
@@ -286,45 +285,6 @@ def load_rank_file(
         remember_verified(path, md[META_DIGESTS])
         log.info("checked %d tensors of %s against their digests in %.1f s", len(sd), os.path.basename(path), time.monotonic() - t0)
     return sd, md, plan
-
-
-def _cache_file() -> str:
-    return os.path.join(settings.cache_dir(), "verified_rank_files.json")
-
-
-def _file_key(path: str, digests: str) -> str:
-    st = os.stat(path)
-    return json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, hashlib.sha256(digests.encode()).hexdigest()[:16]])
-
-
-def verified_before(path: str, digests: str) -> bool:
-    """Whether this file, at this size and mtime and with these digests, was checked whole before."""
-    try:
-        with open(_cache_file()) as f:
-            return _file_key(path, digests) in json.load(f)
-    except (OSError, ValueError):
-        return False
-
-
-def remember_verified(path: str, digests: str) -> None:
-    """Record that `path` was checked whole. The ranks of one machine share the record: the read, update and
-    replace run under an exclusive lock on `<record>.lock`, so two ranks recording at once both stay recorded."""
-    cache = _cache_file()
-    try:
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        with open(cache + ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                with open(cache) as f:
-                    known = [k for k in json.load(f) if json.loads(k)[0] != os.path.realpath(path)]
-            except (OSError, ValueError):
-                known = []
-            tmp = f"{cache}.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump([*known[-200:], _file_key(path, digests)], f)
-            os.replace(tmp, cache)
-    except OSError as e:  # a read-only home: the file is simply checked again next time
-        log.warning("could not record that %s was checked (%s)", path, e)
 
 
 def is_rank_file(path: str) -> bool:

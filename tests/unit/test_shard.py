@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tp2.checked_files import verified_before
 from tp2.checkpoint import CheckpointLayout
 from tp2.errors import PlanError, ShardMismatchError
 from tp2.plan import RANK0, SPLIT, WHOLE, TensorShard, resolve_plan
@@ -22,7 +23,6 @@ from tp2.shard import (
     shard_state_dict,
     slice_tensor,
     unshard_tensor,
-    verified_before,
     verify_rank_file,
     write_rank_file,
 )
@@ -215,7 +215,7 @@ def test_ranks_recording_checks_at_once_all_stay_recorded(tmp_path, monkeypatch)
         f.write_bytes(b"x")
     go = tmp_path / "go"
     code = (
-        "import os, sys, time; from tp2.shard import remember_verified\n"
+        "import os, sys, time; from tp2.checked_files import remember_verified\n"
         "while not os.path.exists(sys.argv[1]): time.sleep(0.001)\n"  # both start writing at the same moment
         "for p in sys.argv[2:]: remember_verified(p, 'digests')\n"
     )
