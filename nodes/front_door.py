@@ -73,24 +73,22 @@ class FrontDoor:
     def followers(self) -> list[tuple[int, str]]:
         return [(r, u) for r, u in enumerate(self.rank_urls) if r != 0]
 
-    async def forward(self, path: str, body: dict) -> dict[int, tuple[str, bool]]:
-        """POST `body` to `path` on every follower: rank -> (the problem, whether the rank did not answer at all), for
-        each rank that did not take it."""
+    async def forward(self, path: str, body: dict) -> list[str]:
+        """POST `body` to `path` on every follower; the problems, one line per rank that did not take it."""
 
-        async def one(rank: int, url: str) -> tuple[str, bool] | None:
+        async def one(rank: int, url: str) -> str | None:
             try:
                 async with ClientSession(timeout=FORWARD_TIMEOUT) as s, s.post(url + path, json=body, headers={HEADER: self.secret}) as r:
                     if r.status == 200:
                         return None
-                    return f"rank {rank} ({url}) refused it ({r.status}): {_error_text(await r.text())}", False
+                    return f"rank {rank} ({url}) refused it ({r.status}): {_error_text(await r.text())}"
             except asyncio.TimeoutError:
                 return (f"rank {rank} ({url}) did not answer within {FORWARD_TIMEOUT.total:.0f} s: it is frozen or overloaded "
-                        f"(scripts/start-tp2.sh status; restart it with scripts/start-tp2.sh restart --rank {rank})"), False  # fmt: skip
+                        f"(scripts/start-tp2.sh status; restart it with scripts/start-tp2.sh restart --rank {rank})")  # fmt: skip
             except (ClientError, OSError) as e:
-                return f"rank {rank} ({url}) is not reachable ({type(e).__name__}: {e}); start it again (scripts/start-tp2.sh status)", True
+                return f"rank {rank} ({url}) is not reachable ({type(e).__name__}: {e}); start it again (scripts/start-tp2.sh status)"
 
-        answers = await asyncio.gather(*(one(r, u) for r, u in self.followers))
-        return {r: a for (r, _), a in zip(self.followers, answers) if a is not None}
+        return [p for p in await asyncio.gather(*(one(r, u) for r, u in self.followers)) if p]
 
     # -- rank 0 ----------------------------------------------------------------------------------------
     async def dispatch(self, prompt: dict, prompt_id: str, extra_data: dict, outputs: list, reset: bool) -> tuple[str, bool, str | None]:
@@ -107,7 +105,7 @@ class FrontDoor:
         body = {"prompt": prompt, "prompt_id": prompt_id, "extra_data": extra, "number": self.seq, "tp2": order,
                 "partial_execution_targets": list(outputs)}  # fmt: skip
         problems = await self.forward("/prompt", body)
-        return run, reset, "; ".join(p for p, _ in problems.values()) or None
+        return run, reset, "; ".join(problems) or None
 
     async def _wait_for_restarts(self, prompt_id: str) -> bool:
         """Wait (at most REJOIN_WAIT_S, until an interrupt) while a follower is down and its launcher is starting it
@@ -172,7 +170,7 @@ class FrontDoor:
                 STATE.session.cache_epoch(bump=True)
             body = {"unload_models": bool(body.get("unload_models"))}
         problems = await self.forward(route, body)
-        for p, _ in problems.values():
+        for p in problems:
             log.warning("%s could not repeat %s on a follower: %s", STATE.tag, route, p)
         return await handler(request)
 

@@ -48,7 +48,8 @@ def _journaled(path: str, original):
     @functools.wraps(original)
     def method(queue, *args, **kwargs):
         out = original(queue, *args, **kwargs)
-        _write(queue, path)
+        if out is not None or original.__name__ != "get":  # a get that timed out changed nothing
+            _write(queue, path)
         return out
 
     return method

@@ -16,7 +16,6 @@ write (its node cache served it) leaves this rank's output as it is, with a log 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import time
 
@@ -24,9 +23,8 @@ import comfy.sd
 from comfy_api.latest import InputImpl
 
 from ..tp2 import __version__
-from ..tp2.collectives import all_gather_object, broadcast_object
 from ..tp2.errors import PeerLostError
-from ..tp2.same_bytes import same_everywhere
+from ..tp2.same_bytes import same_blob_everywhere, same_everywhere
 from .faults import inject_fault, nudge_metadata, nudge_output
 from .patches import PATCHES
 from .run import agree_step, in_step, step_key, tensor_digest
@@ -59,19 +57,9 @@ def _hooked(how: str, original):
 
 def _make_same(stage: str, samples, out) -> None:
     inject_fault(STATE.env.tp_rank, "decode")  # tests only (TP2_TEST_FAULT_FILE); inert by default
-    key = step_key("decoded")
-    fields = {
-        "pack_version": __version__,
-        "prompt": STATE.prompt.fingerprint,
-        "stage": stage,
-        "latent": f"{tuple(samples.shape)}:{tensor_digest(samples)}",
-        "output": f"{tuple(out.shape)} {out.dtype}",
-    }
-    try:
-        group = agree_step(key, fields)
-    except PeerLostError as e:
-        log.warning("%s %s: this rank's %s output is kept, and may differ from the other ranks'", STATE.tag, e, stage)
-        STATE.prompt.alone = True
+    fields = {"latent": f"{tuple(samples.shape)}:{tensor_digest(samples)}", "output": f"{tuple(out.shape)} {out.dtype}"}
+    group = _meet("decoded", stage, fields, f"{stage} output")
+    if group is None:
         return
     t0 = time.monotonic()
     with in_step():
@@ -99,29 +87,33 @@ def _saved(original):
 
 def _make_file_same(path: str) -> None:
     """Every rank's file at `path` (each rank its own output folder) ends as rank 0's bytes."""
-    key = step_key("saved")
-    fields = {"pack_version": __version__, "prompt": STATE.prompt.fingerprint, "stage": "video file"}
-    try:
-        group = agree_step(key, fields)
-    except PeerLostError as e:
-        log.warning("%s %s: this rank's video file is kept, and may differ from the other ranks'", STATE.tag, e)
-        STATE.prompt.alone = True
+    group = _meet("saved", "video file", {}, "video file")
+    if group is None:
         return
     t0 = time.monotonic()
     with in_step():
         with open(path, "rb") as f:
-            blob = f.read()
-        digests = all_gather_object(hashlib.sha256(blob).hexdigest(), group)
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        if not differ:
-            log.info("%s video file: the same bytes on every rank (checked in %.2f s)", STATE.tag, time.monotonic() - t0)
-            return
-        blob = broadcast_object(blob if group.tp_rank == 0 else None, group)
-        if group.tp_rank != 0:
+            blob, differ = same_blob_everywhere(f.read(), group)
+        if differ and group.tp_rank != 0:
             with open(path + ".tp2-part", "wb") as f:
                 f.write(blob)
             os.replace(path + ".tp2-part", path)
-    log.warning(
-        "%s video file: rank(s) %s wrote other bytes than rank 0; every rank now has rank 0's file (%.2f s)",
-        STATE.tag, ", ".join(map(str, differ)), time.monotonic() - t0,
-    )  # fmt: skip
+    if differ:
+        log.warning(
+            "%s video file: rank(s) %s wrote other bytes than rank 0; every rank now has rank 0's file (%.2f s)",
+            STATE.tag, ", ".join(map(str, differ)), time.monotonic() - t0,
+        )  # fmt: skip
+    else:
+        log.info("%s video file: the same bytes on every rank (checked in %.2f s)", STATE.tag, time.monotonic() - t0)
+
+
+def _meet(kind: str, stage: str, fields: dict[str, str], what: str):
+    """Every rank at this prompt's next `kind` step agrees on `fields` (with the pack version, the prompt and the
+    stage): the group, or None when a peer never came (this rank's `what` is kept, logged as possibly different)."""
+    fields = {"pack_version": __version__, "prompt": STATE.prompt.fingerprint, "stage": stage, **fields}
+    try:
+        return agree_step(step_key(kind), fields)
+    except PeerLostError as e:
+        log.warning("%s %s: this rank's %s is kept, and may differ from the other ranks'", STATE.tag, e, what)
+        STATE.prompt.alone = True
+        return None

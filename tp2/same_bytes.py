@@ -3,6 +3,7 @@ src's bytes sent only where one differs (nodes/same_outputs.py uses it for what 
 
     bytes_digest(t)                    SHA-256 of a tensor's bytes in memory order (threads, no copy where dense)
     same_everywhere(t, tp, src=0)      t equal to rank src's on every rank, in place; the ranks that differed
+    same_blob_everywhere(blob, tp)     the same for bytes of any length (a written file): rank src's bytes
 
 Imports nothing from `comfy`.
 """
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .collectives import TPGroup, all_gather_object, broadcast_tree
+from .collectives import TPGroup, all_gather_object, broadcast_object, broadcast_tree
 
 DIGEST_PIECE_BYTES = 64 << 20
 
@@ -45,8 +46,7 @@ def same_everywhere(t: torch.Tensor, tp: TPGroup, src: int = 0, piece_bytes: int
     from src's (empty: nothing moved)."""
     if tp.tp_size == 1:
         return []
-    digests = all_gather_object(bytes_digest(t), tp)
-    differ = [r for r, d in enumerate(digests) if d != digests[src]]
+    differ = _differing(bytes_digest(t), tp, src)
     if not differ:
         return []
     dense, own_memory = _dense(t)
@@ -60,3 +60,19 @@ def same_everywhere(t: torch.Tensor, tp: TPGroup, src: int = 0, piece_bytes: int
     if not own_memory:
         t.copy_(dense)
     return differ
+
+
+def same_blob_everywhere(blob: bytes, tp: TPGroup, src: int = 0) -> tuple[bytes, list[int]]:
+    """(rank src's `blob`, the ranks whose blob differed from it): the digests travel, the bytes only where one
+    differs. Blobs may differ in length (e.g. two encoders' files)."""
+    if tp.tp_size == 1:
+        return blob, []
+    differ = _differing(hashlib.sha256(blob).hexdigest(), tp, src)
+    if not differ:
+        return blob, []
+    return broadcast_object(blob if tp.tp_rank == src else None, tp, src), differ
+
+
+def _differing(digest: str, tp: TPGroup, src: int) -> list[int]:
+    digests = all_gather_object(digest, tp)
+    return [r for r, d in enumerate(digests) if d != digests[src]]
