@@ -21,7 +21,8 @@ import torch
 from ..tp2 import settings
 from ..tp2.checkpoint import CheckpointLayout
 from ..tp2.errors import PlanError, UnknownPrefixError
-from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan, find_prefix
+from ..tp2.h3_layout import find_prefix
+from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan
 from ..tp2.rank_cache import open_rank_shard
 from ..tp2.safetensors_io import read_header
 from . import sequence_parallel

@@ -1,19 +1,20 @@
 """The MiniMax-H3 tensor-parallel plan: which tensor each rank holds, resolved from a checkpoint layout.
 
-Dims are never hard-coded: heads, head_dim, ffn and hidden come from the shapes, the way ComfyUI's own
-detection reads them. Everything is validated here, before any weight is read or any collective runs.
-Imports nothing from `comfy`.
+The widths come from the checkpoint (tp2.h3_layout). Everything is validated here, before any weight is read or
+any collective runs. Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 
-from .checkpoint import TP_METADATA_PREFIX, CheckpointLayout, convrot_group
-from .errors import PlanError, UnknownPrefixError
+from .checkpoint import CheckpointLayout, convrot_group
+from .errors import PlanError
+from .h3_layout import H3Shape
 
 COLWISE = "colwise"  # Y = X A, A split by output rows; no collective
 COLWISE_PACKED = "colwise_packed"  # the same, per fused part ([q|k|v], [gate|up]): each rank its slice of each
@@ -31,7 +32,7 @@ RANK0 = "rank0"  # a row-parallel bias: rank 0 holds it, other ranks hold zeros,
 
 # Megatron-style plan of the H3 DiT, by module-name pattern ("*" is a block index) -> (style, packed parts).
 # Attention and MLP are split column-then-row, so each block needs two all-reduces and nothing else.
-# `adaln_proj.linear` of the DiT blocks is resolved by checkpoint form (see `_adaln_style`).
+# `adaln_proj.linear` of the DiT blocks is resolved by checkpoint form (ADALN_STYLE).
 H3_TP_PLAN: dict[str, tuple[str, int]] = {
     "blocks.*.attn.qkv_proj": (COLWISE_PACKED, 3),  # [q|k|v]: each rank takes its heads from each part
     "blocks.*.attn.out_proj": (ROWWISE, 1),
@@ -43,6 +44,8 @@ H3_TP_PLAN: dict[str, tuple[str, int]] = {
     "token_refiner.blocks.*.mlp.fc2": (ROWWISE, 1),
     "blocks.*.adaln_proj.linear": (REPLICATE, 1),  # placeholder, resolved by form
 }
+# the full form's adaln is ~260 M params per block at full size: halve it per rank; the curve form's is ~1 M
+ADALN_STYLE = {"curve": REPLICATE, "full": ROWWISE_SPLIT_INPUT}
 
 # Replicated on purpose: patch/condition projections and the time embedder (small, consumed by every rank
 # before the first block), norms and per-head q/k norms (per-channel weights), rope and the adaln curve table
@@ -71,20 +74,6 @@ H3_REPLICATED = (
 H3_BUFFERS = ("adaln_t_table", "rope.inv_freq")
 KNOWN_SUFFIXES = ("weight", "bias", "weight_scale", "comfy_quant")
 SUPPORTED_QUANT_FORMATS = ("int8_tensorwise",)
-H3_REQUIRED = (
-    "video_patch_proj.weight",
-    "audio_patch_proj.weight",
-    "condition_proj.weight",
-    "blocks.0.attn.qkv_proj.weight",
-    "blocks.0.attn.q_norm.weight",
-    "blocks.0.attn.out_proj.weight",
-    "blocks.0.mlp.fc1.weight",
-    "blocks.0.mlp.fc2.weight",
-    "final_layer.video_out.weight",
-)
-# every prefix ComfyUI's loader strips from a diffusion model (comfy/model_detection.py unet_prefix_from_state_dict),
-# and bare keys
-KNOWN_PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.model.", "net.", "model.")
 
 
 def _compile(pattern: str) -> re.Pattern:
@@ -174,41 +163,6 @@ def _join_or(values: list[int]) -> str:
     return s[0] if len(s) == 1 else ", ".join(s[:-1]) + " or " + s[-1]
 
 
-def find_prefix(layout: CheckpointLayout) -> str:
-    """The key prefix under which the H3 DiT sits, or raise PlanError when this is not an H3 DiT."""
-    for prefix in KNOWN_PREFIXES:
-        if f"{prefix}video_patch_proj.weight" in layout.tensors and f"{prefix}audio_patch_proj.weight" in layout.tensors:
-            missing = [k for k in H3_REQUIRED if prefix + k not in layout.tensors]
-            if missing:
-                raise PlanError(
-                    f"'{layout.source}' looks like MiniMax-H3 but lacks {', '.join(missing)}: the file is incomplete "
-                    "or a different model. Use a complete MiniMax-H3 diffusion model file."
-                )
-            return prefix
-    elsewhere = sorted({k[: -len("video_patch_proj.weight")] for k in layout.tensors if k.endswith("video_patch_proj.weight")})
-    if elsewhere:
-        raise UnknownPrefixError(
-            f"'{layout.source}' holds a MiniMax-H3 model under the key prefix '{elsewhere[0]}', which this pack does not "
-            f"know (it knows {', '.join(repr(p) for p in KNOWN_PREFIXES)}): refused rather than run whole on every rank. "
-            "Re-save the file with one of those prefixes, or report the file's origin."
-        )
-    raise PlanError(
-        f"'{layout.source}' is not a MiniMax-H3 diffusion model: it has no 'video_patch_proj.weight' and "
-        "'audio_patch_proj.weight'. Load other models with the stock loader; TP applies to H3 only."
-    )
-
-
-def _adaln_style(layout: CheckpointLayout, prefix: str) -> tuple[str, str]:
-    if f"{prefix}adaln_t_table" in layout.tensors:
-        return "curve", REPLICATE
-    if f"{prefix}time_embedder.proj_out.weight" in layout.tensors:
-        return "full", ROWWISE_SPLIT_INPUT  # ~260 M params per block at full size: halve it per rank
-    raise PlanError(
-        f"'{layout.source}' has neither 'adaln_t_table' (curve form) nor 'time_embedder.proj_out.weight' "
-        "(full form): cannot tell how its timestep conditioning works. Use an unmodified H3 checkpoint."
-    )
-
-
 def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
     hits = [(p, style) for rx, p, style in _LINEAR_RULES if rx.match(module)]
     if len(hits) > 1:
@@ -219,69 +173,47 @@ def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
     return (adaln_style, 1) if pattern == "blocks.*.adaln_proj.linear" else style
 
 
-def _refuse_if_sliced(layout: CheckpointLayout) -> None:
-    if any(k.startswith(TP_METADATA_PREFIX) for k in layout.metadata):
-        raise PlanError(
-            f"'{layout.source}' is already a tensor-parallel shard (rank {layout.metadata.get('tp2.tp_rank')} of "
-            f"{layout.metadata.get('tp2.tp_size')}); it cannot be sliced again. Give the slicer the original "
-            "checkpoint, or load this rank file directly on its own rank."
-        )
-
-
-def _dims(layout: CheckpointLayout, prefix: str, form: str) -> tuple[int, int, int, int, int]:
-    """(hidden, head_dim, heads, ffn, adaln input width), read the way ComfyUI's detection reads them."""
-    shape = lambda k: layout.shape(prefix + k)  # noqa: E731
-    head_dim = shape("blocks.0.attn.q_norm.weight")[0]
-    t_dim = shape("adaln_t_table")[1] if form == "curve" else shape("time_embedder.proj_out.weight")[0]
-    heads = shape("blocks.0.attn.qkv_proj.weight")[0] // (3 * head_dim)
-    return shape("video_patch_proj.weight")[0], head_dim, heads, shape("blocks.0.mlp.fc1.weight")[0] // 2, t_dim
-
-
 def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[Plan | None, list[str]]:
-    prefix = find_prefix(layout)
-    src = layout.source
-    _refuse_if_sliced(layout)
-    form, adaln = _adaln_style(layout, prefix)
-    hidden, head_dim, heads, ffn, t_dim = _dims(layout, prefix, form)
-    expected = {
-        "attn.qkv_proj.weight": (3 * heads * head_dim, hidden),
-        "attn.out_proj.weight": (hidden, heads * head_dim),
-        "mlp.fc1.weight": (2 * ffn, hidden),
-        "mlp.fc2.weight": (hidden, ffn),
-    }
-    problems = _check_widths(heads, ffn, tp_size)
+    dims = H3Shape.of(layout)
+    prefix, form, adaln = dims.prefix, dims.adaln_form, ADALN_STYLE[dims.adaln_form]
+    problems = _check_widths(dims.heads, dims.ffn, tp_size)
     linears: dict[str, str] = {}
     tensors: dict[str, TensorShard] = {}
     for name, (dtype, full) in layout.tensors.items():
-        if not name.startswith(prefix):
-            problems.append(f"Tensor '{name}' in '{src}' is outside the H3 model (prefix '{prefix}'). Use a diffusion-model-only H3 file.")
-            continue
-        key = name[len(prefix) :]
-        if key in H3_BUFFERS:
-            tensors[name] = TensorShard(name, WHOLE, None, 1, full, full, dtype, REPLICATE)
-            continue
-        module, _, suffix = key.rpartition(".")
-        style = _layer_style(module, adaln)
-        unplanned = _unplanned(key, module, suffix, style, src)
-        if unplanned:
-            problems.append(unplanned)
-            continue
-        style, parts = style or (REPLICATE, 1)
-        if suffix == "weight" and len(full) == 2:
-            linears[module] = style
-        problems += _check_block_shape(key, module, full, expected, t_dim, src)
-        shard, problem = _tensor_shard(name, suffix, dtype, full, style, parts, tp_size)
-        if problem:
-            problems.append(problem.replace("{name}", module))
+        shard, linear_style, found = _place(layout.source, prefix, adaln, dims, tp_size, name, dtype, full)
+        problems += found
         if shard:
             tensors[name] = shard
+        if linear_style:
+            linears[name[len(prefix) :].rpartition(".")[0]] = linear_style
     problems += _check_quant(layout, prefix, linears, tp_size)
     if problems:
         return None, problems
     num_layers = 1 + max(int(k.split(".")[1]) for k in linears if k.startswith("blocks."))
     refiner = [int(k.split(".")[2]) for k in linears if k.startswith("token_refiner.blocks.")]
-    plan = Plan(tp_size, prefix, form, hidden, heads, head_dim, ffn, num_layers, 1 + max(refiner) if refiner else 0, linears, tensors)
+    refiner_layers = 1 + max(refiner) if refiner else 0
+    plan = Plan(tp_size, prefix, form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers, linears, tensors)
     return plan, []
+
+
+def _place(src, prefix, adaln, dims: H3Shape, tp_size, name, dtype, full) -> tuple[TensorShard | None, str | None, list[str]]:
+    """Tensor `name`'s place in the plan, its linear's style when it is a linear's 2-D weight, and what is wrong."""
+    if not name.startswith(prefix):
+        return None, None, [f"Tensor '{name}' in '{src}' is outside the H3 model (prefix '{prefix}'). Use a diffusion-model-only H3 file."]
+    key = name[len(prefix) :]
+    if key in H3_BUFFERS:
+        return TensorShard(name, WHOLE, None, 1, full, full, dtype, REPLICATE), None, []
+    module, _, suffix = key.rpartition(".")
+    style = _layer_style(module, adaln)
+    unplanned = _unplanned(key, module, suffix, style, src)
+    if unplanned:
+        return None, None, [unplanned]
+    style, parts = style or (REPLICATE, 1)
+    problems = _check_block_shape(key, module, full, dims, src)
+    shard, problem = _tensor_shard(name, suffix, dtype, full, style, parts, tp_size)
+    if problem:
+        problems.append(problem.replace("{name}", module))
+    return shard, style if suffix == "weight" and len(full) == 2 else None, problems
 
 
 def _unplanned(key: str, module: str, suffix: str, style, src: str) -> str | None:
@@ -299,12 +231,12 @@ def _unplanned(key: str, module: str, suffix: str, style, src: str) -> str | Non
     return None
 
 
-def _check_block_shape(key, module, full, expected, t_dim, src) -> list[str]:
+def _check_block_shape(key, module, full, dims: H3Shape, src) -> list[str]:
     """Every block must have blocks.0's widths (detection reads only blocks.0), and adaln the timestep width."""
     rest = key.split(".", 2)[-1] if key.startswith("blocks.") else key.split(".", 3)[-1]
-    want = expected.get(rest) if key.startswith(("blocks.", "token_refiner.blocks.")) else None
+    want = dims.block_shapes().get(rest) if key.startswith(("blocks.", "token_refiner.blocks.")) else None
     if module.endswith("adaln_proj.linear") and key.endswith(".weight"):
-        want = (full[0], t_dim)
+        want = (full[0], dims.t_dim)
     if want is not None and tuple(full) != want:
         return [
             f"Tensor '{key}' in '{src}' has shape {list(full)} but the checkpoint's own dims (from blocks.0 and the "
@@ -331,7 +263,7 @@ def _tensor_shard(name, suffix, dtype, full, style, parts, tp_size) -> tuple[Ten
     if style == REPLICATE or suffix == "comfy_quant" or tp_size == 1:
         return whole, None
     if style in (COLWISE, COLWISE_PACKED):
-        if suffix == "weight_scale" and _numel(full) == 1:
+        if suffix == "weight_scale" and math.prod(full) == 1:
             return whole, None  # a tensorwise scalar scale applies to every row
         return split(0)
     # row-parallel: weights split along K; scales are per output row, identical on every rank
@@ -340,13 +272,6 @@ def _tensor_shard(name, suffix, dtype, full, style, parts, tp_size) -> tuple[Ten
     if suffix == "bias":
         return TensorShard(name, RANK0, None, 1, full, full, dtype, style), None
     return whole, None
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _check_widths(heads: int, ffn: int, tp_size: int) -> list[str]:

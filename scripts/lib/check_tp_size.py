@@ -16,7 +16,8 @@ import sys
 
 from tp2.checkpoint import CheckpointLayout
 from tp2.errors import TP2Error
-from tp2.plan import find_prefix, resolve_plan
+from tp2.h3_layout import find_prefix
+from tp2.plan import resolve_plan
 
 tp_size, explicit, paths = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
 fits, refused = [], []
