@@ -49,16 +49,18 @@ def is_h3_file(path: str) -> bool:
         return False
 
 
-def rank_cache_args() -> tuple[str | None, object]:
-    """(cache dir, file reader) for tp2.rank_cache; the cache dir is None when the rank cache is off. At tp_size 1
-    the file is mapped whole by the reader (nothing to cut).
+def rank_cache_args() -> tuple[str | None, object, bool]:
+    """(cache dir, file reader, whether to cut a missing file) for tp2.rank_cache; the cache dir is None when the rank
+    cache is off. At tp_size 1 the file is mapped whole by the reader (nothing to cut).
 
-    TP2_RANK_CACHE=auto turns it on when ComfyUI runs with dynamic VRAM, which keeps a pinned host copy of every
-    weight and fills it straight from the file only for weights mapped from one (tp2/rank_cache.py says why).
-    The reader is ComfyUI's own, so the cached slices are mapped exactly as a whole checkpoint would be."""
+    TP2_RANK_CACHE=auto uses the files already there (python -m tp2.rank_cache cuts them ahead of time) and cuts
+    missing ones when ComfyUI runs with dynamic VRAM, which keeps a pinned host copy of every weight and fills it
+    straight from the file only for weights mapped from one (tp2/rank_cache.py says why). The reader is ComfyUI's
+    own, so the cached slices are mapped exactly as a whole checkpoint would be."""
     mode = settings.value("TP2_RANK_CACHE")
-    on = mode == "on" or (mode == "auto" and comfy.memory_management.aimdo_enabled)
-    return (settings.cache_dir() if on else None), lambda path: comfy.utils.load_torch_file(path, safe_load=True)
+    cut = mode == "on" or (mode == "auto" and comfy.memory_management.aimdo_enabled)
+    read_all = lambda path: comfy.utils.load_torch_file(path, safe_load=True)  # noqa: E731
+    return (None if mode == "off" else settings.cache_dir()), read_all, cut
 
 
 def _hooked_load_diffusion_model(original):

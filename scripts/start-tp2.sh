@@ -148,9 +148,9 @@ check_tp_size() {  # before any rank starts: refuse a tp_size that the H3 checkp
     explicit=1
     for f in "$CKPT" "$models/diffusion_models/$CKPT" "$models/unet/$CKPT"; do [[ -f "$f" ]] && { files=("$f"); break; }; done
     [[ ${#files[@]} -eq 1 ]] || die "--ckpt $CKPT: no such file, nor in $models/diffusion_models or $models/unet"
-  else  # every file ComfyUI would list for a diffusion model loader, less the pre-sharded rank files
+  else  # every file ComfyUI would list for a diffusion model loader
     while IFS= read -r -d '' f; do files+=("$f"); done < <(find -L "$models/diffusion_models" "$models/unet" -type f \
-      -name '*.safetensors' ! -name '*.tp2-rank*.safetensors' -print0 2>/dev/null || true)
+      -name '*.safetensors' -print0 2>/dev/null || true)
     if [[ ${#files[@]} -eq 0 ]]; then
       echo "tp_size $TP_SIZE: no checkpoint in $models/diffusion_models to check it against (--ckpt NAME checks one elsewhere)"
       return 0

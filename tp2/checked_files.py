@@ -1,4 +1,4 @@
-"""Which pre-sharded rank files and rank-cache files were checked whole against their digests, remembered per machine
+"""Which rank-cache files were checked whole against their digests, remembered per machine
 (TP2_CACHE_DIR/verified_rank_files.json) by real path, size, mtime and digests, so a file is read twice only when
 one of those changed. A file damaged in place with its size and mtime unchanged is not caught after its first check.
 

@@ -15,7 +15,7 @@ from .safetensors_io import TensorReader
 
 QUANT_SUFFIX = ".comfy_quant"
 QUANT_METADATA_KEY = "_quantization_metadata"
-# Metadata keys written by tp2.shard into a rank file; a file carrying them is already sliced.
+# Metadata keys the rank cache (tp2.rank_cache) writes into its files; a file carrying them is already sliced.
 TP_METADATA_PREFIX = "tp2."
 
 

@@ -102,6 +102,6 @@ def _refuse_if_sliced(layout: CheckpointLayout) -> None:
     if any(k.startswith(TP_METADATA_PREFIX) for k in layout.metadata):
         raise PlanError(
             f"'{layout.source}' is already a tensor-parallel shard (rank {layout.metadata.get('tp2.tp_rank')} of "
-            f"{layout.metadata.get('tp2.tp_size')}); it cannot be sliced again. Give the slicer the original "
-            "checkpoint, or load this rank file directly on its own rank."
+            f"{layout.metadata.get('tp2.tp_size')}); it cannot be sliced again. Select the original "
+            "checkpoint: each rank finds its own cut in the rank cache (python -m tp2.rank_cache)."
         )

@@ -1,36 +1,40 @@
-"""What a rank loads of a checkpoint, and the rank cache: this rank's slices of a checkpoint, cut once into a file under
-TP2_CACHE_DIR, so the loader maps them from disk as it maps any checkpoint.
+"""The rank cache: this rank's slices of a checkpoint, cut once into a file under TP2_CACHE_DIR/rank_cache, so the
+loader maps them from disk as it maps any checkpoint. The one pre-sharded format: `python -m tp2.rank_cache` cuts
+them ahead of time.
 
-    shard = open_rank_shard(path, tp_rank, tp_size, cache_dir, read_all)   # the DiT (a rank file beside it wins)
+    shard = open_rank_shard(path, tp_rank, tp_size, cache_dir, read_all)   # the DiT
     sd, metadata, origin = read_rank_slices(path, te_plan.tensors, te_plan.fingerprint(), tp_rank, tp_size, what,
                                             cache_dir, read_all)                # the text encoder
+    python -m tp2.rank_cache CKPT --tp-size N [--tp-rank R] [--cache-dir DIR]  # the DiT or the text encoder
 
 Why: ComfyUI's dynamic VRAM keeps a pinned host copy of every weight. A tensor mapped from a file fills that copy straight
 from the file and nothing else is held; a tensor in ordinary memory (shard-on-read slices) is copied, and both copies stay
 alive. From a rank-cache file a rank holds one copy. A cache file is named by the checkpoint's name and fingerprint, the
-plan's fingerprint, this rank and tp_size; it carries a digest per tensor, computed as it is written and checked (a tensor
-at a time, in a scratch buffer) on load after a change of its size or mtime (checks are remembered by path, size and
-mtime). A file that fails the check is deleted and cut again; a disk without room leaves the rank on shard-on-read, with a
-warning. Imports nothing from `comfy`: `read_all(path) -> state dict` is the loader's own file reader.
+plan's fingerprint, this rank and tp_size, and its header records them; it carries a digest per tensor, computed as it
+is written and checked (a tensor at a time) on load after a change of its size or mtime (tp2.checked_files). A file
+that fails a check is deleted and cut again; a disk without room leaves the rank on shard-on-read, with a warning.
+Imports nothing from `comfy`: `read_all(path) -> state dict` is the loader's own file reader.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from . import __version__
+from . import __version__, settings
 from .checked_files import remember_verified, verified_before
 from .checkpoint import CheckpointLayout
-from .errors import ShardMismatchError
+from .errors import ShardMismatchError, TP2Error
 from .plan import Plan, TensorShard, resolve_plan
 from .safetensors_io import (
     DTYPES,
@@ -42,25 +46,15 @@ from .safetensors_io import (
     read_header,
     write_streaming,
 )
-from .shard import (
-    META_DIGESTS,
-    META_PLAN,
-    META_RANK,
-    META_SIZE,
-    META_SOURCE,
-    META_VERSION,
-    check_rank,
-    is_rank_file,
-    load_rank_file,
-    rank_file_for,
-    read_shard,
-    read_shard_tensor,
-    without_pack_metadata,
-)  # fmt: skip
-from .te_plan import NVFP4_BLOCK_SCALE
+from .shard import check_rank, read_shard, read_shard_tensor
+from .te_plan import NVFP4_BLOCK_SCALE, is_h3_text_encoder, resolve_te_plan
 
 log = logging.getLogger(__name__)
 
+# a cache file's header records what it was cut from and for whom (tp2.h3_layout refuses a file carrying "tp2." keys
+# as a checkpoint), and a digest per tensor
+META_RANK, META_SIZE, META_PLAN, META_SOURCE = "tp2.tp_rank", "tp2.tp_size", "tp2.plan", "tp2.source"
+META_VERSION, META_DIGESTS = "tp2.version", "tp2.tensor_digests"  # {tensor: 64-bit BLAKE2b of its bytes}
 SPARE_BYTES = 2 << 30  # a cache file is written only if the disk keeps this much free after it
 ReadAll = Callable[[str], dict[str, torch.Tensor]]
 
@@ -68,9 +62,12 @@ ReadAll = Callable[[str], dict[str, torch.Tensor]]
 _CACHE_NAME = re.compile(r"(?P<stem>.+)\.[0-9a-f]{12}\.[0-9a-f]{12}(?P<tail>\.tp\d+-rank\d+\.safetensors)")
 
 
-def cache_file(cache_dir: str, source: str, source_fp: str, plan_fp: str, tp_rank: int, tp_size: int) -> str:
+def _cache_entry(cache_dir: str, source: str, source_fp: str, plan_fp: str, tp_rank: int, tp_size: int) -> tuple[str, dict[str, str]]:
+    """The one naming rule (path of rank `tp_rank`'s cut of `source`) and the identity its header must record."""
     stem = os.path.splitext(os.path.basename(source))[0]
-    return os.path.join(cache_dir, "rank_cache", f"{stem}.{source_fp[:12]}.{plan_fp[:12]}.tp{tp_size}-rank{tp_rank}.safetensors")
+    name = f"{stem}.{source_fp[:12]}.{plan_fp[:12]}.tp{tp_size}-rank{tp_rank}.safetensors"
+    identity = {META_RANK: str(tp_rank), META_SIZE: str(tp_size), META_PLAN: plan_fp, META_SOURCE: source_fp}
+    return os.path.join(cache_dir, "rank_cache", name), identity
 
 
 def _remove_stale(out: str) -> None:
@@ -92,7 +89,9 @@ def _nbytes(tensors: dict[str, TensorShard]) -> int:
     return sum(torch.Size(ts.local_shape).numel() * DTYPES[ts.dtype].itemsize for ts in tensors.values())
 
 
-def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], identity: dict[str, str], tp_rank: int, tp_size: int) -> bool:
+def write_cache_file(
+    out: str, source: str, tensors: dict[str, TensorShard], identity: dict[str, str], tp_rank: int, tp_size: int, progress=None
+) -> bool:
     """Cut this rank's tensors from `source` into `out` (streaming, digests in the header); False if there is no room."""
     os.makedirs(os.path.dirname(out), exist_ok=True)
     _remove_stale(out)
@@ -117,7 +116,8 @@ def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], ide
             )
             for n, ts in tensors.items()
         ]
-        write_streaming(out, pending, {**identity, META_VERSION: __version__}, digests_key=META_DIGESTS, workers=IO_WORKERS)
+        metadata = {**identity, META_VERSION: __version__}
+        write_streaming(out, pending, metadata, progress=progress, digests_key=META_DIGESTS, workers=IO_WORKERS)
     remember_verified(out, read_header(out).metadata[META_DIGESTS])  # hashed as written: the first load needs no re-read
     log.info("rank cache: wrote %s (%.2f GB) in %.1f s", out, need / 1e9, time.monotonic() - t0)
     return True
@@ -152,56 +152,94 @@ def load_cache_file(path: str, tensors: dict[str, TensorShard], identity: dict[s
 
 def read_rank_slices(
     source: str, tensors: dict[str, TensorShard], plan_fp: str, tp_rank: int, tp_size: int, what: str,
-    cache_dir: str | None = None, read_all: ReadAll | None = None,
+    cache_dir: str | None = None, read_all: ReadAll | None = None, cut: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:  # fmt: skip
     """This rank's tensors of `source` and the file's own metadata: at tp_size 1 the file itself through `read_all`;
-    else from the rank cache when `cache_dir` is given (cut first if missing or damaged), else read from `source`
-    (shard-on-read). The third value says which ("mapped whole", "rank cache FILE" or "shard-on-read")."""
+    else from the rank cache when `cache_dir` is given (cut first if missing or damaged, when `cut`), else read from
+    `source` (shard-on-read). The third value says which ("mapped whole", "rank cache FILE" or "shard-on-read")."""
     if tp_size == 1 and read_all is not None:  # nothing to cut: the file itself, mapped by the loader's reader
         sd = read_all(source)
         return {n: sd[n] for n in tensors}, dict(read_header(source).metadata), "mapped whole"
     if cache_dir is None or read_all is None:
         return (*read_shard(source, tensors, tp_rank, tp_size, what), "shard-on-read")
     header = read_header(source)
-    identity = {META_RANK: str(tp_rank), META_SIZE: str(tp_size), META_PLAN: plan_fp, META_SOURCE: file_fingerprint(header)}
-    path = cache_file(cache_dir, source, identity[META_SOURCE], plan_fp, tp_rank, tp_size)
+    path, identity = _cache_entry(cache_dir, source, file_fingerprint(header), plan_fp, tp_rank, tp_size)
     for attempt in (1, 2):
-        if not os.path.exists(path) and not write_cache_file(path, source, tensors, identity, tp_rank, tp_size):
+        if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank, tp_size)):
             break
         try:
             return load_cache_file(path, tensors, identity, read_all), dict(header.metadata), f"rank cache {os.path.basename(path)}"
         except ShardMismatchError as e:
-            log.warning("%s: deleting it and %s", e, "cutting it again" if attempt == 1 else "reading from the checkpoint")
+            again = attempt == 1 and cut
+            log.warning("%s: deleting it and %s", e, "cutting it again" if again else "reading from the checkpoint")
             os.remove(path)
     return (*read_shard(source, tensors, tp_rank, tp_size, what), "shard-on-read")
 
 
 @dataclass(frozen=True)
 class RankShard:
-    """What a rank loads: its state dict, the checkpoint's own metadata, the plan, the source checkpoint's
-    fingerprint, the pre-sharded file it came from (None: read from the full checkpoint), and where its tensors
-    came from, in words (for the log)."""
+    """What a rank loads: its state dict, the checkpoint's own metadata, the plan, the checkpoint's fingerprint, and
+    where its tensors came from, in words (for the log and the status node)."""
 
     state_dict: dict[str, torch.Tensor]
     metadata: dict[str, str]
     plan: Plan
     source_fingerprint: str
-    rank_file: str | None
     origin: str
 
 
-def open_rank_shard(path: str, tp_rank: int, tp_size: int, cache_dir: str | None = None, read_all: ReadAll | None = None) -> RankShard:
-    """This rank's shard of checkpoint `path`: from its pre-sharded file when one exists beside it (or `path` is one),
-    checked against its digests and against `path`'s fingerprint; else this rank's slices of `path`, through the
-    rank cache when `cache_dir` and `read_all` are given (tp2.rank_cache), else read from `path` (shard-on-read)."""
-    rank_path = rank_file_for(path, tp_rank, tp_size)
-    if rank_path is None:
-        check_rank(tp_rank, tp_size)
-        plan = resolve_plan(CheckpointLayout.from_file(path), tp_size)
-        sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), tp_rank, tp_size, "", cache_dir, read_all)
-        return RankShard(sd, metadata, plan, file_fingerprint(read_header(path)), None, origin)
-    expected = None if is_rank_file(path) else file_fingerprint(read_header(path))
-    sd, metadata, plan = load_rank_file(rank_path, tp_rank, tp_size, expected_source=expected)
-    return RankShard(
-        sd, without_pack_metadata(metadata), plan, metadata[META_SOURCE], rank_path, f"rank file {os.path.basename(rank_path)}"
+def open_rank_shard(
+    path: str, tp_rank: int, tp_size: int, cache_dir: str | None = None, read_all: ReadAll | None = None, cut: bool = True
+) -> RankShard:
+    """This rank's shard of DiT checkpoint `path`: through the rank cache when `cache_dir` and `read_all` are given
+    (read_rank_slices), else read from `path` (shard-on-read)."""
+    check_rank(tp_rank, tp_size)
+    plan = resolve_plan(CheckpointLayout.from_file(path), tp_size)
+    sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), tp_rank, tp_size, "", cache_dir, read_all, cut)
+    return RankShard(sd, metadata, plan, file_fingerprint(read_header(path)), origin)
+
+
+def cut_ahead(source: str, tp_size: int, tp_rank: int, cache_dir: str, progress=None) -> str:
+    """Cut rank `tp_rank`'s slices of `source` (an H3 DiT or text encoder) into the rank cache now; returns the path."""
+    check_rank(tp_rank, tp_size)
+    if tp_size == 1:
+        raise TP2Error("tp_size 1 maps the checkpoint whole: there is nothing to cut. Use the tp_size you start with.")
+    layout = CheckpointLayout.from_file(source)
+    plan = resolve_te_plan(layout, tp_size) if is_h3_text_encoder(layout) else resolve_plan(layout, tp_size)
+    path, identity = _cache_entry(cache_dir, source, file_fingerprint(read_header(source)), plan.fingerprint(), tp_rank, tp_size)
+    if not write_cache_file(path, source, plan.tensors, identity, tp_rank, tp_size, progress):
+        raise TP2Error(f"not enough free disk in {os.path.dirname(path)} for {os.path.basename(path)} (see the warning above)")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m tp2.rank_cache",
+        description="Cut each rank's slices of an H3 DiT or text encoder into the rank cache now, so no rank cuts them at its first load.",
     )
+    ap.add_argument("checkpoint")
+    ap.add_argument("--tp-size", type=int, required=True)
+    ap.add_argument("--tp-rank", type=int, help="cut only this rank's slices")
+    ap.add_argument("--cache-dir", default=None, help="TP2_CACHE_DIR of the ranks (default: as the ranks resolve it)")
+    args = ap.parse_args(argv)
+    cache_dir = args.cache_dir or settings.cache_dir()
+    try:
+        for r in [args.tp_rank] if args.tp_rank is not None else range(args.tp_size):
+            t0 = time.monotonic()
+
+            def progress(i: int, n: int, r: int = r) -> None:
+                if i == n or i % max(1, n // 20) == 0:
+                    print(f"\r  rank {r}: {i}/{n} tensors", end="", file=sys.stderr, flush=True)
+
+            out = cut_ahead(args.checkpoint, args.tp_size, r, cache_dir, progress)
+            print(file=sys.stderr)
+            print(f"{out}  ({os.path.getsize(out) / 1e9:.2f} GB, {time.monotonic() - t0:.1f} s)")
+    except TP2Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sys.exit(main())

@@ -72,12 +72,12 @@ def ordered_map(fn: Callable, items: Iterable, workers: int = IO_WORKERS) -> Ite
                 future.cancel()
 
 
-def hashed_tensors(reader: TensorReader, names: list[str], hashed: bool = True) -> Iterator[tuple[str, torch.Tensor, str | None]]:
-    """(name, tensor, its tensor_digest or None) for every name, in order, read and hashed on IO_WORKERS threads."""
+def hashed_tensors(reader: TensorReader, names: list[str]) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, its tensor_digest) for every name, in order, read and hashed on IO_WORKERS threads."""
 
-    def read(name: str) -> tuple[str, torch.Tensor, str | None]:
+    def read(name: str) -> tuple[str, torch.Tensor, str]:
         t = reader.read(name)
-        return name, t, tensor_digest(t) if hashed else None
+        return name, t, tensor_digest(t)
 
     return ordered_map(read, names)
 

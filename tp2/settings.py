@@ -61,14 +61,12 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
         Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
         Setting("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
-        Setting(
-            "TP2_CACHE_DIR", "path", None, "where checked rank files are remembered, and the rank cache", shown="~/.cache/minimax-h3-tp2"
-        ),
+        Setting("TP2_CACHE_DIR", "path", None, "the rank cache, and the record of its files checked", shown="~/.cache/minimax-h3-tp2"),
         Setting(
             "TP2_RANK_CACHE",
             "choice",
             "auto",
-            "a rank's slices cut once to disk, then mapped (auto: with dynamic VRAM)",
+            "a rank's slices cut once to disk, then mapped (auto: cut with dynamic VRAM, use files already cut)",
             ("auto", "on", "off"),
         ),
         Setting("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),

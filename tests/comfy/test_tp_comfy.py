@@ -39,7 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import load, save_file
 
 from tp2.numerics import sqnr_db
-from tp2.shard import write_rank_file
+from tp2.rank_cache import cut_ahead
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -51,7 +51,7 @@ FULL_INT8 = "h3_tiny_full_adaln_int8.safetensors"  # the same, int8 ConvRot (Com
 FULL_INT8_G64 = "h3_tiny_full_adaln_int8_g64.safetensors"  # full form, int8 with a ConvRot group that splits 4 ways
 NET_INT8 = "h3_tiny_int8_net.safetensors"  # keys under "net.", a prefix ComfyUI's loader strips
 INT8_FILES = (INT8, INT8_G64, FULL_INT8, FULL_INT8_G64, NET_INT8)
-# pre-sharded: a copy of the file with rank files beside it (the loader takes those when the original is selected)
+# pre-sharded: a copy of the file, cut ahead of time into the servers' rank cache (the `precut` fixture)
 PRE_SHARDED = {FLOAT: (2, 4), INT8: (2,), FULL: (2, 4), FULL_INT8: (2,), INT8_G64: (4,), FULL_INT8_G64: (4,)}
 
 
@@ -87,24 +87,33 @@ def models(tmp_path_factory, comfy_git_status):
         tensors, metadata = {"net." + k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     save_file(tensors, os.path.join(folder, NET_INT8), metadata=metadata)
     out[f"diffusion_models/{NET_INT8}"] = os.path.join(folder, NET_INT8)
-    for name, sizes in PRE_SHARDED.items():
+    for name in PRE_SHARDED:
         copy = os.path.join(folder, sharded(name))
         shutil.copyfile(out[f"diffusion_models/{name}"], copy)
         out[f"diffusion_models/{sharded(name)}"] = copy
-        for tp_size in sizes:
-            for r in range(tp_size):
-                rank_file = write_rank_file(copy, folder, tp_size, r)
-                out[f"diffusion_models/{os.path.basename(rank_file)}"] = rank_file
     return out
 
 
-def _servers(request, tmp_path_factory, models, name, tp_size=None, pack=True):
-    return servers_for(request, tmp_path_factory, models, name, tp_size, TP_ENV if tp_size else None, pack)
+@pytest.fixture(scope="module")
+def precut(tmp_path_factory, models) -> str:
+    """A TP2_CACHE_DIR holding the `_sharded` copies cut ahead of time (python -m tp2.rank_cache); the servers do not
+    cut (TP2_RANK_CACHE=auto without dynamic VRAM), so those load from it and the others shard-on-read."""
+    cache = str(tmp_path_factory.mktemp("precut"))
+    for name, sizes in PRE_SHARDED.items():
+        for tp_size in sizes:
+            for r in range(tp_size):
+                cut_ahead(models[f"diffusion_models/{sharded(name)}"], tp_size, r, cache)
+    return cache
+
+
+def _servers(request, tmp_path_factory, models, name, tp_size=None, pack=True, cache=None):
+    env = dict(TP_ENV, TP2_CACHE_DIR=cache) if tp_size else None
+    return servers_for(request, tmp_path_factory, models, name, tp_size, env, pack)
 
 
 @pytest.fixture(scope="module")
-def tp2(request, tmp_path_factory, models):
-    return _servers(request, tmp_path_factory, models, "tp2", tp_size=2)
+def tp2(request, tmp_path_factory, models, precut):
+    return _servers(request, tmp_path_factory, models, "tp2", tp_size=2, cache=precut)
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +124,8 @@ def dual(request, tmp_path_factory, models):
 
 
 @pytest.fixture(scope="module")
-def tp4(request, tmp_path_factory, models):
-    return _servers(request, tmp_path_factory, models, "tp4", tp_size=4)
+def tp4(request, tmp_path_factory, models, precut):
+    return _servers(request, tmp_path_factory, models, "tp4", tp_size=4, cache=precut)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +178,7 @@ def test_every_checkpoint_form_splits_byte_identical_and_matches_one_server(requ
     assert rel(other, latent(ref_files, "video")) > 0.05
     log = open(servers[0].log_path).read()
     pre = unet.endswith("_sharded.safetensors")
-    how = f"(rank file {unet[: -len('.safetensors')]}.tp{tp_size}-rank0.safetensors)" if pre else "(shard-on-read)"
+    how = f"(rank cache {unet[: -len('.safetensors')]}." if pre else "(shard-on-read)"
     assert f"loaded {unet} {how}" in log  # split, not the whole model on every rank
 
 

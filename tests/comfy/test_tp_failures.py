@@ -21,7 +21,6 @@ from comfy_harness import (
     tiny_workflow,
 )
 from conftest import make_checkpoint, make_tiny_h3
-from safetensors.torch import load_file, save_file
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -34,21 +33,11 @@ def world(tmp_path_factory):
     d = tmp_path_factory.mktemp("fail_models")
     make_checkpoint(str(d / FLOAT))
     make_tiny_h3.main(["--conditioning", str(d / COND)])
-    from tp2.shard import write_rank_file
-
-    for r in range(4):  # rank files for the wrong tp_size
-        write_rank_file(str(d / FLOAT), str(d / "tp4"), 4, r)
     models = {f"diffusion_models/{FLOAT}": str(d / FLOAT), f"h3_conditioning/{COND}": str(d / COND)}
-    for r in range(4):
-        models[f"diffusion_models/h3_tiny_float.tp4-rank{r}.safetensors"] = str(d / "tp4" / f"h3_tiny_float.tp4-rank{r}.safetensors")
-    # a tp2 rank-file pair whose recorded plan is not the one this pack resolves
-    from tp2.safetensors_io import read_header
+    from tp2.rank_cache import cut_ahead
 
-    for r in range(2):
-        src = write_rank_file(str(d / FLOAT), str(d / "forged"), 2, r)
-        md = dict(read_header(src).metadata, **{"tp2.plan": "0000000000000000"})
-        save_file(load_file(src), os.path.join(d, "forged", f"forged.tp2-rank{r}.safetensors"), metadata=md)
-        models[f"diffusion_models/forged.tp2-rank{r}.safetensors"] = os.path.join(d, "forged", f"forged.tp2-rank{r}.safetensors")
+    cut = cut_ahead(str(d / FLOAT), 2, 1, str(d / "cache"))  # rank 1's cut, selected as if it were a checkpoint
+    models["diffusion_models/h3_tiny_float.rank1_cut.safetensors"] = cut
     root = str(tmp_path_factory.mktemp("fail_world"))
     servers = start_tp(root, 2, models, TP_ENV, front_door=False)  # the dual-submission mode
     yield servers, models
@@ -57,21 +46,14 @@ def world(tmp_path_factory):
     cleanup(root)
 
 
-@pytest.mark.parametrize(
-    "unet,needle",
-    [
-        ("h3_tiny_float.tp4-rank0.safetensors", "this rank ({r} of 2) needs 'h3_tiny_float.tp2-rank{r}.safetensors' next to it"),
-        ("forged.tp2-rank0.safetensors", "records plan 0000000000000000 but this pack resolves plan"),
-    ],
-)
-def test_wrong_rank_files_refused_then_next_prompt_works(world, unet, needle):
+def test_a_rank_cache_file_selected_as_a_checkpoint_is_refused_then_next_prompt_works(world):
     servers, _ = world
     t0 = time.monotonic()
-    hs = run_everywhere(servers, tiny_workflow(unet, COND, prefix="wrongfile"), 60)
+    hs = run_everywhere(servers, tiny_workflow("h3_tiny_float.rank1_cut.safetensors", COND, prefix="wrongfile"), 60)
     assert time.monotonic() - t0 < 60
-    for r, h in enumerate(hs):
+    for h in hs:
         msg = error_message(h)
-        assert h["status"]["status_str"] == "error" and needle.format(r=r) in msg, msg
+        assert h["status"]["status_str"] == "error" and "is already a tensor-parallel shard (rank 1 of 2)" in msg, msg
     assert_success(servers, run_everywhere(servers, tiny_workflow(FLOAT, COND, prefix="after_wrongfile")))
 
 

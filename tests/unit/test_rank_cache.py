@@ -1,6 +1,7 @@
 """The rank cache (tp2/rank_cache.py): a rank's slices cut once to a file and mapped from it equal shard-on-read bit
 for bit (the DiT's int8 and the text encoder's nvfp4 block scales); the file is reused, a damaged one is deleted and
-cut again, a full disk falls back to shard-on-read, and a rank file beside the checkpoint still wins."""
+cut again (so is one that records another cut), a full disk falls back to shard-on-read; `python -m tp2.rank_cache`
+cuts the same files ahead of time."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import tp2.rank_cache as rank_cache
 from tp2.checkpoint import CheckpointLayout
+from tp2.errors import PlanError
 from tp2.rank_cache import open_rank_shard, read_rank_slices
-from tp2.shard import read_shard, shard_state_dict, write_rank_file
+from tp2.safetensors_io import read_header
+from tp2.shard import read_shard, shard_state_dict
 from tp2.te_plan import resolve_te_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,7 +48,7 @@ def test_dit_slices_from_the_cache_equal_shard_on_read(tiny_int8, tmp_path, tp_s
         ref, ref_md, plan = shard_state_dict(tiny_int8, tp_size, rank)
         shard = open_rank_shard(tiny_int8, rank, tp_size, cache, load_file)
         _equal(shard.state_dict, ref)
-        assert shard.metadata == ref_md and shard.plan.fingerprint() == plan.fingerprint() and shard.rank_file is None
+        assert shard.metadata == ref_md and shard.plan.fingerprint() == plan.fingerprint()
         assert shard.origin.startswith("rank cache ") and f"tp{tp_size}-rank{rank}" in shard.origin
     files = _cache_files(cache)
     assert len(files) == tp_size
@@ -113,15 +116,62 @@ def test_no_room_on_disk_falls_back_to_shard_on_read(tiny_int8, tmp_path, monkey
     _equal(shard.state_dict, shard_state_dict(tiny_int8, 2, 0)[0])
 
 
-def test_a_rank_file_beside_the_checkpoint_wins_over_the_cache(tiny_int8, tmp_path):
-    folder = tmp_path / "models"
-    folder.mkdir()
-    ckpt = folder / os.path.basename(tiny_int8)
-    os.symlink(tiny_int8, ckpt)
-    write_rank_file(str(ckpt), str(folder), 2, 0)
+def test_cut_ahead_by_the_cli_then_loaded_without_cutting(tiny_float, tiny_te_nvfp4, tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
-    shard = open_rank_shard(str(ckpt), 0, 2, cache, load_file)
-    assert shard.rank_file and shard.origin.startswith("rank file ") and _cache_files(cache) == []
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "tp2.rank_cache", *args, "--cache-dir", cache], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+
+    ok = run(tiny_float, "--tp-size", "2")
+    assert ok.returncode == 0, ok.stderr
+    assert [n.split(".")[-2] for n in _cache_files(cache)] == ["tp2-rank0", "tp2-rank1"]
+    te = run(tiny_te_nvfp4, "--tp-size", "2", "--tp-rank", "1")  # the text encoder's plan, one rank
+    assert te.returncode == 0 and len(_cache_files(cache)) == 3, te.stderr
+    bad = run(tiny_float, "--tp-size", "3")
+    assert bad.returncode == 2 and "heads (4) across tp_size=3: not divisible. Use tp_size 1, 2 or 4." in bad.stderr
+    monkeypatch.setattr(rank_cache, "write_cache_file", lambda *a, **k: pytest.fail("cut again at load"))
+    for rank in range(2):
+        shard = open_rank_shard(tiny_float, rank, 2, cache, load_file)
+        _equal(shard.state_dict, shard_state_dict(tiny_float, 2, rank)[0])
+        assert shard.origin.startswith("rank cache ")
+    plan = resolve_te_plan(CheckpointLayout.from_file(tiny_te_nvfp4), 2)
+    sd, _, origin = read_rank_slices(tiny_te_nvfp4, plan.tensors, plan.fingerprint(), 1, 2, "", cache, load_file)
+    _equal(sd, read_shard(tiny_te_nvfp4, plan.tensors, 1, 2, "")[0])
+
+
+def test_a_cache_file_recording_another_cut_is_cut_again_and_never_taken_for_a_checkpoint(tiny_int8, tmp_path, caplog):
+    cache = str(tmp_path / "cache")
+    open_rank_shard(tiny_int8, 0, 2, cache, load_file)
+    (name,) = _cache_files(cache)
+    path = os.path.join(cache, "rank_cache", name)
+    with pytest.raises(PlanError, match=r"is already a tensor-parallel shard \(rank 0 of 2\); it cannot be sliced again"):
+        shard_state_dict(path, 2, 0)
+    forged = dict(read_header(path).metadata, **{"tp2.plan": "0123456789abcdef"})
+    save_file(load_file(path), path, metadata=forged)
+    with caplog.at_level(logging.WARNING, logger="tp2.rank_cache"):
+        shard = open_rank_shard(tiny_int8, 0, 2, cache, load_file)
+    assert "is not this rank's cut of its checkpoint" in caplog.text and "0123456789abcdef" in caplog.text
+    _equal(shard.state_dict, shard_state_dict(tiny_int8, 2, 0)[0])
+    assert read_header(path).metadata["tp2.plan"] != "0123456789abcdef"
+
+
+def test_a_checked_cache_file_is_not_hashed_again_until_it_changes(tiny_int8, tmp_path, monkeypatch):
+    import tp2.safetensors_io as safetensors_io
+
+    cache = str(tmp_path / "cache")
+    open_rank_shard(tiny_int8, 0, 2, cache, load_file)  # cut: hashed as written, remembered
+    calls = []
+    real = safetensors_io.tensor_digest  # what load_cache_file hashes with (through safetensors_io.hashed_tensors)
+    monkeypatch.setattr(safetensors_io, "tensor_digest", lambda t: calls.append(1) or real(t))
+    open_rank_shard(tiny_int8, 0, 2, cache, load_file)
+    assert calls == []  # the second start reads, but does not re-hash
+    (name,) = _cache_files(cache)
+    path = os.path.join(cache, "rank_cache", name)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 1_000_000_000))
+    open_rank_shard(tiny_int8, 0, 2, cache, load_file)
+    assert len(calls) > 0  # touched: checked again
 
 
 def test_an_earlier_versions_cache_file_is_removed_when_a_new_one_is_cut(tiny_int8, tmp_path):

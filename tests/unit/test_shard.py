@@ -1,4 +1,5 @@
-"""Slicing round trips for every style, shard-on-read vs in-memory slicing, rank files and their refusals, CLIs."""
+"""Slicing round trips for every style, shard-on-read vs in-memory slicing, the file fingerprint, the inspect CLI and
+the record of checked files."""
 
 from __future__ import annotations
 
@@ -14,18 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from tp2.checked_files import verified_before
 from tp2.checkpoint import CheckpointLayout
-from tp2.errors import PlanError, ShardMismatchError
 from tp2.plan import RANK0, SPLIT, WHOLE, TensorShard, resolve_plan
 from tp2.safetensors_io import TensorReader, file_fingerprint, read_header
-from tp2.shard import (
-    load_rank_file,
-    rank_file_name,
-    shard_state_dict,
-    slice_tensor,
-    unshard_tensor,
-    verify_rank_file,
-    write_rank_file,
-)
+from tp2.shard import shard_state_dict, slice_tensor, unshard_tensor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -85,91 +77,6 @@ def test_reader_reads_columns_in_chunks(tmp_path, monkeypatch):
         assert torch.equal(r.read_rows("t", 3, 9), t[3:9])
 
 
-def test_rank_files_round_trip_and_metadata(tiny_int8, tmp_path):
-    out = str(tmp_path / "ranks")
-    paths = [write_rank_file(tiny_int8, out, 2, r) for r in range(2)]
-    assert [os.path.basename(p) for p in paths] == [rank_file_name(tiny_int8, 2, r) for r in range(2)]
-    src_fp = file_fingerprint(read_header(tiny_int8))
-    for r, p in enumerate(paths):
-        sd, md, plan = load_rank_file(p, r, 2, expected_source=src_fp)
-        ref, _, ref_plan = shard_state_dict(tiny_int8, 2, r)
-        assert plan.fingerprint() == ref_plan.fingerprint() == md["tp2.plan"]
-        assert md["tp2.tp_rank"] == str(r) and md["tp2.tp_size"] == "2" and md["tp2.source"] == src_fp
-        assert set(sd) == set(ref) and all(torch.equal(sd[k], ref[k]) for k in sd)
-
-
-def test_rank_file_refusals(tiny_int8, tiny_float, tmp_path):
-    out = str(tmp_path / "ranks")
-    r1 = write_rank_file(tiny_int8, out, 2, 1)
-    with pytest.raises(ShardMismatchError, match=r"is rank 1 of tp_size 2, but this process is rank 0 of 2\. Give each rank its own file"):
-        verify_rank_file(r1, 0, 2)
-    with pytest.raises(ShardMismatchError, match=r"is rank 1 of tp_size 2, but this process is rank 1 of 4"):
-        verify_rank_file(r1, 1, 4)
-    other = file_fingerprint(read_header(tiny_float))
-    with pytest.raises(
-        ShardMismatchError, match=r"was cut from checkpoint \w+ \(h3_tiny_int8\.safetensors\), not from the expected " + other
-    ):
-        verify_rank_file(r1, 1, 2, expected_source=other)
-    with pytest.raises(ShardMismatchError, match=r"has no TP metadata: it is not a rank file"):
-        verify_rank_file(tiny_int8, 0, 2)
-    with pytest.raises(PlanError, match=r"is already a tensor-parallel shard \(rank 1 of 2\); it cannot be sliced again"):
-        shard_state_dict(r1, 2, 0)
-
-
-def test_rank_file_from_another_plan_refused(tiny_int8, tmp_path):
-    r0 = write_rank_file(tiny_int8, str(tmp_path), 2, 0)
-    sd = load_file(r0)
-    md = read_header(r0).metadata
-    forged = dict(md, **{"tp2.plan": "0123456789abcdef"})
-    save_file(sd, str(tmp_path / "forged.safetensors"), metadata=forged)
-    with pytest.raises(ShardMismatchError, match=r"records plan 0123456789abcdef but this pack resolves plan \w+"):
-        verify_rank_file(str(tmp_path / "forged.safetensors"), 0, 2)
-    sd["blocks.0.mlp.fc2.weight"] = sd["blocks.0.mlp.fc2.weight"][:, :128].contiguous()
-    save_file(sd, str(tmp_path / "edited.safetensors"), metadata=md)
-    with pytest.raises(
-        ShardMismatchError, match=r"tensor 'blocks\.0\.mlp\.fc2\.weight' is I8 \[256, 128\], the plan wants I8 \[256, 256\]"
-    ):
-        verify_rank_file(str(tmp_path / "edited.safetensors"), 0, 2)
-
-
-def test_a_rank_file_with_changed_bytes_in_one_tensor_is_refused_naming_it(tiny_int8, tmp_path, monkeypatch):
-    monkeypatch.setenv("TP2_CACHE_DIR", str(tmp_path / "cache"))
-    r1 = write_rank_file(tiny_int8, str(tmp_path / "ranks"), 2, 1)
-    load_rank_file(r1, 1, 2)  # intact: loads, and the check is remembered
-    assert json.load(open(tmp_path / "cache" / "verified_rank_files.json"))
-    info = read_header(r1).tensors["blocks.1.mlp.fc1.weight"]
-    with open(r1, "r+b") as f:  # 4 KB overwritten inside one tensor, as in the report; size kept, mtime moves
-        f.seek(info.start + 64)
-        f.write(os.urandom(min(4096, info.end - info.start - 64)))
-    with pytest.raises(ShardMismatchError, match=r"the data of tensor 'blocks\.1\.mlp\.fc1\.weight' does not match the digest"):
-        load_rank_file(r1, 1, 2)
-
-
-def test_a_verified_rank_file_is_not_hashed_again_until_it_changes(tiny_int8, tmp_path, monkeypatch):
-    import tp2.safetensors_io as safetensors_io
-
-    monkeypatch.setenv("TP2_CACHE_DIR", str(tmp_path / "cache"))
-    r0 = write_rank_file(tiny_int8, str(tmp_path / "ranks"), 2, 0)
-    calls = []
-    real = safetensors_io.tensor_digest  # what load_rank_file hashes with (through safetensors_io.hashed_tensors)
-    monkeypatch.setattr(safetensors_io, "tensor_digest", lambda t: calls.append(1) or real(t))
-    load_rank_file(r0, 0, 2)
-    first = len(calls)
-    load_rank_file(r0, 0, 2)
-    assert first > 0 and len(calls) == first  # the second start reads, but does not re-hash
-    os.utime(r0, ns=(os.stat(r0).st_atime_ns, os.stat(r0).st_mtime_ns + 1_000_000_000))
-    load_rank_file(r0, 0, 2)
-    assert len(calls) == 2 * first  # touched: checked again
-
-
-def test_a_rank_file_without_digests_is_refused(tiny_int8, tmp_path):
-    r0 = write_rank_file(tiny_int8, str(tmp_path), 2, 0)
-    md = {k: v for k, v in read_header(r0).metadata.items() if k != "tp2.tensor_digests"}
-    save_file(load_file(r0), str(tmp_path / "old.safetensors"), metadata=md)
-    with pytest.raises(ShardMismatchError, match=r"carries no content digests"):
-        verify_rank_file(str(tmp_path / "old.safetensors"), 0, 2)
-
-
 def test_fingerprint_sees_different_weights_with_the_same_layout(tiny_dir):
     from conftest import make_checkpoint
 
@@ -195,17 +102,6 @@ def test_inspect_cli(tiny_int8):
     bad = _cli("tp2.inspect", tiny_int8, "--tp-size", "4")
     assert bad.returncode == 2
     assert "local K (128) is not a multiple of its ConvRot group (256)" in bad.stderr and "Use tp_size 1 or 2." in bad.stderr
-
-
-def test_shard_cli(tiny_float, tmp_path):
-    res = _cli("tp2.shard", tiny_float, "--tp-size", "2", "--out-dir", str(tmp_path))
-    assert res.returncode == 0, res.stderr
-    assert sorted(os.listdir(tmp_path)) == ["h3_tiny_float.tp2-rank0.safetensors", "h3_tiny_float.tp2-rank1.safetensors"]
-    one = _cli("tp2.shard", tiny_float, "--tp-size", "4", "--tp-rank", "3", "--out-dir", str(tmp_path / "one"))
-    assert one.returncode == 0 and os.listdir(tmp_path / "one") == ["h3_tiny_float.tp4-rank3.safetensors"]
-    bad = _cli("tp2.shard", tiny_float, "--tp-size", "3", "--out-dir", str(tmp_path / "bad"))
-    assert bad.returncode == 2 and "heads (4) across tp_size=3: not divisible. Use tp_size 1, 2 or 4." in bad.stderr
-    assert not os.path.exists(tmp_path / "bad")
 
 
 def test_ranks_recording_checks_at_once_all_stay_recorded(tmp_path, monkeypatch):
