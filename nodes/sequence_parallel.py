@@ -136,8 +136,8 @@ def _may_defer(block, transformer_options) -> bool:
     return not block.tp2_sp_last and not transformer_options.get("patches_replace", {}).get("dit")
 
 
-def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
-    mod_scale_shift, mod_gate = h3._mod_scale_shift, h3._mod_gate
+def _entered(self, x, mod_segments, transformer_options):
+    """This model call's sequence-parallel state, `x` as this rank's rows, and the previous block's deferred residual."""
     sp = transformer_options.get(SP_FORWARD)
     if sp is None:
         raise PlanError(
@@ -148,12 +148,18 @@ def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_opt
         sp.pending = None
         x = _split(sp, x, mod_segments, self)
     pending = _take_pending(sp, x)
-    layout, segments = sp.layout, sp.segments
-    if layout is None or x.shape[0] != layout.local_rows:
+    if sp.layout is None or x.shape[0] != sp.layout.local_rows:
         raise PlanError(
             f"{STATE.tag} sequence-parallel block got {x.shape[0]} rows, expected this rank's share of the sequence: "
             "the blocks did not run in order (a block patch?). Unset TP2_SEQUENCE_PARALLEL on every rank."
         )
+    return sp, x, pending
+
+
+def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
+    mod_scale_shift, mod_gate = h3._mod_scale_shift, h3._mod_gate
+    sp, x, pending = _entered(self, x, mod_segments, transformer_options)
+    layout, segments = sp.layout, sp.segments
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
     fused = fused_norm_ok(self, x, segments)
     if fused and pending is not None:  # the previous block's x += gate * mlp and this norm in one pass

@@ -264,22 +264,10 @@ def write_streaming(
     functions that may run on any thread in any order (reads of a file, not a shared random generator).
     """
 
-    def header_blob(digests: dict[str, str]) -> bytes:
-        return _header_blob(tensors, metadata, digests_key, digests)
-
-    def produced(t: PendingTensor) -> tuple[torch.Tensor, str | None]:
-        data = t.produce()
-        if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
-            raise ValueError(
-                f"Tensor '{t.name}' was declared {t.dtype} {list(t.shape)} but produced "
-                f"{data.dtype} {list(data.shape)}: the writer's plan and its data disagree."
-            )
-        data = data.contiguous()
-        return data, tensor_digest(data) if digests_key is not None else None
-
     digests = {t.name: "0" * DIGEST_CHARS for t in tensors}
-    blob = header_blob(digests)
+    blob = _header_blob(tensors, metadata, digests_key, digests)
     tmp = path + ".partial"
+    produced = functools.partial(_produced, hashed=digests_key is not None)
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
@@ -292,11 +280,22 @@ def write_streaming(
             if progress is not None:
                 progress(i + 1, len(tensors))
         if digests_key is not None:
-            final = header_blob(digests)
+            final = _header_blob(tensors, metadata, digests_key, digests)
             assert len(final) == len(blob), "digest placeholders changed the header length"
             f.seek(8)
             f.write(final)
     os.replace(tmp, path)
+
+
+def _produced(t: PendingTensor, hashed: bool) -> tuple[torch.Tensor, str | None]:
+    data = t.produce()
+    if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
+        raise ValueError(
+            f"Tensor '{t.name}' was declared {t.dtype} {list(t.shape)} but produced "
+            f"{data.dtype} {list(data.shape)}: the writer's plan and its data disagree."
+        )
+    data = data.contiguous()
+    return data, tensor_digest(data) if hashed else None
 
 
 def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None, digests: dict[str, str]) -> bytes:
