@@ -99,8 +99,8 @@ def check_block(path: BlockPath, device: torch.device, tp_size: int, device_name
         return torch.randn(*shape, generator=g).to(device)
 
     x, table, mods = randn(TOKENS, HIDDEN), _rope_table(g).to(device), [0.1 * randn(HIDDEN) for _ in range(6)]
-    ref, ours = _ReferenceOps(w), _PathOps(path, {n: path.quantize_weight(t, 256) for n, t in w.items() if n != "norm"})
-    xd, rows = x.to(path.dtype), _rank_rows("fc1", 0, tp_size)
+    ref, ours = _ReferenceOps(w, table, tp_size), _PathOps(path, w, table, tp_size)
+    xd = x.to(path.dtype)
     q, k, v = randn(TOKENS, LOCAL_HEADS, HEAD_DIM), randn(TOKENS, LOCAL_HEADS, HEAD_DIM), randn(1, LOCAL_HEADS, TOKENS, HEAD_DIM)
     qk_ref, qk_ours = (q.clone(), k.clone()), (q.to(path.dtype), k.to(path.dtype))
     nw = w["norm"][1, :HEAD_DIM]
@@ -110,19 +110,25 @@ def check_block(path: BlockPath, device: torch.device, tp_size: int, device_name
         qh, kh = (t.transpose(0, 1).unsqueeze(0) for t in qk_ref)
         scale1, shift = 1 + mods[0], mods[1]
         parts = {
-            "int8 GEMM": sqnr_db(ours.row(ours.column(xd, "fc1", rows), "fc2", 0, tp_size, "swiglu"),
-                                 ref.row(ref.column(x, "fc1", rows), "fc2", 0, tp_size, "swiglu")),
+            "int8 GEMM": sqnr_db(ours.row("fc2", ours.column("fc1", xd, 0), 0, "swiglu"), ref.row("fc2", ref.column("fc1", x, 0), 0, "swiglu")),
             "q/k norm + rope": sqnr_db(torch.cat(qk_ours), torch.cat(qk_ref)),
             "attention": sqnr_db(ours.attention(*(t.to(path.dtype) for t in (qh, kh, v)), LOCAL_HEADS), ref.attention(qh, kh, v, LOCAL_HEADS)),
             "norm + modulation": sqnr_db(ours.norm_modulate(xd, w["norm"][0, HEAD_DIM:].to(path.dtype), EPS, scale1.to(path.dtype), shift.to(path.dtype)),
                                          ref.norm_modulate(x, w["norm"][0, HEAD_DIM:], EPS, scale1, shift)),
-            "block": sqnr_db(_block(xd, w, table, mods, tp_size, ours), _block(x, w, table, mods, tp_size, ref)),
+            "block": sqnr_db(_updates(xd, mods, ours), _updates(x, mods, ref)),
         }  # fmt: skip
     if path.norm_modulate is None:
         parts.pop("norm + modulation")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return NumericsReport(device_name, parts, dict(path.names), time.perf_counter() - t0)
+
+
+def _updates(x, mods, ops) -> torch.Tensor:
+    """What the block (one modulation segment) adds to the stream, attention branch then MLP branch. The updates,
+    not the stream: x itself (and its rounding in the activation dtype) would hide the block's error."""
+    out = block(x, [m.unsqueeze(0) for m in mods], [(0, len(x), 0)], ops)
+    return torch.cat([out["attn_update"], out["mlp_update"]])
 
 
 def _weights(tp_size: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -151,32 +157,71 @@ def _rank_rows(name: str, rank: int, tp_size: int) -> list[slice]:
     return [slice(p * width + rank * local, p * width + (rank + 1) * local) for p in range(parts)]
 
 
-def _block(x, w, table, mods, tp_size, ops) -> torch.Tensor:
-    """What one DiT block (one modulation segment) adds to the stream, attention branch then MLP branch: every
-    rank's share computed here, summed as the all-reduce sums. The updates, not the stream: x itself (and its
-    rounding in the activation dtype) would hide the block's error."""
+def block(x: torch.Tensor, mods, segments, ops, seen: dict | None = None) -> dict[str, torch.Tensor]:
+    """The reference H3 DiT block on the stream `x` [S, hidden], shared by this check and the dist tests.
+
+    mods: shift, scale, gate of the attention branch, then of the MLP branch, each [rows, hidden]; segments: (start,
+    end, row) for each modality's tokens. `ops` is the block's calls as one process makes them: norm(x, which,
+    scale1, shift), column(name, h, rank), row(name, a, rank, input_act), qk(q, k) in place, attention(q, k, v,
+    heads), reduce(parts) and head_dim, over ops.ranks (one rank's share each, summed as the all-reduce sums; a
+    real TP rank has one, whose row-parallel layers all-reduce themselves). Returns each branch's output and update
+    and the stream after; `seen` also gets the last rank's qkv, att and fc1."""
     shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (m.to(x.dtype) for m in mods)
-    nw = w["norm"].to(x.dtype)
-    h = ops.norm_modulate(x, nw[0, HEAD_DIM:], EPS, 1 + scale_a, shift_a)
+    h = _modulated(ops, x, 0, scale_a, shift_a, segments)
     attn = []
-    for r in range(tp_size):
-        qkv = ops.column(h, "qkv", _rank_rows("qkv", r, tp_size))
-        q, k, v = (t.reshape(TOKENS, LOCAL_HEADS, HEAD_DIM).contiguous() for t in qkv.chunk(3, dim=-1))
-        ops.qk_norm_rope(q, k, table, nw[1, :HEAD_DIM], nw[2, :HEAD_DIM], EPS)
-        att = ops.attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), LOCAL_HEADS).reshape(TOKENS, -1)
-        attn.append(ops.row(att, "out", r, tp_size))
-    attn_update = gate_a * _reduce(attn).to(x.dtype)
+    for r in ops.ranks:
+        qkv = ops.column("qkv", h, r)
+        q, k, v = (t.reshape(len(x), -1, ops.head_dim).contiguous() for t in qkv.chunk(3, dim=-1))
+        ops.qk(q, k)
+        att = ops.attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), q.shape[1]).reshape(len(x), -1)
+        attn.append(ops.row("out", att, r))
+        if seen is not None:
+            seen.update(qkv=qkv, att=att)
+    attn_out = ops.reduce(attn)
+    attn_update = _rows(gate_a, segments) * attn_out.to(x.dtype)
     x = x + attn_update
-    h = ops.norm_modulate(x, nw[3, HEAD_DIM:], EPS, 1 + scale_m, shift_m)
-    mlp = [ops.row(ops.column(h, "fc1", _rank_rows("fc1", r, tp_size)), "fc2", r, tp_size, "swiglu") for r in range(tp_size)]
-    return torch.cat([attn_update, gate_m * _reduce(mlp).to(x.dtype)])
+    h = _modulated(ops, x, 1, scale_m, shift_m, segments)
+    mlp = []
+    for r in ops.ranks:
+        fc1 = ops.column("fc1", h, r)
+        mlp.append(ops.row("fc2", fc1, r, "swiglu"))
+        if seen is not None:
+            seen.update(fc1=fc1)
+    mlp_out = ops.reduce(mlp)
+    mlp_update = _rows(gate_m, segments) * mlp_out.to(x.dtype)
+    return {"attn_out": attn_out, "attn_update": attn_update, "mlp_out": mlp_out, "mlp_update": mlp_update, "out": x + mlp_update}
 
 
-def _reduce(parts: list[torch.Tensor]) -> torch.Tensor:
-    total = parts[0].clone()
-    for p in parts[1:]:
-        total += p
-    return total
+def _rows(v: torch.Tensor, segments) -> torch.Tensor:
+    """A [rows, hidden] modulation as [S, hidden]: each segment's tokens get its row."""
+    return torch.cat([v[r].expand(b - a, -1) for a, b, r in segments])
+
+
+def _modulated(ops, x, which, scale, shift, segments) -> torch.Tensor:
+    return torch.cat([ops.norm(x[a:b], which, 1 + scale[r], shift[r]) for a, b, r in segments])
+
+
+class _SimulatedRanks:
+    """Every rank of the TP set in this one process, on the check's own weights (w) and rope table."""
+
+    head_dim = HEAD_DIM
+
+    def __init__(self, w: dict[str, torch.Tensor], table: torch.Tensor, tp_size: int):
+        self.w, self.table, self.tp_size, self.ranks = w, table, tp_size, range(tp_size)
+
+    def norm(self, x, which, scale1, shift):
+        return self.norm_modulate(x, self.w["norm"][3 * which, HEAD_DIM:].to(x.dtype), EPS, scale1, shift)
+
+    def qk(self, q, k):
+        nw = self.w["norm"].to(q.dtype)
+        self.qk_norm_rope(q, k, self.table, nw[1, :HEAD_DIM], nw[2, :HEAD_DIM], EPS)
+
+    @staticmethod
+    def reduce(parts: list[torch.Tensor]) -> torch.Tensor:
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return total
 
 
 def _k_slice(name: str, rank: int, tp_size: int) -> slice:
@@ -184,24 +229,21 @@ def _k_slice(name: str, rank: int, tp_size: int) -> slice:
     return slice(rank * k, (rank + 1) * k)
 
 
-class _ReferenceOps:
+class _ReferenceOps(_SimulatedRanks):
     """fp32 math on the unquantised weights, plain torch ops."""
-
-    def __init__(self, w: dict[str, torch.Tensor]):
-        self.w = w
 
     @staticmethod
     def norm_modulate(x, w, eps, scale1, shift):
         return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
 
-    def column(self, h, name, rows):
-        return F.linear(h, torch.cat([self.w[name][r] for r in rows]))
+    def column(self, name, h, rank):
+        return F.linear(h, torch.cat([self.w[name][r] for r in _rank_rows(name, rank, self.tp_size)]))
 
-    def row(self, a, name, rank, tp_size, input_act=None):
+    def row(self, name, a, rank, input_act=None):
         if input_act == "swiglu":
             gate, up = a.chunk(2, dim=-1)
             a = F.silu(gate) * up
-        return F.linear(a, self.w[name][:, _k_slice(name, rank, tp_size)])
+        return F.linear(a, self.w[name][:, _k_slice(name, rank, self.tp_size)])
 
     @staticmethod
     def qk_norm_rope(q, k, table, qw, kw, eps):
@@ -217,26 +259,28 @@ class _ReferenceOps:
         return att.transpose(1, 2).reshape(1, q.shape[2], heads * q.shape[-1])
 
 
-class _PathOps:
+class _PathOps(_SimulatedRanks):
     """The rank's path: int8 slices through `path.gemm`, its rope, attention and norm kernels."""
 
-    def __init__(self, path: BlockPath, q8: dict[str, tuple[torch.Tensor, torch.Tensor]]):
-        self.p, self.q8 = path, q8
+    def __init__(self, path: BlockPath, w: dict[str, torch.Tensor], table: torch.Tensor, tp_size: int):
+        super().__init__(w, table, tp_size)
+        self.p, self.q8 = path, {n: path.quantize_weight(t, 256) for n, t in w.items() if n != "norm"}
 
     def norm_modulate(self, x, w, eps, scale1, shift):
         if self.p.norm_modulate is None:
             return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
         return self.p.norm_modulate(x, w, eps, scale1, shift)
 
-    def column(self, h, name, rows):
+    def column(self, name, h, rank):
         q, s = self.q8[name]
+        rows = _rank_rows(name, rank, self.tp_size)
         return self.p.gemm(h, torch.cat([q[r] for r in rows]), torch.cat([s[r] for r in rows]), None, h.dtype, 256, None)
 
-    def row(self, a, name, rank, tp_size, input_act=None):
+    def row(self, name, a, rank, input_act=None):
         """This rank's K slice of an int8 row-parallel weight (per-row scales kept; the K slices are whole ConvRot
         groups), its partial sum in the reduce dtype, through the core's own local GEMM (tp2.layers.local_linear)."""
         q, s = self.q8[name]
-        weight = Int8Weight(q[:, _k_slice(name, rank, tp_size)].contiguous(), s, 256)
+        weight = Int8Weight(q[:, _k_slice(name, rank, self.tp_size)].contiguous(), s, 256)
         return local_linear(a, weight, None, self.p.reduce_dtype, self.p.gemm, input_act)
 
     def qk_norm_rope(self, q, k, table, qw, kw, eps):

@@ -1,4 +1,4 @@
-"""A reference MiniMax-H3 DiT block written from the shapes in the brief (not ComfyUI's code), for TP tests.
+"""The reference H3 DiT block (tp2.numerics.block) on a checkpoint's weights, for the TP tests.
 
 `block_forward` runs one block given a table of linears; the reference table uses the full weights directly
 (F.linear, or comfy-kitchen's int8_linear), the TP table uses tp2.layers on one rank's shard. It returns the
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tp2.layers import Int8Weight, apply_input_act, build_linear, weight_from_state_dict
+from tp2.numerics import block
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -34,35 +35,45 @@ def reference_linear(sd: dict, prefix: str):
     return run
 
 
+class LinearOps:
+    """The block's calls in one process: `lin`'s linears (a TP rank's, whose row-parallel layers all-reduce, or the
+    full reference), the norms of the checkpoint's block at `prefix`, plain torch attention, no rope."""
+
+    ranks = (0,)
+
+    def __init__(self, lin: dict, sd: dict, prefix: str, head_dim: int):
+        self.lin, self.sd, self.prefix, self.head_dim = lin, sd, prefix, head_dim
+
+    def norm(self, x, which, scale1, shift):
+        return rms_norm(x, self.sd[f"{self.prefix}norm{which + 1}.weight"].float()) * scale1 + shift
+
+    def column(self, name, h, rank):
+        return self.lin[name](h)
+
+    def row(self, name, a, rank, input_act=None):
+        return self.lin[name](a, input_act=input_act)
+
+    def qk(self, q, k):
+        q.copy_(rms_norm(q, self.sd[self.prefix + "attn.q_norm.weight"].float()))
+        k.copy_(rms_norm(k, self.sd[self.prefix + "attn.k_norm.weight"].float()))
+
+    @staticmethod
+    def attention(q, k, v, heads):
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(1, q.shape[2], -1)
+
+    @staticmethod
+    def reduce(parts):
+        return parts[0]
+
+
 def block_forward(x, t_emb, lin: dict, sd: dict, prefix: str, head_dim: int, adaln_silu: bool) -> dict:
-    """One DiT block; `lin` maps qkv/out/fc1/fc2/adaln to callables; norms come from `sd`."""
+    """One DiT block of two modalities (each its own modulation row); `lin` maps qkv/out/fc1/fc2/adaln to callables."""
     s, hidden = x.shape
     mods = lin["adaln"](F.silu(t_emb) if adaln_silu else t_emb)  # [M, 18h]
     mods = mods.view(mods.shape[0] * 3, 6 * hidden).chunk(6, dim=-1)
-    shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mods
-    segments = [(0, s // 2, 0), (s // 2, s, 1)]  # two modalities, each its own modulation row
-
-    def modulate(h, shift, scale):
-        return torch.cat([h[a:b] * (1 + scale[r]) + shift[r] for a, b, r in segments])
-
-    def gated(x, gate, y):
-        return torch.cat([x[a:b] + gate[r] * y[a:b] for a, b, r in segments])
-
-    h = modulate(rms_norm(x, sd[prefix + "norm1.weight"].float()), shift_a, scale_a)
-    qkv = lin["qkv"](h)
-    q, k, v = qkv.float().chunk(3, dim=-1)
-    heads = q.shape[-1] // head_dim
-    q = rms_norm(q.view(s, heads, head_dim), sd[prefix + "attn.q_norm.weight"].float())
-    k = rms_norm(k.view(s, heads, head_dim), sd[prefix + "attn.k_norm.weight"].float())
-    v = v.view(s, heads, head_dim)
-    att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1).reshape(s, -1)
-    attn_out = lin["out"](att)
-    x = gated(x, gate_a, attn_out)
-    h = modulate(rms_norm(x, sd[prefix + "norm2.weight"].float()), shift_m, scale_m)
-    fc1 = lin["fc1"](h)
-    mlp_out = lin["fc2"](fc1, input_act="swiglu")
-    out = gated(x, gate_m, mlp_out)
-    return {"adaln": torch.cat(mods, -1), "qkv": qkv, "att": att, "attn_out": attn_out, "fc1": fc1, "mlp_out": mlp_out, "out": out}
+    seen = {}
+    out = block(x, mods, [(0, s // 2, 0), (s // 2, s, 1)], LinearOps(lin, sd, prefix, head_dim), seen)
+    return {"adaln": torch.cat(mods, -1), **seen, **out}
 
 
 LAYERS = {"qkv": "attn.qkv_proj", "out": "attn.out_proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2", "adaln": "adaln_proj.linear"}
