@@ -285,3 +285,26 @@ def test_a_peer_whose_port_refuses_is_gone_and_one_that_only_listens_is_not():
         assert not Watcher(0, 3, "127.0.0.1", 1, "boot", SECRET)._process_gone(2)  # no addresses: no evidence
     finally:
         frozen.close()
+
+
+def test_a_peer_is_stuck_only_when_behind_in_this_step_for_longer_than_the_step_allows():
+    """The progress timeout is the step's own: STUCK_FACTOR times this rank's longest span between marks (the floor
+    under it); a peer in another step, level with this rank, or behind for less than that, is not stuck."""
+    from tp2.progress import STUCK_FACTOR, STUCK_FLOOR_S, Progress
+
+    p = Progress()
+    p.begin("run-1/vae-decode1")
+    assert p.stuck(1, "run-1/vae-decode1#0", time.monotonic() + 1e6) is None  # nothing marked: nothing to wait for
+    p.mark()
+    span = STUCK_FLOOR_S / STUCK_FACTOR + 1.0  # a unit slow enough that the bound is the step's, not the floor
+    p._at = (p._at[0], p._at[1], p._at[2] - span, 0.0)  # noqa: SLF001 - the unit began `span` s ago
+    p.mark()
+    bound, marked = p.timeout_s(), p._at[2]  # noqa: SLF001
+    assert bound == STUCK_FACTOR * p._at[3] and bound > STUCK_FLOOR_S and p._at[3] >= span  # noqa: SLF001
+    assert p.stuck(1, "run-1/vae-decode1#1", marked + bound - 0.5) is None  # within the bound
+    assert p.stuck(1, "run-1/vae-decode1#2", marked + bound + 1) is None  # level with this rank: no wait on it
+    assert p.stuck(1, "run-1/sampler1#0", marked + bound + 1) is None  # another step (or another run's)
+    why = p.stuck(1, "run-1/vae-decode1#1", marked + bound + 1)
+    assert why is not None and why.startswith("rank 1 is stuck in vae-decode1") and f"progress timeout {bound:.0f} s" in why
+    p.end()
+    assert p.stuck(1, "run-1/vae-decode1#1", marked + bound + 1) is None and p.token() == "#0"
