@@ -1,5 +1,5 @@
 """Entries in the rank store signed with the run's secret (HMAC-SHA256): stop notices, heartbeats, rendezvous records
-and the cache epoch. Something other than the ranks that writes to the store (it listens on loopback, without a
+and counters (the cache epoch). Something other than the ranks that writes to the store (it listens on loopback, without a
 password) cannot sign: an entry without a valid signature is logged by its reader, never acted on or shown.
 Without a secret (the front door off) entries are plain. Imports nothing from the pack."""
 
@@ -37,3 +37,17 @@ def decode_stop(raw: bytes, run: str, secret: str | None) -> tuple[int, str] | N
     if secret is not None and not hmac.compare_digest(str(d.get("mac", "")), sign(secret, run, rank, reason)):
         return None
     return rank, reason
+
+
+def signed_counter(store, key: str, secret: str | None, bump: bool = False, floor: int = 0) -> int | None:
+    """The `signed` counter at `key` in `store` (0 before the first); `bump`: raised to one past it (and past `floor`), by
+    compare-and-set, as ranks may raise it at once. A value no rank signed reads as None; a raise writes over it."""
+    while True:
+        raw = store.get(key).decode() if store.check([key]) else ""
+        value = unsigned(secret, key, raw) if raw else "0"
+        count = int(value) if value is not None and value.isdigit() else None
+        if not bump:
+            return count
+        new = signed(secret, key, str(max(count or 0, floor) + 1))
+        if store.compare_set(key, raw, new).decode() == new:
+            return max(count or 0, floor) + 1
