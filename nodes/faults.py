@@ -2,8 +2,9 @@
 
 With TP2_TEST_FAULT_FILE=PATH, a file at PATH holding `RANK:CALL:KIND` makes rank RANK raise at model evaluation
 CALL of a prompt (1-based; 0 = at the sampler, before the ranks meet; `decode` = after a VAE decode, before the
-ranks compare it) and then deletes the file, so the fault fires once. KIND: `error` (a RuntimeError), `oom` (a
-torch.OutOfMemoryError worded like CUDA's), `sleep` (5 s late).
+ranks compare it; `tile` = at this rank's first tile of a split decode) and then deletes the file, so the fault fires
+once. KIND: `error` (a RuntimeError), `oom` (a torch.OutOfMemoryError worded like CUDA's), `sleep` (5 s late),
+`hang` (alive but making no progress until the run is stopped, at most 120 s: as a rank stuck in a kernel).
 
 With TP2_TEST_NUDGE_RANKS=R[,R...] those ranks move a few hundred values of every VAE decode's output up by one 8-bit
 step (what a last-bit difference does to a value next to a rounding step) and write one metadata key more into their
@@ -59,7 +60,13 @@ def nudge_metadata(rank: int, save_kwargs: dict) -> None:
         save_kwargs["metadata"] = {**(save_kwargs.get("metadata") or {}), "tp2_test_nudge": rank}
 
 
-def inject_fault(rank: int, call: int | str) -> None:
+def _sleep(seconds: float, stop_reason) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not stop_reason():
+        time.sleep(0.1)
+
+
+def inject_fault(rank: int, call: int | str, stop_reason=lambda: None) -> None:
     if _PATH is None or not os.path.exists(_PATH):
         return
     try:
@@ -70,8 +77,8 @@ def inject_fault(rank: int, call: int | str) -> None:
     if int(want_rank) != rank or want_call != str(call):
         return
     os.remove(_PATH)
-    if kind == "sleep":
-        time.sleep(5.0)
+    if kind in ("sleep", "hang"):
+        _sleep(5.0 if kind == "sleep" else 120.0, stop_reason if kind == "hang" else lambda: None)
         return
     if kind == "oom":
         raise torch.OutOfMemoryError(

@@ -28,7 +28,7 @@ from .interrupts import SAMPLING
 from .lora import lora_patch_report
 from .parallel import role_guard
 from .patches import changes_of
-from .run import agree_step, leave_run, step_key, tensor_digest
+from .run import agree_step, leave_run, mark_progress, step_key, tensor_digest
 from .sequence_parallel import SP_FORWARD, SequenceParallelForward
 from .state import STATE, log
 
@@ -94,6 +94,7 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     group = STATE.session.group
     prompt = STATE.prompt
     prompt.model_calls += 1
+    mark_progress()  # before rank 0's inputs are shared: a peer behind this rank from here on is waited for
     prompt.transformer_options = transformer_options  # the step is worked out from it only when a failure names it
     inject_fault(STATE.env.tp_rank, prompt.model_calls)  # tests only (TP2_TEST_FAULT); inert by default
     payload = kwargs.get("minimax_payload") or {}

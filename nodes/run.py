@@ -1,7 +1,9 @@
 """The steps of a run (one prompt on every rank): the rendezvous every TP step starts with, and leaving a run.
 
     step_key(kind)           the rendezvous key of this prompt's next step of a kind: '<run>/vae-decode2'
-    agree_step(key, fields)  every rank agrees on `fields` before any collective; returns the process group
+    agree_step(key, fields)  every rank agrees on `fields` before any collective; returns the process group; the step's
+                             progress is told from then on (mark_progress)
+    mark_progress()          a unit of the step starts, or this rank's part of it is done (tp2/progress.py)
     in_step()                a TP step every rank runs together: interrupts wait for its end, a failure is told
     leave_run(e)             this rank's part when a TP step raised `e`
     tensor_digest(t)         the short content hash ranks compare
@@ -42,7 +44,12 @@ def agree_step(key: str, fields: dict[str, str]):
         session.cache_epoch(bump=True)
         raise
     STATE.last_agreement = f"{key}: ok (process group generation {session.generation})"
+    session.watcher.progress.begin(key)  # a peer stuck in this step is named after its progress timeout (tp2/progress.py)
     return group
+
+
+def mark_progress() -> None:
+    STATE.session.watcher.progress.mark()
 
 
 def rank0_abort() -> str | None:

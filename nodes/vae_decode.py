@@ -24,8 +24,9 @@ import comfy.model_management as mm
 from ..tp2 import __version__, settings
 from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, spatial_tiles, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
+from .faults import inject_fault
 from .patches import PATCHES
-from .run import agree_step, in_step, step_key, tensor_digest
+from .run import agree_step, in_step, mark_progress, step_key, tensor_digest
 from .state import STATE, log
 
 ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
@@ -95,7 +96,7 @@ def _decode_units(vae, clips):
 
 def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
     """ComfyUI's decode_temporal with its tile decodes served by a RoundRobinDecoder."""
-    decoder = RoundRobinDecoder(units, _local_decode(vae._decode_pixels), group)
+    decoder = RoundRobinDecoder(units, _local_decode(vae._decode_pixels), group, mark_progress)
     had_own = "_decode_pixels" in vae.__dict__
     vae._decode_pixels = decoder.serve
     t0 = time.monotonic()
@@ -123,6 +124,7 @@ def _local_decode(decode):
     """This rank's tile decode; an OOM becomes a TP2Error so ComfyUI does not retry on this rank alone."""
 
     def run(clip):
+        inject_fault(STATE.env.tp_rank, "tile", STATE.session.stop_reason)  # tests only (TP2_TEST_FAULT_FILE); inert by default
         try:
             return decode(clip)
         except Exception as e:

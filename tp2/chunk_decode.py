@@ -8,7 +8,8 @@ can run the model's own serial blend on exactly the tensors a single-rank decode
 
     clips = temporal_chunks(z, pad, n, size, overlap)       chunk inputs, cut as the H3 VAE cuts them
     units = spatial_tiles(clip, y_tiles, x_tiles, ratio)    one chunk's tile inputs, cut as its tiled decode cuts them
-    dec = RoundRobinDecoder(units, decode, tp)               decode(unit) -> decoded unit
+    dec = RoundRobinDecoder(units, decode, tp, mark)         decode(unit) -> decoded unit; mark() as each round starts
+                                                             and as this rank's decode of it is done (tp2/progress.py)
     dec.serve(unit)                                          the next unit's decode; `unit` must equal units[next]
 
 Memory: at most one round (tp_size decoded units) is held at a time. Imports torch only; never `comfy`.
@@ -55,8 +56,8 @@ class RoundRobinDecoder:
     from its owner (over `tp`); every rank ends the round with the same decoded tensors.
     """
 
-    def __init__(self, clips: list[torch.Tensor], decode: Callable[[torch.Tensor], torch.Tensor], tp: TPGroup):
-        self.clips, self.decode, self.tp = clips, decode, tp
+    def __init__(self, clips: list[torch.Tensor], decode: Callable[[torch.Tensor], torch.Tensor], tp: TPGroup, mark=lambda: None):
+        self.clips, self.decode, self.tp, self.mark = clips, decode, tp, mark
         self.served = 0
         self._round: dict[int, torch.Tensor] = {}
 
@@ -82,7 +83,9 @@ class RoundRobinDecoder:
     def _decode_round(self, start: int) -> None:
         tp, n = self.tp, len(self.clips)
         mine = start + tp.tp_rank
+        self.mark()
         local = self.decode(self.clips[mine]) if mine < n else None
+        self.mark()  # every rank marks as often, tile or none: one behind after this is still decoding
         for j in range(start, min(start + tp.tp_size, n)):
             owner = chunk_owner(j, tp.tp_size)
             got = broadcast_tree(local if owner == tp.tp_rank else None, tp, src=owner)

@@ -30,7 +30,8 @@ from .collectives import TPEnv, TPGroup, init_tp_group
 from .errors import PeerLostError, PromptAbortedError, RankMismatchError
 from .handshake import DETAIL, compare_fields
 from .settings import NCCL_ERROR_HANDLING, set_for_libraries
-from .watch import Watcher, signed, unsigned
+from .signing import signed, signed_counter, unsigned
+from .watch import Watcher
 
 
 def listening_socket(addr: str, port: int) -> socket.socket:
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 _PRIVATE = "_tp2_"  # field-name prefix for the session's own bookkeeping (not compared)
+_EPOCH = "tp2/cache_epoch"
 
 
 def detail_key(field: str) -> str:
@@ -80,6 +82,7 @@ class TPSession:
         self.group: TPGroup | None = None
         self.generation = 0
         self.healthy = False
+        self._epoch_seen = 0  # the highest signed cache epoch this rank read or wrote
         self._retired: list[tuple[float, list]] = []  # (when, [groups]) given up, kept until their waits are over
         self.watcher = Watcher(env.tp_rank, env.tp_size, env.master_addr, env.master_port, boot_id, secret, peer_urls=peer_urls)
         self.watcher.on_stop = self._stopped_by_peer
@@ -304,14 +307,18 @@ class TPSession:
             return None
 
     def cache_epoch(self, bump: bool = False) -> int | None:
-        """A counter every rank can raise when ranks may have run different nodes (a failed rendezvous or
-        collective); None when the store is not reachable now."""
+        """A counter every rank can raise when ranks may have run different nodes (a failed rendezvous or collective),
+        signed like every store entry; None when the store is not reachable now, or holds an epoch no rank signed."""
         if self._store is None or self.watcher.store_problem() is not None:
             return None
         try:
-            return int(self._store_op(5.0, lambda s: s.add("tp2/cache_epoch", 1 if bump else 0)))
+            epoch = self._store_op(5.0, lambda s: signed_counter(s, _EPOCH, self.watcher.secret, bump, self._epoch_seen))
         except (RuntimeError, dist.DistError, PeerLostError):
             return None
+        if epoch is None:
+            log.warning("%s the cache epoch in the rank store is not signed by a rank: ignored", self.tag)
+        self._epoch_seen = max(self._epoch_seen, epoch or 0)
+        return epoch
 
     def mark_broken(self) -> None:
         """A collective failed (peer died or timed out): the next `agree` builds a new group."""

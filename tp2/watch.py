@@ -2,22 +2,20 @@
 
 A rank that stops a run (a node's exception, out of memory, an interrupt, a failed load, a mismatch) publishes a stop notice
 with its rank and reason under the run's id in the rank store. Every watcher thread reads the store every `POLL_S` and exposes
-as `stop_reason()` the first notice, or a peer whose heartbeat went quiet, that restarted, or whose process ended (its HTTP
-port refuses connections); collectives and rendezvous poll it while they wait, so a failure ends every wait within a poll.
+as `stop_reason()` the first notice, or a peer whose heartbeat went quiet, that restarted, whose process ended (its HTTP
+port refuses connections) or that is stuck in a lockstep step (tp2/progress.py); collectives and rendezvous poll it while
+they wait, so a failure ends every wait within a poll.
 
-    tp2/hb/rank{r}              "<boot id>:<count>|<mac>", rewritten every POLL_S by rank r's watcher
+    tp2/hb/rank{r}              "<boot id>:<count>:<step>#<marks>|<mac>", rewritten every POLL_S by rank r's watcher
     tp2/boot/rank{r}            rank r's boot id (rewritten too, so a restarted store learns it again)
     tp2/run/{run}/stop          the first stop notice of a run: JSON {rank, reason, mac}
     tp2/run/{run}/state/rank{r} "started" or "done" (rank r finished the run, with or without an error)
 
-A rank deletes its keys of a run once it has begun KEPT_RUNS runs after it. Stop notices, heartbeats and rendezvous records
-(tp2/session.py) are signed with the run's secret (HMAC-SHA256) when given: an unsigned entry is logged, never acted on or shown.
+A rank deletes its keys of a run once it has begun KEPT_RUNS runs after it. Every entry is signed (tp2/signing.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import socket
@@ -29,6 +27,9 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+
+from .progress import Progress
+from .signing import decode_stop, sign, signed, unsigned
 
 log = logging.getLogger(__name__)
 
@@ -64,35 +65,6 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def sign(secret: str, run: str, rank: int, reason: str) -> str:
-    return hmac.new(secret.encode(), f"{run}\n{rank}\n{reason}".encode(), hashlib.sha256).hexdigest()
-
-
-def signed(secret: str | None, where: str, value: str) -> str:
-    """`value` with the run's signature for the store key `where` appended ("value|mac"); as it is without a secret."""
-    return value if secret is None else f"{value}|{sign(secret, where, -1, value)[:32]}"
-
-
-def unsigned(secret: str | None, where: str, raw: str) -> str | None:
-    """The value of a `signed` store entry, or None when it does not carry a valid signature for `where`."""
-    if secret is None:
-        return raw
-    value, _, mac = raw.rpartition("|")
-    return value if value and hmac.compare_digest(mac, sign(secret, where, -1, value)[:32]) else None
-
-
-def decode_stop(raw: bytes, run: str, secret: str | None) -> tuple[int, str] | None:
-    """(rank, reason) of a stop notice, or None when it is malformed or not signed by a rank."""
-    try:
-        d = json.loads(raw)
-        rank, reason = int(d["rank"]), str(d["reason"])
-    except (ValueError, KeyError, TypeError):
-        return None
-    if secret is not None and not hmac.compare_digest(str(d.get("mac", "")), sign(secret, run, rank, reason)):
-        return None
-    return rank, reason
-
-
 class Watcher:
     """This rank's view of its peers; a daemon thread keeps it fresh. One run at a time (the prompt worker's)."""
 
@@ -113,6 +85,7 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self._runs: list[str] = []  # the runs whose keys this rank still keeps, oldest first
         self._forged: set[int] = set()  # ranks whose store heartbeat was found unsigned (logged once each)
+        self.progress = Progress()  # this rank's place in the current lockstep step, told in its heartbeat
 
     # -- the run ---------------------------------------------------------------------------------------
     def heartbeat_ages(self) -> dict[int, float]:
@@ -128,6 +101,7 @@ class Watcher:
         with self._lock:
             self._run, self._stop = run, None
             self._boots = dict(boots or {})
+        self.progress.end()
         self._set(f"tp2/run/{run}/state/rank{self.rank}", "started")
         self._runs.append(run)
         if len(self._runs) > KEPT_RUNS:
@@ -137,6 +111,7 @@ class Watcher:
     def end(self) -> None:
         with self._lock:
             run, self._run = self._run, None
+        self.progress.end()
         if run is not None and self.store_problem() is None:
             self._set(f"tp2/run/{run}/state/rank{self.rank}", "done")
 
@@ -214,7 +189,8 @@ class Watcher:
         try:
             store = self._client()
             self._beats += 1
-            store.set(f"tp2/hb/rank{self.rank}", signed(self.secret, f"tp2/hb/rank{self.rank}", f"{self.boot_id}:{self._beats}"))
+            beat = f"{self.boot_id}:{self._beats}:{self.progress.token()}"
+            store.set(f"tp2/hb/rank{self.rank}", signed(self.secret, f"tp2/hb/rank{self.rank}", beat))
             store.set(f"tp2/boot/rank{self.rank}", self.boot_id)
             beats = store.multi_get([f"tp2/hb/rank{r}" for r in range(self.size)]) if self._all_beating(store) else None
             run = self._run
@@ -238,7 +214,7 @@ class Watcher:
                 self._judge_peer(r, value.decode(), run, now)
 
     def _judge_peer(self, r: int, raw: str, run: str | None, now: float) -> None:
-        """Peer r's heartbeat as read now: a restart, an ended process or a silence stops the current run."""
+        """Peer r's heartbeat as read now: a restart, an ended process, a silence or no progress stops the current run."""
         value = unsigned(self.secret, f"tp2/hb/rank{r}", raw)
         if value is None:  # written by something that is not a rank of this run: not a heartbeat
             if r not in self._forged:
@@ -262,6 +238,9 @@ class Watcher:
         if quiet > self.heartbeat_timeout_s:
             self._decide(f"rank {r} is not responding (no heartbeat for {quiet:.0f} s): it is frozen, stopped or overloaded; "
                          "check its log, or restart it with scripts/start-tp2.sh restart --rank " + str(r), publish=True)  # fmt: skip
+        stuck = self.progress.stuck(r, value.split(":", 2)[-1], now)
+        if stuck:
+            self._decide(stuck, publish=True)
 
     def _process_gone(self, rank: int) -> bool:
         """Whether rank `rank`'s HTTP port refuses connections: its process ended. A frozen or busy process's port

@@ -293,3 +293,46 @@ def test_a_killed_follower_costs_only_the_running_prompt(ranks):
     assert h0["status"]["status_str"] == "error" and "rank 1 ended" in error_text(h0), error_text(h0)
     wait_answers(ranks["urls"][1])
     assert_all_identical(ranks, pending)
+
+
+def ends_alike(ranks, prompt_id: str, prefix: str) -> str:
+    """How prompt `prompt_id` ended on rank 0 ('success' or 'error'), asserted the same on the follower: success with
+    byte-identical outputs, or a failure (a follower rank 0 never handed it to has none: it never ran there)."""
+    h0 = wait_done(ranks["urls"][0], prompt_id, timeout=60)
+    status = h0["status"]["status_str"]
+    on_follower = call(ranks["urls"][1], f"/history/{prompt_id}")[1] or any(
+        item[1] == prompt_id for part in call(ranks["urls"][1], "/queue")[1].values() for item in part
+    )  # rank 0 records a prompt after its hand-over ended: by now the follower has it, or never will
+    if status == "success" or on_follower:
+        h1 = wait_done(ranks["urls"][1], prompt_id, timeout=60)
+        assert h1["status"]["status_str"] == status, (prefix, status, error_text(h0), error_text(h1))
+    if status == "success":
+        a, b = outputs(ranks, 0, prefix), outputs(ranks, 1, prefix)
+        assert len(a) == 2 and a == b, prefix
+    return status
+
+
+@pytest.mark.xfail(
+    reason="an interrupt as the ranks meet at the sampler can stop rank 0 after a follower took the rendezvous as agreed: the "
+    "follower then waits in the group's formation for TP2_TIMEOUT_S and misses the next prompt (one atomic verdict per rendezvous needed)"
+)
+def test_an_interrupt_at_any_moment_of_a_prompt_ends_it_alike_on_every_rank(ranks):
+    """24 interrupts on rank 0 at stepped moments of a prompt's life (from as it is queued, through the hand-over, the
+    rendezvous, sampling, the nodes after it and the saves, to after its end), every fourth with the prompt queued
+    behind another that the interrupt stops: each prompt ends the same way on both ranks, every time."""
+    for warm in range(2):  # the second one's length: the model is loaded by then
+        t0 = time.monotonic()
+        assert ends_alike(ranks, queue(ranks, f"sweep_timing{warm}", steps=4), f"sweep_timing{warm}") == "success"
+        span = time.monotonic() - t0
+    ends = []
+    for i in range(24):
+        behind = queue(ranks, f"sweep_blocker{i}", steps=4, seed=500 + i) if i % 4 == 0 else None
+        pid = queue(ranks, f"sweep{i}", steps=4, seed=600 + i)
+        time.sleep(0.0 if behind else span * 1.2 * i / 23)
+        call(ranks["urls"][0], "/interrupt", {})
+        if behind:
+            ends_alike(ranks, behind, f"sweep_blocker{i}")
+        ends.append(ends_alike(ranks, pid, f"sweep{i}"))
+    print(f"prompt {span:.1f} s; ends: {ends}")
+    assert "success" in ends and "error" in ends, ends  # the sweep reached both sides of the prompt's end
+    assert_next_prompt_identical(ranks, "after_sweep")

@@ -5,7 +5,7 @@ The VAE is NOT the real one: the real H3 video VAE is 2.6 B parameters with widt
 too big for a 2-CPU test machine. A test-only custom node (tests/comfy/fixtures/h3_small_vae, linked into these
 servers only, active only with H3_TEST_SMALL_VAE=1) makes ComfyUI build its own `MiniMaxH3VideoVAE` class at a
 small width, and the checkpoint has random weights with the real key names, so ComfyUI detects, loads and runs it
-as the H3 VAE through its normal VAELoader / VAEDecode path.
+as the H3 VAE through its normal VAELoader / VAEDecode path. Faults are injected through TP2_TEST_FAULT_FILE (nodes/faults.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from comfy_harness import (
     ROOT,
     Server,
     assert_success,
+    error_message,
     have_comfyui,
     new_id,
     output_files,
@@ -51,7 +53,7 @@ def servers(request, tmp_path_factory):
         os.symlink(os.path.join(FIXTURE_DIR, "h3_small_vae"), os.path.join(root, name, "custom_nodes", "h3_small_vae"))
     models = {f"vae/{VAE}": vae_path}
     plain = Server(os.path.join(root, "plain"), models, SMALL_VAE)  # starts now, alongside the ranks
-    out = [*start_tp(root, 2, models, TP_ENV), plain]
+    out = [*start_tp(root, 2, models, dict(TP_ENV, TP2_TEST_FAULT_FILE=os.path.join(root, "fault"))), plain]
     plain.wait_ready()
     for s in out:
         for t in (7, 17):
@@ -101,3 +103,31 @@ def test_tp2_decode_pngs_identical_to_one_server(servers, t, frames, line):
     for s in servers[:2]:
         assert line in log_text(s), s.tail()
     assert "VAE decode" not in log_text(servers[2]), "the plain server (no TP env) went through the pack"
+
+
+def test_a_rank_stuck_in_the_split_decode_is_named_within_the_progress_timeout(servers):
+    """Rank 1 hangs in its first tile decode, alive (its heartbeat goes on): rank 0, waiting for that tile, names it
+    once it has waited the progress timeout (tp2/progress.py: here its floor, the tiles take well under a second), not
+    after TP2_TIMEOUT_S (30 s here); both ranks fail with that reason, and the next decode is identical on both."""
+    from tp2.progress import STUCK_FLOOR_S
+
+    ranks = servers[:2]
+    fault = os.path.join(os.path.dirname(ranks[0].base), "fault")
+    with open(fault, "w") as f:
+        f.write("1:tile:hang")
+    pid = new_id()
+    submit_once(ranks, decode_workflow("h3_t17.latent", "stuck"), pid)
+    deadline = time.monotonic() + 60
+    while os.path.exists(fault) and time.monotonic() < deadline:  # gone: rank 1 is in its tile decode, stuck
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    histories = [s.wait_history(pid, 60) for s in ranks]
+    named = time.monotonic() - t0
+    for r, h in enumerate(histories):
+        message = error_message(h)
+        assert h["status"]["status_str"] == "error" and "rank 1 is stuck in vae-decode" in message, (r, message)
+        assert "it is alive (its heartbeat goes on)" in message, (r, message)
+    assert named < STUCK_FLOOR_S + 5, named
+    print(f"rank 1 named as stuck {named:.1f} s after it hung (progress timeout {STUCK_FLOOR_S:.0f} s)")
+    rank0, rank1 = decode_everywhere(ranks, "h3_t17.latent", "after_stuck")
+    assert rank0 == rank1 and len(rank0) == 56

@@ -239,9 +239,13 @@ def _forgery(tp_rank, tp_size):
 
     s = _session()
     s.begin_run("run-f")
+    if tp_rank == 1:
+        s.cache_epoch(bump=True)  # a failed step: every rank clears its node cache before the next prompt
     s.agree("run-f/sampler1", {"seed": "1"}, timeout_s=30)
+    signed_epoch = s.cache_epoch()
     if tp_rank == 0:  # a local process that knows the store's address but not the secret
         forger = dist.TCPStore("127.0.0.1", s.env.master_port, is_master=False, wait_for_workers=False)
+        forger.set("tp2/cache_epoch", "999")  # would read as a failure since every rank's last prompt
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
             forger.set("tp2/hb/rank1", "a-restarted-rank:1")  # would read as rank 1 restarted mid-prompt
@@ -254,14 +258,20 @@ def _forgery(tp_rank, tp_size):
         refused = "accepted?!"
     except RankMismatchError as e:
         refused = str(e)
+    forged_epoch = s.cache_epoch()
+    s.agree("run-f/read", {"x": "1"}, timeout_s=30)
+    bumped = s.cache_epoch(bump=True) if tp_rank == 1 else None  # a rank's raise writes over the forgery
     s.agree("run-f/end", {"x": "1"}, timeout_s=30)
-    return stopped, refused
+    return stopped, refused, (signed_epoch, forged_epoch, bumped, s.cache_epoch())
 
 
-def test_a_forged_heartbeat_or_rendezvous_record_changes_nothing():
-    for stopped, refused in values(run_ranks(_forgery, 2, timeout_s=60)):
+def test_a_forged_heartbeat_rendezvous_record_or_cache_epoch_changes_nothing():
+    out = values(run_ranks(_forgery, 2, timeout_s=60))
+    for stopped, refused, _ in out:
         assert stopped is None, stopped  # the forged heartbeat did not stop the run
         assert "was not written by a rank of this set" in refused and "forger" not in refused, refused
+    assert [epochs[:2] for _, _, epochs in out] == [(1, None), (1, None)], out  # the forged epoch is not read as a raise
+    assert out[1][2][2] == 2 and out[0][2][3] == out[1][2][3] == 2, out  # the next signed raise counts from the last
 
 
 def test_a_peer_whose_port_refuses_is_gone_and_one_that_only_listens_is_not():
@@ -285,3 +295,26 @@ def test_a_peer_whose_port_refuses_is_gone_and_one_that_only_listens_is_not():
         assert not Watcher(0, 3, "127.0.0.1", 1, "boot", SECRET)._process_gone(2)  # no addresses: no evidence
     finally:
         frozen.close()
+
+
+def test_a_peer_is_stuck_only_when_behind_in_this_step_for_longer_than_the_step_allows():
+    """The progress timeout is the step's own: STUCK_FACTOR times this rank's longest span between marks (the floor
+    under it); a peer in another step, level with this rank, or behind for less than that, is not stuck."""
+    from tp2.progress import STUCK_FACTOR, STUCK_FLOOR_S, Progress
+
+    p = Progress()
+    p.begin("run-1/vae-decode1")
+    assert p.stuck(1, "run-1/vae-decode1#0", time.monotonic() + 1e6) is None  # nothing marked: nothing to wait for
+    p.mark()
+    span = STUCK_FLOOR_S / STUCK_FACTOR + 1.0  # a unit slow enough that the bound is the step's, not the floor
+    p._at = (p._at[0], p._at[1], p._at[2] - span, 0.0)  # noqa: SLF001 - the unit began `span` s ago
+    p.mark()
+    bound, marked = p.timeout_s(), p._at[2]  # noqa: SLF001
+    assert bound == STUCK_FACTOR * p._at[3] and bound > STUCK_FLOOR_S and p._at[3] >= span  # noqa: SLF001
+    assert p.stuck(1, "run-1/vae-decode1#1", marked + bound - 0.5) is None  # within the bound
+    assert p.stuck(1, "run-1/vae-decode1#2", marked + bound + 1) is None  # level with this rank: no wait on it
+    assert p.stuck(1, "run-1/sampler1#0", marked + bound + 1) is None  # another step (or another run's)
+    why = p.stuck(1, "run-1/vae-decode1#1", marked + bound + 1)
+    assert why is not None and why.startswith("rank 1 is stuck in vae-decode1") and f"progress timeout {bound:.0f} s" in why
+    p.end()
+    assert p.stuck(1, "run-1/vae-decode1#1", marked + bound + 1) is None and p.token() == "#0"
