@@ -17,7 +17,6 @@ process because a peer failed; see `tp2.settings.set_for_libraries`). Imports to
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import socket
 import time
@@ -27,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from .collectives import TPEnv, TPGroup, init_tp_group
-from .errors import PeerLostError, PromptAbortedError, RankMismatchError
-from .handshake import DETAIL, compare_fields
+from .errors import PeerLostError
+from .handshake import DETAIL
+from .rendezvous import PRIVATE, Rendezvous
 from .settings import NCCL_ERROR_HANDLING, set_for_libraries
-from .signing import signed, signed_counter, unsigned
+from .signing import signed_counter
 from .watch import Watcher
 
 
@@ -59,17 +59,15 @@ def watcher_aborts_communicator(backend: str) -> bool:
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05
-_PRIVATE = "_tp2_"  # field-name prefix for the session's own bookkeeping (not compared)
 _EPOCH = "tp2/cache_epoch"
 
 
 def detail_key(field: str) -> str:
     """The rendezvous field that explains `field` when ranks differ on it (JSON {label: value}; not compared itself)."""
-    return f"{_PRIVATE}{DETAIL}{field}"
+    return f"{PRIVATE}{DETAIL}{field}"
 
 
-class TPSession:
+class TPSession(Rendezvous):
     """This rank's membership in the TP world across prompts."""
 
     def __init__(self, env: TPEnv, device: torch.device | None = None, boot_id: str = "", secret: str | None = None,
@@ -126,93 +124,6 @@ class TPSession:
             return fn(self._connect(timeout_s))
 
     # -- agreement -------------------------------------------------------------------------------------
-    def rendezvous(self, key: str, fields: dict[str, str], timeout_s: float, abort=None) -> list[dict[str, str]]:
-        """Publish `fields` under `key` and wait for every rank's; compare them.
-
-        A peer that is executing this run is waited for as long as it is alive; one that has not started the run
-        within `timeout_s`, or finished it without reaching `key` (its node cache served the step), is a
-        PeerLostError naming it. A stop of the run by any rank (or this rank's `abort()` returning a reason) is a
-        PromptAbortedError with that reason, seen even when every rank has arrived. RankMismatchError names the
-        fields that differ (every rank sees every rank's fields, so every rank raises the same). The keys are
-        deleted by the last rank to read them.
-        """
-        run = self.watcher.run
-        base = f"tp2/rv/{key}"
-        keys = [f"{base}/rank{r}" for r in range(self.env.tp_size)]
-        mine = signed(self.watcher.secret, keys[self.env.tp_rank], json.dumps(fields, sort_keys=True))
-        self._store_op(timeout_s, lambda s: s.set(keys[self.env.tp_rank], mine))
-        deadline = time.monotonic() + timeout_s
-        polls = 0
-        while True:
-            present = self._store_op(timeout_s, lambda s: [s.check([k]) for k in keys])
-            why = abort() if abort is not None else None
-            if why:
-                self.stop_run(why)
-            stop = self.watcher.stop_reason() or why
-            if stop:  # before taking "all present" as arrival: a peer that sees the stop takes its key back
-                self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
-                raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {stop}")
-            if all(present):
-                break
-            missing = [r for r, ok in enumerate(present) if not ok]
-            polls += 1
-            past = time.monotonic() > deadline
-            # where the missing peers are in this run (read every 5th poll, and each poll once the deadline passed)
-            states = {r: self.watcher.peer_state(run, r) for r in missing} if run is not None and (past or polls % 5 == 0) else {}
-            finished = [r for r, st in states.items() if st == "done"]
-            late = past and (run is None or any(st is None for st in states.values()))  # not started: the timeout applies
-            if finished or late:
-                self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
-                self._give_up(key, run, finished, missing, timeout_s)
-            time.sleep(POLL_S)
-        try:
-            raws = self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])
-        except (RuntimeError, dist.DistError):  # a peer took its key back between our check and our read: it saw a stop
-            why = self.watcher.stop_reason() or (self.watcher.read_stop(run) if run is not None else None)
-            if why:
-                raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}") from None
-            raise
-        everyone = [self._record(k, raw) for k, raw in zip(keys, raws)]
-        if self._store_op(timeout_s, lambda s: s.add(f"{base}/read", 1)) == self.env.tp_size:
-            self._store_op(timeout_s, lambda s: [s.delete_key(k) for k in (*keys, f"{base}/read")])
-        compare_fields(everyone, self.tag, f"prompt '{key}'", skip_prefix=_PRIVATE)  # the same verdict on every rank
-        own = abort() if abort is not None else None
-        if own:
-            self.stop_run(own)
-        why = own or self.watcher.stop_reason()
-        if why:  # a stop is honoured even when every rank has arrived
-            raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}")
-        return everyone
-
-    def _record(self, key: str, raw: bytes) -> dict[str, str]:
-        """A rank's rendezvous record, checked against the run's secret; a record no rank signed is refused without
-        showing what it says (something other than the ranks writes to the rank store)."""
-        text = unsigned(self.watcher.secret, key, raw.decode())
-        if text is None:
-            log.warning("%s the rendezvous record at %s is not signed by a rank: ignored", self.tag, key)
-            raise RankMismatchError(
-                f"{self.tag} the record at '{key}' in the rank store was not written by a rank of this set (no valid "
-                "signature): something else writes to the store. Restart the ranks with scripts/start-tp2.sh."
-            )
-        return json.loads(text)
-
-    def _give_up(self, key: str, run: str | None, finished: list[int], missing: list[int], timeout_s: float) -> None:
-        """Raise why the rendezvous at `key` ends without the `missing` peers (`finished`: those done with the run)."""
-        why = self.watcher.read_stop(run) if run is not None else None
-        if why:  # the peer finished the run because it stopped it: its reason, not a guess
-            raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}")
-        who = ", ".join(map(str, finished or missing))
-        if finished:
-            raise PeerLostError(
-                f"{self.tag} rank(s) {who} finished the prompt without reaching '{key}': their node cache served "
-                "this step. Every rank clears its node cache before the next prompt; queue it again."
-            )
-        raise PeerLostError(
-            f"{self.tag} rank(s) {who} did not reach '{key}' within {timeout_s:.0f} s: they were not given the "
-            "same prompt (queue prompts on rank 0, or submit the same prompt id to every rank), or are not running. "
-            "Check their logs (scripts/start-tp2.sh status)."
-        )
-
     # -- runs ------------------------------------------------------------------------------------------
     def begin_run(self, run: str, boots: dict[int, str] | None = None) -> None:
         """This rank starts executing run `run` (one prompt; rank 0 names it, unique per execution)."""
@@ -269,10 +180,10 @@ class TPSession:
 
     def agree(self, key: str, fields: dict[str, str], timeout_s: float, abort=None) -> TPGroup:
         """Rendezvous on `key`, then return a healthy process group every rank shares (made if needed)."""
-        own = dict(fields, **{f"{_PRIVATE}gen": str(self.generation), f"{_PRIVATE}healthy": str(int(self.healthy))})
+        own = dict(fields, **{f"{PRIVATE}gen": str(self.generation), f"{PRIVATE}healthy": str(int(self.healthy))})
         everyone = self.rendezvous(key, own, timeout_s, abort)
-        gens = [int(f[f"{_PRIVATE}gen"]) for f in everyone]
-        if self.group is not None and len(set(gens)) == 1 and all(f[f"{_PRIVATE}healthy"] == "1" for f in everyone):
+        gens = [int(f[f"{PRIVATE}gen"]) for f in everyone]
+        if self.group is not None and len(set(gens)) == 1 and all(f[f"{PRIVATE}healthy"] == "1" for f in everyone):
             return self.group
         self._new_group(max(gens) + 1)
         return self.group

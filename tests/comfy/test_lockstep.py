@@ -312,10 +312,6 @@ def ends_alike(ranks, prompt_id: str, prefix: str) -> str:
     return status
 
 
-@pytest.mark.xfail(
-    reason="an interrupt as the ranks meet at the sampler can stop rank 0 after a follower took the rendezvous as agreed: the "
-    "follower then waits in the group's formation for TP2_TIMEOUT_S and misses the next prompt (one atomic verdict per rendezvous needed)"
-)
 def test_an_interrupt_at_any_moment_of_a_prompt_ends_it_alike_on_every_rank(ranks):
     """24 interrupts on rank 0 at stepped moments of a prompt's life (from as it is queued, through the hand-over, the
     rendezvous, sampling, the nodes after it and the saves, to after its end), every fourth with the prompt queued
