@@ -2,6 +2,7 @@
 
     tag_and_verify(diffusion_model, plan)  every linear gets its plan role; widths and the int8 layout are checked
     rowwise_call(linear, x, input_act, reduce)   the ComfyUI adapter of tp2.layers.row_parallel: cast the weight, call it
+    full_precision_rowwise_call(linear, x)  the same for ComfyUI's full-precision forward (the text encoder's linears)
     held_weight(linear, like)               ComfyUI's cast of a weight, held over several calls (row chunks: one cast)
     install_linear_input_act_patch()        comfy.ops.linear_input_act (the fc2 path that skips module hooks) reduces
     role_guard()                            while a TP forward runs, any ComfyUI linear without a role raises
@@ -19,6 +20,7 @@ import threading
 import types
 from dataclasses import dataclass
 
+import comfy.model_management
 import comfy.ops
 import torch
 from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
@@ -60,18 +62,35 @@ def rowwise_call(
         return row_parallel(x, weight, bias, tp_group(), STATE.int8_gemm, STATE.reduce_dtype, input_act, reduce)
 
 
+def full_precision_rowwise_call(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's full-precision forward of a row-parallel linear (the text encoder's: comfy/sd1_clip.py builds its
+    quantised linears with full_precision_mm) through tp2.layers.row_parallel, then the all-reduce. As ComfyUI's
+    forward: the interrupt check, AWQ smoothing (this rank's K slice of pre_quant_scale), the weight cast without
+    requantising (dequantised, LoRA applied; an int8 weight it leaves quantised takes the int8 GEMM, as its F.linear
+    would). The cast is to the wider of x's dtype and the reduce dtype, so the GEMM hands back the partial sum in the
+    reduce dtype, unrounded: ComfyUI runs the encoder in fp32 (SDClipModel.forward), where this is its own cast and
+    GEMM bit for bit."""
+    comfy.ops.run_every_op()
+    smooth = getattr(linear, "pre_quant_scale", None)
+    if smooth is not None:
+        x = x * comfy.model_management.cast_to_device(smooth, x.device, x.dtype)
+    with held_weight(linear, x, torch.promote_types(x.dtype, STATE.reduce_dtype), want_requant=False) as (weight, bias):
+        return row_parallel(x, weight, bias, tp_group(), STATE.int8_gemm, STATE.reduce_dtype)
+
+
 @contextlib.contextmanager
-def held_weight(linear: torch.nn.Module, like):
+def held_weight(linear: torch.nn.Module, like, dtype: torch.dtype | None = None, want_requant: bool = True):
     """ComfyUI's cast of `linear`'s weight and bias for inputs like `like` (a tensor, or Int8Rows: the
     weight-only-quant cast, as ComfyUI's forward makes it for such rows), held until the block ends, then uncast:
-    yields (the core's LinearWeight, bias). Calls on many row chunks then cost one cast, as one call on all rows."""
+    yields (the core's LinearWeight, bias). Calls on many row chunks then cost one cast, as one call on all rows.
+    For a tensor: `dtype` is the cast's (default like's), `want_requant` False for ComfyUI's full-precision cast."""
     if isinstance(like, Int8Rows):
         cast = comfy.ops.cast_bias_weight(
             linear, None, dtype=linear.weight.dtype, device=like.device, bias_dtype=like.dtype,
             offloadable=True, compute_dtype=like.dtype, want_requant=True,
         )  # fmt: skip
     else:
-        cast = comfy.ops.cast_bias_weight(linear, like, offloadable=True, compute_dtype=like.dtype, want_requant=True)
+        cast = comfy.ops.cast_bias_weight(linear, like, dtype, offloadable=True, compute_dtype=like.dtype, want_requant=want_requant)
     weight, bias, offload_stream = cast
     try:
         yield _local_weight(weight), bias

@@ -6,8 +6,9 @@ For H3's Qwen3-VL-32B file (CLIPLoader type 'minimax') on an active rank with tp
 resolved and checked before any weight is read; this rank reads only its slices (tp2.rank_cache.read_rank_slices: a follower
 never holds the whole file); ComfyUI's `load_text_encoder_state_dicts` builds its own encoder classes at this rank's width
 (local heads, KV heads and FFN via its `qwen3vl_32b_model_config` override), so every quantised format loads as without the
-pack. Every linear gets its plan role. o_proj and down_proj run ComfyUI's own forward on their K slice (AWQ smoothing, input
-quantisation, quantised GEMM) and all-reduce in TP2_REDUCE_DTYPE; the token embedding looks up this rank's rows and
+pack. Every linear gets its plan role. o_proj and down_proj run ComfyUI's full-precision forward (AWQ smoothing, the weight
+dequantised) through tp2.layers.row_parallel on their K slice: partial sums in TP2_REDUCE_DTYPE straight from the GEMM, then
+the all-reduce (nodes/parallel.py full_precision_rowwise_call); the token embedding looks up this rank's rows and
 all-reduces (exact). Each encode is a rendezvous (prompt, plan, digest of token ids and images); then the ranks run the 50
 layers in step under the role guard, interrupts deferred to its end. A rank that does not arrive fails the prompt with the
 reason: the encoder cannot run alone. The DiT still takes rank 0's context at every model evaluation (nodes/model_wrappers.py),
@@ -36,7 +37,7 @@ from ..tp2.rank_cache import read_rank_slices
 from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
 from .loader import rank_cache_args
 from .lora import TE_PLAN_ATTR
-from .parallel import ROLE_OF_STYLE, _is_comfy_linear, role_guard, tp_group
+from .parallel import ROLE_OF_STYLE, _is_comfy_linear, full_precision_rowwise_call, role_guard, tp_group
 from .patches import PATCHES, changes_of
 from .run import agree_step, in_step, step_key, tensor_digest
 from .state import STATE, LoadedModel, log
@@ -125,7 +126,8 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
             )
         setattr(module, ROLE_ATTR, ROLE_OF_STYLE[style])
         if style == ROWWISE:
-            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: types.MethodType(_rowwise_forward(own), m))
+            _require_full_precision(name, module)
+            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: types.MethodType(_rowwise_forward, m))
     embedding = transformer.model.embed_tokens
     changes.replace(
         "model.embed_tokens.forward", embedding, "forward", lambda own: types.MethodType(_vocab_parallel_forward(own, plan), embedding)
@@ -154,14 +156,20 @@ def _verify_widths(transformer, plan: TEPlan) -> None:
             )
 
 
-def _rowwise_forward(own):
-    """ComfyUI's forward of a row-parallel linear on this rank's K slice, then the sum over ranks."""
+def _require_full_precision(name: str, module) -> None:
+    """The row-parallel forward is ComfyUI's full-precision one, which ComfyUI gives every quantised text encoder
+    linear (comfy/sd1_clip.py); a layer built with a quantised GEMM would compute otherwise split than whole: refused."""
+    if getattr(module, "layout_type", None) is not None and not getattr(module, "_full_precision_mm", False):
+        raise PlanError(
+            f"{STATE.tag} text encoder layer '{name}' was built with a quantised GEMM ({module.layout_type}), not the "
+            "full-precision matmul ComfyUI gives a text encoder (custom operations from another node pack?). The pack "
+            "splits only the latter: load the encoder without that pack, or run with --tp-size 1."
+        )
 
-    def forward(self, x, *args, **kwargs):
-        partial = own(x, *args, **kwargs)
-        return all_reduce(partial.to(STATE.reduce_dtype), tp_group()).to(partial.dtype)
 
-    return forward
+def _rowwise_forward(self, x, *args, **kwargs):
+    """A row-parallel linear on this rank's K slice, summed over the ranks (tp2.layers.row_parallel)."""
+    return full_precision_rowwise_call(self, x)
 
 
 def _vocab_parallel_forward(own, plan: TEPlan):
