@@ -18,7 +18,9 @@
 # What is already there (torch, each requirement at a version that satisfies it, the link) is said so and left.
 #
 # Env: TP2_TORCH_SPEC overrides the torch packages (default: "torch==2.14.1 torchvision==0.29.1"; torchaudio
-# 2.11.1 is added without deps, as ComfyUI 0.33 needs it only for imports on the H3 path).
+# 2.11.1 is added without deps, as ComfyUI 0.33 needs it only for imports on the H3 path). Without an NVIDIA driver
+# (no nvidia-smi) torch's CPU build is tried first (download.pytorch.org/whl/cpu, ~0.2 GB instead of ~5.6 GB); where
+# that index cannot be reached, the default build is installed.
 set -euo pipefail
 
 PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -94,10 +96,20 @@ if [[ $REUSED -eq 1 ]]; then
 elif have_torch; then
   say "torch $("$VPY" -c 'import torch; print(torch.__version__)'): already there"
 else
-  say "installing $TORCH_SPEC (+ torchaudio 2.11.1)"
+  cpu_spec="$(sed -E 's/(==[0-9.]+)( |$)/\1+cpu\2/g' <<< "$TORCH_SPEC")"  # torch==2.14.1 -> torch==2.14.1+cpu
   # shellcheck disable=SC2086
-  "${PIP[@]}" $TORCH_SPEC
-  "${PIP[@]}" --no-deps "torchaudio==2.11.1"
+  if [[ -z "${TP2_TORCH_SPEC:-}" ]] && ! command -v nvidia-smi >/dev/null 2>&1 \
+    && say "no NVIDIA driver here (no nvidia-smi): trying torch's CPU build, $cpu_spec" \
+    && "${PIP[@]}" --retries 1 --timeout 20 --index-url https://download.pytorch.org/whl/cpu $cpu_spec; then
+    "${PIP[@]}" --retries 1 --timeout 20 --index-url https://download.pytorch.org/whl/cpu --no-deps "torchaudio==2.11.1+cpu" \
+      || "${PIP[@]}" --no-deps "torchaudio==2.11.1"
+  else
+    [[ -n "${TP2_TORCH_SPEC:-}" ]] || command -v nvidia-smi >/dev/null 2>&1 || say "the CPU build could not be fetched: the default build instead"
+    say "installing $TORCH_SPEC (+ torchaudio 2.11.1)"
+    # shellcheck disable=SC2086
+    "${PIP[@]}" $TORCH_SPEC
+    "${PIP[@]}" --no-deps "torchaudio==2.11.1"
+  fi
 fi
 
 if [[ ! -f "$COMFYUI/main.py" ]]; then
