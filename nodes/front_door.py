@@ -187,10 +187,12 @@ class FrontDoor:
         await asyncio.get_running_loop().run_in_executor(None, STATE.boot_registered.wait, 15.0)
         body = await _json(request)
         order, prompt_id = body.get("tp2"), body.get("prompt_id")
-        if not isinstance(order, dict) or not prompt_id:
+        if not _well_formed(order) or not prompt_id:
             return _refusal("tp2_follower", "followers take prompts only from rank 0's dispatcher (scripts/tp2-submit uses rank 0)", 403)
         if self.last_order is not None and self.last_order[0] == order["boot"] and order["seq"] <= self.last_order[1]:
             why = f"order {order['seq']} arrived after order {self.last_order[1]} from the same rank 0: refused to keep the ranks in step"
+            # the mark moves back to rank 0's count: an order with a count rank 0 never reached costs one prompt, not every one
+            self.last_order = (order["boot"], order["seq"])
             return _refusal("tp2_out_of_order", why, 409)
         self.orders[prompt_id] = order
         response = await handler(request)
@@ -221,6 +223,12 @@ class FrontDoor:
     async def ranks(self, request: web.Request):
         ranks = [{"rank": r, "url": u} for r, u in enumerate(self.rank_urls)]
         return web.json_response({"tp_size": STATE.env.tp_size, "this_rank": STATE.env.tp_rank, "ranks": ranks})
+
+
+def _well_formed(order) -> bool:
+    """An order as rank 0's dispatcher writes it: {run: str, seq: int, boot: str, reset: bool}."""
+    kinds = {"run": str, "seq": int, "boot": str, "reset": bool}
+    return isinstance(order, dict) and all(isinstance(order.get(k), t) for k, t in kinds.items())
 
 
 def _refusal(kind: str, why: str, status: int) -> web.Response:

@@ -238,8 +238,8 @@ class Watcher:
         if quiet > self.heartbeat_timeout_s:
             self._decide(f"rank {r} is not responding (no heartbeat for {quiet:.0f} s): it is frozen, stopped or overloaded; "
                          "check its log, or restart it with scripts/start-tp2.sh restart --rank " + str(r), publish=True)  # fmt: skip
-        stuck = self.progress.stuck(r, value.split(":", 2)[-1], now)
-        if stuck:
+        stuck = quiet <= PROBE_AFTER_S and self.progress.stuck(r, value.split(":", 2)[-1], now)
+        if stuck:  # only while its heartbeat goes on: a silent peer is frozen or gone, named above
             self._decide(stuck, publish=True)
 
     def _process_gone(self, rank: int) -> bool:

@@ -198,3 +198,32 @@ def test_restart_a_rank_by_hand_then_next_prompt_works(front):
     for u in front["urls"]:
         assert wait_done(u, body["prompt_id"])["status"]["status_str"] == "success"
     assert outputs(front, 0, "by_hand") == outputs(front, 1, "by_hand") != {}
+
+
+def test_a_forged_future_order_costs_at_most_one_prompt_and_a_malformed_one_none(front):
+    """An order with the secret and rank 0's boot id (a local process that read the secret file and the rank store)
+    but a count rank 0 never reached: the follower takes it (it carries the secret), refuses rank 0's next order as out
+    of order, and moves its mark back to rank 0's count, so the prompt after runs on both ranks, identical."""
+    import re
+    import uuid
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    port = int(re.search(r"MASTER_PORT=\"?(\d+)", (front["run"] / "launch.env").read_text())[1])
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    boot = store.get("tp2/boot/rank0").decode()
+    secret = {"X-TP2-Secret": front["secret"]}
+    malformed = {"prompt": workflow("malformed"), "prompt_id": uuid.uuid4().hex, "tp2": {"run": "x", "seq": "9", "boot": boot}}
+    assert call(front["urls"][1], "/prompt", malformed, secret)[0] == 403
+    order = {"run": "forged", "seq": 10**9, "boot": boot, "reset": False}
+    forged = {"prompt": workflow("forged", steps=1), "prompt_id": uuid.uuid4().hex, "tp2": order}
+    assert call(front["urls"][1], "/prompt", forged, secret)[0] == 200
+    wait_done(front["urls"][1], forged["prompt_id"], timeout=60)  # alone on the follower: no rank 0 meets it; it fails there
+    ids = [call(front["urls"][0], "/prompt", {"prompt": workflow(f"after_forged{i}")})[1]["prompt_id"] for i in range(2)]
+    first = wait_done(front["urls"][0], ids[0], timeout=60)
+    print("the prompt after the forged order:", first["status"]["status_str"], error_text(first)[:200])
+    hs = [wait_done(u, ids[1], timeout=90) for u in front["urls"]]
+    assert all(h["status"]["status_str"] == "success" for h in hs), [error_text(h) for h in hs]
+    a, b = outputs(front, 0, "after_forged1"), outputs(front, 1, "after_forged1")
+    assert len(a) == 2 and a == b
