@@ -120,12 +120,12 @@ class Server:
         self.proc.wait(10)
 
 
-def start_tp(
+def start_ranks(
     root: str, tp_size: int, models: dict[str, str], extra_env: dict[str, str] | None = None, args=(), front_door: bool = True
 ) -> list[Server]:
     """tp_size servers forming one TP world (ComfyUI arguments `args` added), started as scripts/start-tp2.sh starts
     them: followers first, rank 0's front door on (the run's secret and every rank's address), so a prompt is queued
-    once on rank 0 (run_everywhere does). `front_door=False`: the dual-submission mode, every rank given the prompt."""
+    once on rank 0 (run_prompt does). `front_door=False`: the dual-submission mode, every rank given the prompt."""
     master, ports = free_port(), [free_port() for _ in range(tp_size)]
     env = {"TP2_WORLD_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
     if front_door:
@@ -161,7 +161,7 @@ def servers_for(request, tmp_path_factory, models: dict[str, str], name: str, tp
     """A fixture's servers: `tp_size` TP ranks with `env`, or (tp_size None) one server without TP env."""
     root = str(tmp_path_factory.mktemp(name))
     if tp_size:
-        servers = start_tp(root, tp_size, models, env)
+        servers = start_ranks(root, tp_size, models, env)
     else:
         servers = [Server(os.path.join(root, "plain"), models, env, pack=pack)]
         servers[0].wait_ready()
@@ -176,7 +176,7 @@ def submit_once(servers: list[Server], prompt: dict, prompt_id: str) -> None:
             s.submit(prompt, prompt_id)
 
 
-def run_everywhere(servers: list[Server], prompt: dict, timeout_s: float = 120) -> list[dict]:
+def run_prompt(servers: list[Server], prompt: dict, timeout_s: float = 120) -> list[dict]:
     """submit_once, then each server's finished history entry."""
     pid = new_id()
     submit_once(servers, prompt, pid)

@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from comfy_harness import COMFYUI_DIR, ROOT, Server, assert_success, have_comfyui, output_files, run_everywhere, start_tp, stop_at_teardown
+from comfy_harness import COMFYUI_DIR, ROOT, Server, assert_success, have_comfyui, output_files, run_prompt, start_ranks, stop_at_teardown
 from safetensors.torch import load
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
@@ -79,7 +79,7 @@ def servers(request, tmp_path_factory, models):
         for fx in FIXTURES:
             os.symlink(os.path.join(FIXTURE_DIR, fx), os.path.join(root, name, "custom_nodes", fx))
     plain = Server(os.path.join(root, "plain"), models, TEST_ENV)
-    ranks = start_tp(root, 2, models, TP_ENV)
+    ranks = start_ranks(root, 2, models, TP_ENV)
     plain.wait_ready()
     for i, which in enumerate(("first", "last")):  # the same images on every server
         pixels = (torch.rand(64, 64, 3, generator=torch.Generator().manual_seed(i)) * 255).to(torch.uint8).numpy()
@@ -112,7 +112,7 @@ def bundled(name: str, prefix: str) -> dict:
 @pytest.mark.parametrize("name", ["h3_tp2_t2v_832x480", "h3_tp2_i2v_832x480", "h3_tp2_flf2v_832x480"])
 def test_bundled_workflow_runs_on_tp2_to_an_mp4(servers, name):
     r0, r1, plain = servers
-    histories = run_everywhere(servers, bundled(name, f"{name}_small"), 600)
+    histories = run_prompt(servers, bundled(name, f"{name}_small"), 600)
     assert_success(servers, histories)
     files = [output_files(s, h) for s, h in zip(servers, histories)]
     videos = [{k: v for k, v in f.items() if k.endswith(".mp4")} for f in files]
@@ -156,7 +156,7 @@ def test_a_lora_on_the_split_text_encoder_is_refused(servers):
         "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["3", 1], "text": "a fox"}},
         "5": {"class_type": "SaveH3Conditioning", "inputs": {"conditioning": ["4", 0], "filename_prefix": "te_lora"}},
     }  # fmt: skip
-    for s, h in zip((r0, r1), run_everywhere([r0, r1], wf, 300)):
+    for s, h in zip((r0, r1), run_prompt([r0, r1], wf, 300)):
         assert h["status"]["status_str"] == "error", s.tail()
         assert "'model.layers.0.self_attn.q_proj.weight', which is split over the ranks" in error_message(h), error_message(h)
 
@@ -207,7 +207,7 @@ def test_comfyuis_r2v_template_runs_on_tp2(servers):
     assert {int(k): v["class_type"] for k, v in wf.items()} == nodes  # the template's nodes, by id and type
     ours = {(int(v[0]), int(k)) for k, n in wf.items() for v in n["inputs"].values() if isinstance(v, list)}
     assert {lk for lk in links if lk[0] in nodes} == ours  # and its links between them
-    histories = run_everywhere(servers, wf, 600)
+    histories = run_prompt(servers, wf, 600)
     assert_success(servers, histories)
     videos = [[v for k, v in output_files(s, h).items() if k.endswith(".mp4")] for s, h in zip(servers, histories)]
     assert len(videos[0]) == len(videos[1]) == 1 and videos[0] == videos[1], "the ranks' r2v MP4 files differ"
@@ -238,16 +238,16 @@ def test_the_rank_cache_gives_the_same_video(models, tmp_path_factory):
     wf["91"] = {"class_type": "SaveLatent", "inputs": {"samples": ["90", 0], "filename_prefix": "latents/t2v_cache_video"}}
     wf["92"] = {"class_type": "SaveLatent", "inputs": {"samples": ["90", 1], "filename_prefix": "latents/t2v_cache_audio"}}
     wf["93"] = {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "frames/t2v_cache"}}
-    shard_on_read = start_tp(_rank_dirs(str(tmp_path_factory.mktemp("wf_reference"))), 2, models, TP_ENV)
+    shard_on_read = start_ranks(_rank_dirs(str(tmp_path_factory.mktemp("wf_reference"))), 2, models, TP_ENV)
     try:
-        reference = run_everywhere(shard_on_read, wf, 600)
+        reference = run_prompt(shard_on_read, wf, 600)
         assert_success(shard_on_read, reference)
     finally:
         for s in shard_on_read:
             s.stop()
-    cached = start_tp(root, 2, models, env)
+    cached = start_ranks(root, 2, models, env)
     try:
-        histories = run_everywhere(cached, wf, 600)
+        histories = run_prompt(cached, wf, 600)
         assert_success(cached, histories)
         mp4s = []
         for s, h, ref_s, ref_h in zip(cached, histories, shard_on_read, reference):
@@ -274,9 +274,9 @@ def test_the_rank_cache_gives_the_same_video(models, tmp_path_factory):
     finally:
         for s in cached:
             s.stop()
-    again = start_tp(root, 2, models, env)
+    again = start_ranks(root, 2, models, env)
     try:
-        assert_success(again, run_everywhere(again, bundled("h3_tp2_t2v_832x480", "t2v_cache_again"), 600))
+        assert_success(again, run_prompt(again, bundled("h3_tp2_t2v_832x480", "t2v_cache_again"), 600))
         for s in again:
             with open(s.log_path, errors="replace") as f:
                 log = f.read()
@@ -294,7 +294,7 @@ def nudged(request, tmp_path_factory, models):
 
     root = _rank_dirs(str(tmp_path_factory.mktemp("wf_nudged")))
     env = dict(TP_ENV, TP2_TEST_NUDGE_RANKS="1", TP2_PROMPT_TIMEOUT_S="10")
-    ranks = start_tp(root, 2, models, env, front_door=False)  # dual submission: rank 0's cache can be freed alone
+    ranks = start_ranks(root, 2, models, env, front_door=False)  # dual submission: rank 0's cache can be freed alone
     latent = torch.randn(1, 24, 2, 4, 4, generator=torch.Generator().manual_seed(7))  # one chunk: decoded on each rank
     for s in ranks:
         save_file({"latent_tensor": latent, "latent_format_version_0": torch.tensor([])}, os.path.join(s.base, "input", "h3_small.latent"))
@@ -310,7 +310,7 @@ def test_a_rank_that_decodes_other_bytes_still_writes_the_same_mp4(nudged):
     """Identical by construction: rank 1's video and audio decodes are off in a few hundred values and its video file
     carries one metadata key more, and the ranks' MP4s are still byte-identical, because every rank takes rank 0's
     decode and file where the bytes differ (with either comparison off, the MP4s differ)."""
-    histories = run_everywhere(nudged, bundled("h3_tp2_t2v_832x480", "t2v_nudged"), 600)
+    histories = run_prompt(nudged, bundled("h3_tp2_t2v_832x480", "t2v_nudged"), 600)
     assert_success(nudged, histories)
     mp4s = [[v for k, v in output_files(s, h).items() if k.endswith(".mp4")] for s, h in zip(nudged, histories)]
     assert len(mp4s[0]) == 1 and mp4s[0] == mp4s[1], f"the ranks' MP4 files differ: {_media_stage(*nudged, histories)}"
@@ -334,14 +334,14 @@ def test_a_peer_that_never_joins_the_decode_leaves_the_output_as_it_is_then_the_
     """Rank 0's node cache is cleared alone, so only it decodes (rank 1's cache serves the decode): rank 0 finishes
     on its own and says its output may differ; the next prompt clears both caches and is identical again."""
     r0, r1 = nudged
-    first = run_everywhere(nudged, _decode_only("alone"), 300)
+    first = run_prompt(nudged, _decode_only("alone"), 300)
     assert_success(nudged, first)
     r0.post("/free", {"free_memory": True})  # no front door in this world: rank 0 alone
     time.sleep(1.0)
-    second = run_everywhere(nudged, _decode_only("alone"), 300)
+    second = run_prompt(nudged, _decode_only("alone"), 300)
     assert_success(nudged, second)
     assert "may differ from the other ranks'" in _log(r0), r0.tail()
-    third = run_everywhere(nudged, _decode_only("again"), 300)
+    third = run_prompt(nudged, _decode_only("again"), 300)
     assert_success(nudged, third)
     frames = [{k: v for k, v in output_files(s, h).items() if k.endswith(".png")} for s, h in zip(nudged, third)]
     assert frames[0] and frames[0] == frames[1], "the ranks' frames differ after the caches were cleared"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from comfy_harness import COMFYUI_DIR, error_message, have_comfyui, new_id, run_everywhere, servers_for, submit_once, tiny_workflow
+from comfy_harness import COMFYUI_DIR, error_message, have_comfyui, new_id, run_prompt, servers_for, submit_once, tiny_workflow
 from conftest import TINY_COND, make_models, make_tiny_h3
 from test_tp_comfy import TP_ENV, latent, ok, rel, sqnr_db
 
@@ -70,12 +70,12 @@ def lora_workflow(unet: str, lora: str | None, strength: float, prefix: str) -> 
 @pytest.mark.parametrize("unet", [INT8, FULL])
 def test_lora_tp2_matches_one_server(tp2, plain, unet):
     tag = unet[:-12]
-    base = latent(ok([plain], run_everywhere([plain], lora_workflow(unet, None, 0, f"nolora_{tag}")))[0], "video")
+    base = latent(ok([plain], run_prompt([plain], lora_workflow(unet, None, 0, f"nolora_{tag}")))[0], "video")
     for strength in (1.0, 0.5):
         wf = lora_workflow(unet, LORA[unet], strength, f"lora_{tag}_{strength}")
-        tp_files = ok(tp2, run_everywhere(tp2, wf))
+        tp_files = ok(tp2, run_prompt(tp2, wf))
         assert tp_files[0] == tp_files[1], "ranks wrote different bytes"
-        ref = ok([plain], run_everywhere([plain], wf))[0]
+        ref = ok([plain], run_prompt([plain], wf))[0]
         for kind in ("video", "audio"):
             a, b = latent(tp_files[0], kind), latent(ref, kind)
             print(f"{unet} strength {strength} {kind}: rel {rel(a, b):.2e}, SQNR {sqnr_db(b, a):.1f} dB")
@@ -92,16 +92,16 @@ def test_lora_mismatch_between_ranks_refused_on_both(tp2, models):
     link = os.path.join(tp2[1].base, "models", "loras", OTHER)
     os.remove(link)
     os.symlink(os.path.join(os.path.dirname(models[f"loras/{OTHER}"]), "lora_other_seed1.safetensors"), link)
-    hs = run_everywhere(tp2, lora_workflow(INT8, OTHER, 1.0, "mismatch"), timeout_s=60)
+    hs = run_prompt(tp2, lora_workflow(INT8, OTHER, 1.0, "mismatch"), timeout_s=60)
     for h in hs:
         msg = error_message(h)
         assert h["status"]["status_str"] == "error" and "RankMismatchError" in msg, msg
         assert "'patches' (rank 0:" in msg, msg
-    ok(tp2, run_everywhere(tp2, lora_workflow(INT8, LORA[INT8], 1.0, "after_mismatch")))
+    ok(tp2, run_prompt(tp2, lora_workflow(INT8, LORA[INT8], 1.0, "after_mismatch")))
 
 
 def test_dora_on_sharded_layer_refused_with_its_key(tp2):
-    hs = run_everywhere(tp2, lora_workflow(INT8, DORA, 1.0, "dora"), timeout_s=60)
+    hs = run_prompt(tp2, lora_workflow(INT8, DORA, 1.0, "dora"), timeout_s=60)
     for h in hs:
         msg = error_message(h)
         assert h["status"]["status_str"] == "error" and "AdapterPlacementError" in msg, msg

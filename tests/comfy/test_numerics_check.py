@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from comfy_harness import COMFYUI_DIR, assert_success, error_message, have_comfyui, run_everywhere, servers_for, tiny_workflow
+from comfy_harness import COMFYUI_DIR, assert_success, error_message, have_comfyui, run_prompt, servers_for, tiny_workflow
 from conftest import make_checkpoint, make_tiny_h3
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
@@ -35,7 +35,7 @@ def broken_rank1(request, tmp_path_factory):
 def test_a_wrong_int8_path_is_refused_on_every_rank_and_float_still_runs(broken_rank1):
     servers = broken_rank1
     t0 = time.monotonic()
-    hs = run_everywhere(servers, tiny_workflow(INT8, COND, prefix="numerics_int8"), 60)
+    hs = run_prompt(servers, tiny_workflow(INT8, COND, prefix="numerics_int8"), 60)
     assert time.monotonic() - t0 < 60
     assert all(h["status"]["status_str"] == "error" for h in hs), [h["status"] for h in hs]
     msg1 = error_message(hs[1])
@@ -46,12 +46,12 @@ def test_a_wrong_int8_path_is_refused_on_every_rank_and_float_still_runs(broken_
     assert db < 25, msg1
     msg0 = error_message(hs[0])
     assert "rank 1" in msg0 and "wrong numbers" in msg0, msg0
-    assert_success(servers, run_everywhere(servers, tiny_workflow(FLOAT, COND, prefix="numerics_float")))
+    assert_success(servers, run_prompt(servers, tiny_workflow(FLOAT, COND, prefix="numerics_float")))
 
 
 def test_the_status_node_shows_each_ranks_numerics_report(broken_rank1):
     servers = broken_rank1
-    hs = run_everywhere(servers, {"1": {"class_type": "TP2Status", "inputs": {}}})
+    hs = run_prompt(servers, {"1": {"class_type": "TP2Status", "inputs": {}}})
     assert_success(servers, hs)
     text0, text1 = (h["outputs"]["1"]["text"][0] for h in hs)
     healthy = re.search(r"numerics check: passed on cpu .*int8 GEMM (\d+\.\d) dB", text0)
@@ -79,7 +79,7 @@ def test_a_prompt_predicted_not_to_fit_is_advised_not_refused(short_of_memory):
     """The capacity advice (nodes/capacity_check.py) with 0.5 GiB taken as available (TP2_TEST_AVAILABLE_GIB): the
     prediction for the tiny model is its fixed buffers (~2 GiB), so every rank logs at its sampler that it may not
     fit, with the numbers and what would, and the prompt still runs (only a real out-of-memory stops it)."""
-    hs = run_everywhere(short_of_memory, tiny_workflow(FLOAT, COND, prefix="capacity"), 60)
+    hs = run_prompt(short_of_memory, tiny_workflow(FLOAT, COND, prefix="capacity"), 60)
     assert_success(short_of_memory, hs)
     for s in short_of_memory:
         text = open(s.log_path).read()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from comfy_harness import COMFYUI_DIR, have_comfyui, run_everywhere, servers_for, start_tp, stop_at_teardown, tiny_workflow
+from comfy_harness import COMFYUI_DIR, have_comfyui, run_prompt, servers_for, start_ranks, stop_at_teardown, tiny_workflow
 from conftest import TINY_COND, make_models
 from test_tp_comfy import TP_ENV, latent, ok, rel, sqnr_db
 
@@ -85,9 +85,9 @@ def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, od
     pieces, int8_gather, fused, chunk_rows = request.node.callspec.params["tp2_sp"]
     wf = tiny_workflow(unet, COND, prefix=f"sp_{unet[:-12]}_{size[0]}")
     wf["4"]["inputs"].update(width=size[0], height=size[1], length=size[2])
-    sp = ok(tp2_sp, run_everywhere(tp2_sp, wf))
+    sp = ok(tp2_sp, run_prompt(tp2_sp, wf))
     assert sp[0] == sp[1], "sequence-parallel ranks wrote different bytes"
-    plain = ok(tp2, run_everywhere(tp2, wf))
+    plain = ok(tp2, run_prompt(tp2, wf))
     for kind in ("video", "audio"):
         a, b = latent(sp[0], kind), latent(plain[0], kind)
         print(
@@ -118,13 +118,13 @@ def tp2_sp_changed_comfy(request, tmp_path_factory, models):
     for r in range(2):
         os.makedirs(os.path.join(root, f"rank{r}", "custom_nodes"))
         os.symlink(os.path.join(FIXTURES, "h3_changed_block"), os.path.join(root, f"rank{r}", "custom_nodes", "h3_changed_block"))
-    return stop_at_teardown(request, start_tp(root, 2, models, TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1"}), root)
+    return stop_at_teardown(request, start_ranks(root, 2, models, TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1"}), root)
 
 
 def test_changed_comfyui_code_falls_back_to_plain_tp_with_a_log_line(tp2, tp2_sp_changed_comfy):
     wf = tiny_workflow(INT8, COND, prefix="sp_changed")
-    sp = ok(tp2_sp_changed_comfy, run_everywhere(tp2_sp_changed_comfy, wf))
-    plain = ok(tp2, run_everywhere(tp2, wf))
+    sp = ok(tp2_sp_changed_comfy, run_prompt(tp2_sp_changed_comfy, wf))
+    plain = ok(tp2, run_prompt(tp2, wf))
     assert sp[0] == sp[1]
     for kind in ("video", "audio"):
         assert latent(sp[0], kind).equal(latent(plain[0], kind)), kind
@@ -146,8 +146,8 @@ def tp1_pack(request, tmp_path_factory, models):
 @pytest.mark.parametrize("unet", [INT8, FULL])
 def test_tp_size_1_with_the_pack_equals_tp2(request, tp1_pack, tp2, unet):
     wf = tiny_workflow(unet, COND, prefix=f"tp1_{unet[:-12]}")
-    one = ok(tp1_pack, run_everywhere(tp1_pack, wf))[0]
-    two = ok(tp2, run_everywhere(tp2, wf))[0]
+    one = ok(tp1_pack, run_prompt(tp1_pack, wf))[0]
+    two = ok(tp2, run_prompt(tp2, wf))[0]
     for kind in ("video", "audio"):
         a, b = latent(one, kind), latent(two, kind)
         print(f"tp1 with the pack, {unet} {kind}: max relative difference to TP2 {rel(a, b):.1e}, SQNR {sqnr_db(b, a):.1f} dB")

@@ -32,8 +32,8 @@ from comfy_harness import (
     have_comfyui,
     new_id,
     output_files,
-    run_everywhere,
-    start_tp,
+    run_prompt,
+    start_ranks,
     stop_at_teardown,
     submit_once,
 )
@@ -82,7 +82,7 @@ def start_servers(request, tmp_path_factory, models, tp_size: int) -> tuple[Serv
     for name in ("plain", *(f"rank{r}" for r in range(tp_size))):
         _base(root, name)
     plain = Server(os.path.join(root, "plain"), models, TINY_TE)  # starts now, alongside the ranks
-    ranks = start_tp(root, tp_size, models, TP_ENV)
+    ranks = start_ranks(root, tp_size, models, TP_ENV)
     plain.wait_ready()
     stop_at_teardown(request, [*ranks, plain], root)
     return plain, ranks
@@ -102,7 +102,7 @@ def encode_workflow(clip: str, prefix: str, text: str = PROMPT) -> dict:
 
 
 def encode_everywhere(servers: list[Server], workflow: dict) -> list[dict]:
-    histories = run_everywhere(servers, workflow, 300)
+    histories = run_prompt(servers, workflow, 300)
     assert_success(servers, histories)
     return [load(next(iter(output_files(s, h).values()))) for s, h in zip(servers, histories)]
 
@@ -179,7 +179,7 @@ def test_follower_never_holds_the_whole_encoder(request, tmp_path_factory, model
     root = str(tmp_path_factory.mktemp("te_rss"))
     for r in range(4):
         _base(root, f"rank{r}")
-    ranks = stop_at_teardown(request, start_tp(root, 4, models, TP_ENV, args=("--bf16-text-enc",)), root)
+    ranks = stop_at_teardown(request, start_ranks(root, 4, models, TP_ENV, args=("--bf16-text-enc",)), root)
     size_kb = os.path.getsize(models[f"text_encoders/{BIG_FFN}"]) // 1024
     warm = encode_workflow(te_file("bf16"), "te_warm")  # the first encoder load imports transformers and builds the tokenizer
     warm["3"] = {"class_type": "TP2Status", "inputs": {"after": ["2", 0]}}

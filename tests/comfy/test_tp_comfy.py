@@ -28,9 +28,9 @@ from comfy_harness import (
     have_comfyui,
     new_id,
     output_files,
-    run_everywhere,
+    run_prompt,
     servers_for,
-    start_tp,
+    start_ranks,
     stop_at_teardown,
     tiny_workflow,
 )
@@ -120,7 +120,7 @@ def tp2(request, tmp_path_factory, models, precut):
 def dual(request, tmp_path_factory, models):
     """Two ranks without the front door (the dual-submission mode): every rank is given its own prompt."""
     root = str(tmp_path_factory.mktemp("dual"))
-    return stop_at_teardown(request, start_tp(root, 2, models, TP_ENV, front_door=False), root)
+    return stop_at_teardown(request, start_ranks(root, 2, models, TP_ENV, front_door=False), root)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def stock(request, tmp_path_factory, models):
 
 
 def run(servers, workflow, timeout_s=120):
-    return run_everywhere(servers, workflow, timeout_s)
+    return run_prompt(servers, workflow, timeout_s)
 
 
 def ok(servers, histories):

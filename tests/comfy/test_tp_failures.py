@@ -16,8 +16,8 @@ from comfy_harness import (
     error_message,
     have_comfyui,
     new_id,
-    run_everywhere,
-    start_tp,
+    run_prompt,
+    start_ranks,
     tiny_workflow,
 )
 from conftest import make_checkpoint, make_tiny_h3
@@ -39,7 +39,7 @@ def world(tmp_path_factory):
     cut = cut_ahead(str(d / FLOAT), 2, 1, str(d / "cache"))  # rank 1's cut, selected as if it were a checkpoint
     models["diffusion_models/h3_tiny_float.rank1_cut.safetensors"] = cut
     root = str(tmp_path_factory.mktemp("fail_world"))
-    servers = start_tp(root, 2, models, TP_ENV, front_door=False)  # the dual-submission mode
+    servers = start_ranks(root, 2, models, TP_ENV, front_door=False)  # the dual-submission mode
     yield servers, models
     for s in servers:
         s.stop()
@@ -49,18 +49,18 @@ def world(tmp_path_factory):
 def test_a_rank_cache_file_selected_as_a_checkpoint_is_refused_then_next_prompt_works(world):
     servers, _ = world
     t0 = time.monotonic()
-    hs = run_everywhere(servers, tiny_workflow("h3_tiny_float.rank1_cut.safetensors", COND, prefix="wrongfile"), 60)
+    hs = run_prompt(servers, tiny_workflow("h3_tiny_float.rank1_cut.safetensors", COND, prefix="wrongfile"), 60)
     assert time.monotonic() - t0 < 60
     for h in hs:
         msg = error_message(h)
         assert h["status"]["status_str"] == "error" and "is already a tensor-parallel shard (rank 1 of 2)" in msg, msg
-    assert_success(servers, run_everywhere(servers, tiny_workflow(FLOAT, COND, prefix="after_wrongfile")))
+    assert_success(servers, run_prompt(servers, tiny_workflow(FLOAT, COND, prefix="after_wrongfile")))
 
 
 def test_status_node_reports_the_rank(world):
     servers, _ = world
     wf = {"1": {"class_type": "TP2Status", "inputs": {}}}
-    hs = run_everywhere(servers, wf)
+    hs = run_prompt(servers, wf)
     assert_success(servers, hs)
     for r, h in enumerate(hs):
         (text,) = h["outputs"]["1"]["text"]
@@ -70,7 +70,7 @@ def test_status_node_reports_the_rank(world):
 def test_rank_killed_mid_sampling_then_restart_and_cache_recovery(world):
     servers, models = world
     short = tiny_workflow(FLOAT, COND, prefix="short")
-    assert_success(servers, run_everywhere(servers, short))  # cached on both ranks now
+    assert_success(servers, run_prompt(servers, short))  # cached on both ranks now
 
     pid = new_id()
     long_wf = tiny_workflow(FLOAT, COND, steps=400, prefix="long")
@@ -89,7 +89,7 @@ def test_rank_killed_mid_sampling_then_restart_and_cache_recovery(world):
     servers[1].wait_ready()
     # rank 0 still holds the short prompt's sampler output in its node cache, the restarted rank 1 does not:
     # the pack must not deadlock on that; it clears caches after the failure, so both ranks run it again
-    hs = run_everywhere(servers, short)
+    hs = run_prompt(servers, short)
     assert_success(servers, hs)
     outs = []
     for s, h in zip(servers, hs):

@@ -26,7 +26,7 @@ from comfy_harness import (
     have_comfyui,
     new_id,
     output_files,
-    start_tp,
+    start_ranks,
     stop_at_teardown,
     submit_once,
 )
@@ -53,7 +53,7 @@ def servers(request, tmp_path_factory):
         os.symlink(os.path.join(FIXTURE_DIR, "h3_small_vae"), os.path.join(root, name, "custom_nodes", "h3_small_vae"))
     models = {f"vae/{VAE}": vae_path}
     plain = Server(os.path.join(root, "plain"), models, SMALL_VAE)  # starts now, alongside the ranks
-    out = [*start_tp(root, 2, models, dict(TP_ENV, TP2_TEST_FAULT_FILE=os.path.join(root, "fault"))), plain]
+    out = [*start_ranks(root, 2, models, dict(TP_ENV, TP2_TEST_FAULT_FILE=os.path.join(root, "fault"))), plain]
     plain.wait_ready()
     for s in out:
         for t in (7, 17):
