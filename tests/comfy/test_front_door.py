@@ -214,11 +214,12 @@ def test_a_forged_future_order_costs_at_most_one_prompt_and_a_malformed_one_none
     store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
     boot = store.get("tp2/boot/rank0").decode()
     secret = {"X-TP2-Secret": front["secret"]}
-    malformed = {"prompt": workflow("malformed"), "prompt_id": uuid.uuid4().hex, "tp2": {"run": "x", "seq": "9", "boot": boot}}
+    malformed = {"prompt": workflow("malformed"), "prompt_id": str(uuid.uuid4()), "tp2": {"run": "x", "seq": "9", "boot": boot}}
     assert call(front["urls"][1], "/prompt", malformed, secret)[0] == 403
     order = {"run": "forged", "seq": 10**9, "boot": boot, "reset": False}
-    forged = {"prompt": workflow("forged", steps=1), "prompt_id": uuid.uuid4().hex, "tp2": order}
-    assert call(front["urls"][1], "/prompt", forged, secret)[0] == 200
+    forged = {"prompt": workflow("forged", steps=1), "prompt_id": str(uuid.uuid4()), "tp2": order}
+    status, body = call(front["urls"][1], "/prompt", forged, secret)
+    assert status == 200, body
     wait_done(front["urls"][1], forged["prompt_id"], timeout=60)  # alone on the follower: no rank 0 meets it; it fails there
     ids = [call(front["urls"][0], "/prompt", {"prompt": workflow(f"after_forged{i}")})[1]["prompt_id"] for i in range(2)]
     first = wait_done(front["urls"][0], ids[0], timeout=60)
