@@ -248,7 +248,8 @@ def test_interrupt_while_a_follower_is_late_at_the_rendezvous_and_a_reused_promp
     assert_next_prompt_identical(ranks, "after_late")
 
 
-def test_frozen_follower_is_named_within_30_s_and_recovers_after_sigcont(ranks):
+def test_frozen_follower_is_named_within_20_s_and_recovers_after_sigcont(ranks):
+    """15 s of silence, then the next poll: 15.7-17.1 s measured on the CPU machine; 20 leaves room for its load."""
     follower = rank_pids(ranks)[1]
     pid = queue(ranks, "frozen", steps=400)
     running_on(ranks["urls"][1], pid)
@@ -260,7 +261,7 @@ def test_frozen_follower_is_named_within_30_s_and_recovers_after_sigcont(ranks):
         waited = time.monotonic() - t0
     finally:
         os.killpg(follower, signal.SIGCONT)
-    assert waited < 30, waited
+    assert waited < 20, waited
     assert h0["status"]["status_str"] == "error" and "rank 1 is not responding" in error_text(h0), error_text(h0)
     assert wait_done(ranks["urls"][1], pid, timeout=30)["status"]["status_str"] == "error"
     assert_next_prompt_identical(ranks, "after_frozen")
