@@ -78,10 +78,18 @@ class FrontDoor:
 
         async def one(rank: int, url: str) -> str | None:
             try:
-                async with ClientSession(timeout=FORWARD_TIMEOUT) as s, s.post(url + path, json=body, headers={HEADER: self.secret}) as r:
-                    if r.status == 200:
-                        return None
-                    return f"rank {rank} ({url}) refused it ({r.status}): {_error_text(await r.text())}"
+                async with ClientSession(timeout=FORWARD_TIMEOUT) as s:
+                    for attempt in (1, 2):
+                        async with s.post(url + path, json=body, headers={HEADER: self.secret}) as r:
+                            status, text = r.status, await r.text()
+                        if status == 200:
+                            return None
+                        if attempt == 1 and status == 409 and "tp2_out_of_order" in text:  # it moved its mark back: again
+                            log.warning(
+                                "%s rank %d held an order later than any rank 0 sent (not rank 0's): handed over again", STATE.tag, rank
+                            )
+                            continue
+                        return f"rank {rank} ({url}) refused it ({status}): {_error_text(text)}"
             except asyncio.TimeoutError:
                 return (f"rank {rank} ({url}) did not answer within {FORWARD_TIMEOUT.total:.0f} s: it is frozen or overloaded "
                         f"(scripts/start-tp2.sh status; restart it with scripts/start-tp2.sh restart --rank {rank})")  # fmt: skip
@@ -191,8 +199,9 @@ class FrontDoor:
             return _refusal("tp2_follower", "followers take prompts only from rank 0's dispatcher (scripts/tp2-submit uses rank 0)", 403)
         if self.last_order is not None and self.last_order[0] == order["boot"] and order["seq"] <= self.last_order[1]:
             why = f"order {order['seq']} arrived after order {self.last_order[1]} from the same rank 0: refused to keep the ranks in step"
-            # the mark moves back to rank 0's count: an order with a count rank 0 never reached costs one prompt, not every one
-            self.last_order = (order["boot"], order["seq"])
+            # the mark moves back to just before rank 0's count, which hands the order over again: an order with a count
+            # rank 0 never reached (not rank 0's) blocks nothing
+            self.last_order = (order["boot"], order["seq"] - 1)
             return _refusal("tp2_out_of_order", why, 409)
         self.orders[prompt_id] = order
         response = await handler(request)
