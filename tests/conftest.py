@@ -30,11 +30,24 @@ def resolve_comfyui() -> tuple[str, str]:
 COMFYUI_DIR, COMFYUI_FROM = resolve_comfyui()
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+def free_port(following: int = 3) -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it), with the `following` ports after it free too: a launcher
+    given it as --base-port puts rank r on port + r, and refuses a taken one (as it should)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + following <= 65535 and all(_bindable(port + i) for i in range(1, following + 1)):
+            return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def load_submit():
