@@ -60,7 +60,7 @@ def nudge_metadata(rank: int, save_kwargs: dict) -> None:
         save_kwargs["metadata"] = {**(save_kwargs.get("metadata") or {}), "tp2_test_nudge": rank}
 
 
-def _sleep(seconds: float, stop_reason) -> None:
+def _hang(seconds: float, stop_reason) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not stop_reason():
         time.sleep(0.1)
@@ -77,8 +77,11 @@ def inject_fault(rank: int, call: int | str, stop_reason=lambda: None) -> None:
     if int(want_rank) != rank or want_call != str(call):
         return
     os.remove(_PATH)
-    if kind in ("sleep", "hang"):
-        _sleep(5.0 if kind == "sleep" else 120.0, stop_reason if kind == "hang" else lambda: None)
+    if kind == "sleep":
+        time.sleep(5.0)
+        return
+    if kind == "hang":
+        _hang(120.0, stop_reason)
         return
     if kind == "oom":
         raise torch.OutOfMemoryError(

@@ -160,7 +160,8 @@ def test_a_rank_arriving_after_a_stop_leaves_at_once():
 
 
 def test_failure_messages_name_the_rank_and_say_what_to_do():
-    from tp2.watch import decode_stop, describe_failure, sign, with_advice
+    from tp2.signing import decode_stop, sign
+    from tp2.watch import describe_failure, with_advice
 
     oom = describe_failure(1, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 4, 8)
     assert oom == (
