@@ -202,6 +202,17 @@ class TPSession(Rendezvous):
         )
         self.generation, self.healthy = generation, True
         log.info("%s process group generation %d formed", self.tag, generation)
+        if self.env.tp_rank == 0:
+            self._forget_earlier_generations(generation)
+
+    def _forget_earlier_generations(self, generation: int) -> None:
+        """Delete the store keys of earlier generations' group formation (read only while a group forms): a prompt
+        that failed would otherwise leave a few keys in the store for good."""
+        own = f"tp2/pg/{generation}/"
+        try:
+            self._store_op(5.0, lambda s: [s.delete_key(k) for k in s.list_keys() if k.startswith("tp2/pg/") and not k.startswith(own)])
+        except (RuntimeError, dist.DistError, PeerLostError) as e:
+            log.warning("%s could not delete earlier process groups' keys from the rank store: %s", self.tag, e)
 
     def register_boot(self, boot_id: str, timeout_s: float) -> None:
         """Publish this process's boot id (a restarted rank has a new one, and an empty node cache)."""
