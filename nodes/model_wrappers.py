@@ -42,7 +42,7 @@ def install_model_wrappers(patcher, plan: Plan, checkpoint_fp: str, sequence_par
         **model_fingerprint(plan.fingerprint(), checkpoint_fp, plan.tp_size),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
         "sequence_parallel": (  # the collectives (and the norm kernels) differ
-            f"{sequence_parallel}, pieces {STATE.sp_pieces}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
+            f"{sequence_parallel}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
         ),
     }
     patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, plan, model_fields))

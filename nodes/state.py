@@ -57,7 +57,6 @@ class RankState:
     int8_gemm: object | None = None  # kernels.select_int8_gemm() result
     reduce_dtype: object = None  # torch dtype of the row-parallel all-reduce (TP2_REDUCE_DTYPE)
     sequence_parallel: bool = False  # TP2_SEQUENCE_PARALLEL: DiT blocks keep S/tp_size rows of the stream
-    sp_pieces: int = 1  # TP2_SP_PIECES: the sequence dealt out in pieces, out_proj and the MLP pipelined over them
     sp_int8_gather: bool = True  # TP2_SP_INT8_GATHER: int8 linears' inputs are gathered quantised
     sp_fused_norm: bool = False  # TP2_SP_FUSED_NORM: norm + modulation (+ gated residual) fused on CUDA
     sampling_key: str = ""  # the sampling run every rank agreed on last (prompt id / sampler number)

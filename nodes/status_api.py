@@ -82,7 +82,7 @@ def settings() -> dict[str, str]:
     env = STATE.env
     sp = "off"
     if STATE.sequence_parallel:
-        sp = f"on (pieces {STATE.sp_pieces}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})"
+        sp = f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})"
     from . import front_door
 
     return {

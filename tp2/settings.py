@@ -56,7 +56,6 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
         Setting("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),
         Setting("TP2_SP_FUSED_NORM", "bool", "0", "norm + modulation (+ gated residual) as one kernel on CUDA", launcher=True),
-        Setting("TP2_SP_PIECES", "int", "1", "the sequence in N pieces, collectives overlapped", low=1, high=16, launcher=True),
         Setting("TP2_SP_CHUNK_ROWS", "int", "16384", "rows per chunk of the MLP at long sequences", low=2),
         Setting("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
         Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
@@ -78,7 +77,6 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_BENCH_GLOO_ON_CUDA", "bool", "0", "benchmarks only: ranks sharing one GPU form their group over gloo", seam=True),
     )
 }
-RENAMED = {"TP2_SP_PIECES": ("TP2_SP_MLP_CHUNKS", "it now pipelines out_proj too")}  # new name: (old name, why)
 _TRUE, _FALSE = ("1", "on", "true"), ("0", "off", "false")
 
 
@@ -112,10 +110,7 @@ def value(name: str, environ: Mapping[str, str] | None = None):
 
 
 def _parse(name: str, environ: Mapping[str, str] | None):
-    s, env = SETTINGS[name], _env(environ)
-    if name in RENAMED and env.get(RENAMED[name][0]):
-        old, why = RENAMED[name]
-        raise SettingError(f"{old} was renamed {name} ({why}): set that instead.")
+    s = SETTINGS[name]
     text = raw(name, environ)
     if text is None or (text == "" and s.kind in ("path", "list")):
         return [] if s.kind == "list" else None
