@@ -93,8 +93,7 @@ def _install_hooks(secret: str | None) -> None:
 
 def _warn_if_dynamic_vram_cannot_evict() -> None:
     """Dynamic VRAM frees weights when a cudaMalloc or cudaMallocAsync call finds no room; expandable segments map
-    torch's memory by other calls, so under them an out-of-memory comes where weights could have made room (measured:
-    a rank with the text encoder resident failed at 12.4 GiB of tensors on a 22 GiB budget, docs/PERFORMANCE.md)."""
+    torch's memory by other calls, so under them an out-of-memory comes where weights could have made room."""
     import comfy.memory_management
 
     from ..tp2.capacity import allocator_of
