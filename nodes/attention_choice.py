@@ -17,7 +17,7 @@ from .state import STATE
 
 @functools.cache
 def attention_override(device: torch.device):
-    """ComfyUI's attention function for the backend TP2_ATTN_BACKEND resolves to on this device (None: ComfyUI's own)."""
+    """ComfyUI's attention function for the backend TP2_ATTN_BACKEND resolves to on this device."""
     import comfy.ldm.modules.attention as attn
 
     def sdpa(func, *args, **kwargs):
@@ -29,10 +29,8 @@ def attention_override(device: torch.device):
     ck.container_function = attn.attention_comfy_kitchen_int8.container_function
     candidates = {
         "sdpa": (_probe(attn.attention_pytorch, device), "needs torch SDPA"),
-        "ck": (_probe(attn.attention_comfy_kitchen_int8, device), ""),
+        "ck": (_probe(attn.attention_comfy_kitchen_int8, device), "comfy-kitchen INT8 attention failed a real call here"),
     }
-    if candidates["ck"][0] is None:
-        candidates["ck"] = (None, "comfy-kitchen INT8 attention did not run on this device (a real call failed)")
     choice = select_attention(candidates, device, settings.value("TP2_ATTN_BACKEND"))
     STATE.attention = choice
     return {"sdpa": sdpa, "ck": ck}[choice]
@@ -40,10 +38,7 @@ def attention_override(device: torch.device):
 
 def _probe(fn, device):
     """fn as fn(q, k, v, heads) if one real call on this device works, else None (trust a real call, not a flag)."""
-
-    def call(q, k, v, heads):
-        return fn(q, k, v, heads, skip_reshape=True)
-
+    call = functools.partial(fn, skip_reshape=True)
     q = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     try:
         call(q, q, q, 2)

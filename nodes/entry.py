@@ -44,7 +44,7 @@ def activate() -> None:
     log.info(
         "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, reduce %s, sequence parallel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
         STATE.tag, device, env.master_addr, env.master_port, STATE.int8_kernel, STATE.reduce_dtype,
-        f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}, pieces {STATE.sp_pieces})" if STATE.sequence_parallel else "off",
+        f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})" if STATE.sequence_parallel else "off",
         env.timeout_s, STATE.prompt_timeout_s,
     )  # fmt: skip
     _warn_if_dynamic_vram_cannot_evict()
@@ -58,7 +58,6 @@ def _take_settings(env, device) -> None:
     STATE.int8_kernel = STATE.int8_gemm.kernel_name
     STATE.reduce_dtype = reduce_dtype_from_env()
     STATE.sequence_parallel = settings.value("TP2_SEQUENCE_PARALLEL")
-    STATE.sp_pieces = settings.value("TP2_SP_PIECES")
     STATE.sp_int8_gather = settings.value("TP2_SP_INT8_GATHER")
     STATE.sp_fused_norm = settings.value("TP2_SP_FUSED_NORM")
 
@@ -94,8 +93,7 @@ def _install_hooks(secret: str | None) -> None:
 
 def _warn_if_dynamic_vram_cannot_evict() -> None:
     """Dynamic VRAM frees weights when a cudaMalloc or cudaMallocAsync call finds no room; expandable segments map
-    torch's memory by other calls, so under them an out-of-memory comes where weights could have made room (measured:
-    a rank with the text encoder resident failed at 12.4 GiB of tensors on a 22 GiB budget, docs/PERFORMANCE.md)."""
+    torch's memory by other calls, so under them an out-of-memory comes where weights could have made room."""
     import comfy.memory_management
 
     from ..tp2.capacity import allocator_of

@@ -5,8 +5,7 @@
    reads q, k and v as strided views of that buffer and frees all three together. The clone costs a full pass
    over v and changes no bit; other backends keep it.
 2. With `fused` (TP2_SP_FUSED_NORM=1), the per-head q/k RMSNorm + rope runs as kernels/qk_norm_rope.py's Triton
-   kernel instead of comfy-kitchen's: same roundings, more of the memory bandwidth (docs/PERFORMANCE.md);
-   comfy-kitchen's runs wherever that one cannot (CPU, other dtypes or layouts, a GPU Triton does not run on).
+   kernel instead of comfy-kitchen's wherever it runs: same roundings, faster (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

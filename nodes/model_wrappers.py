@@ -42,7 +42,7 @@ def install_model_wrappers(patcher, plan: Plan, checkpoint_fp: str, sequence_par
         **model_fingerprint(plan.fingerprint(), checkpoint_fp, plan.tp_size),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
         "sequence_parallel": (  # the collectives (and the norm kernels) differ
-            f"{sequence_parallel}, pieces {STATE.sp_pieces}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
+            f"{sequence_parallel}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
         ),
     }
     patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, plan, model_fields))
@@ -117,10 +117,8 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     if "minimax_payload" in kwargs:  # rank 0's tensors and values; this rank's own (identical, rebuildable) layout
         kwargs["minimax_payload"] = dict(shared["payload"], **({"layout": payload["layout"]} if "layout" in payload else {}))
     # this evaluation's own options: the attention backend, and a fresh sequence-parallel state for its blocks
-    transformer_options = dict(transformer_options, **{SP_FORWARD: SequenceParallelForward()})
-    override = attention_override(group.device)
-    if override is not None:
-        transformer_options["optimized_attention_override"] = override
+    transformer_options = dict(transformer_options, optimized_attention_override=attention_override(group.device))
+    transformer_options[SP_FORWARD] = SequenceParallelForward()
     with role_guard():
         return executor(shared["x"], shared["t"], shared["context"], transformer_options, **kwargs)
 

@@ -5,12 +5,9 @@
 
 As in Megatron-LM, the two collectives move one all-reduce's bytes and the elementwise work is split. The first block takes
 this rank's rows, the last gathers them back; pad rows (zeros, at the end) are in no segment and gathers drop them. Row math
-is unchanged: bit for bit at tp_size 2 with one piece; with pieces, on CUDA's int8 path (ulp-level in a CPU BLAS). Options,
-agreed per prompt: TP2_SP_INT8_GATHER gathers int8 rows + scales into qkv_proj and fc1, bit-exact (kernels/int8_split.py,
-voted per sampling run); TP2_SP_PIECES=N runs out_proj and the MLP per piece, collectives in flight (tp2/sequence_layout.py);
-TP2_SP_FUSED_NORM fuses gated residual + norm + modulation (sp_norms.py; norm1 adds the previous block's pending MLP
-residual) and q/k norm + rope in Triton (ulp-level). Blocks follow ComfyUI's DiTBlock.forward (its modulation helpers,
-nodes/h3_attention.py, MLP in TP2_SP_CHUNK_ROWS chunks, RowLayout or PARTIAL reductions); per-evaluation state is a
+is unchanged: bit for bit at tp_size 2. The gathers may carry int8 rows (sp_gathers.py, bit-exact); the norms may run fused
+(sp_norms.py, ulp-level; norm1 then adds the previous block's pending MLP residual). Blocks follow ComfyUI's DiTBlock.forward
+(its modulation helpers, nodes/h3_attention.py, MLP in TP2_SP_CHUNK_ROWS chunks); per-evaluation state is a
 SequenceParallelForward in transformer_options (nodes/model_wrappers.py). `install` falls back to plain TP if that code changed.
 """
 
@@ -33,7 +30,7 @@ from ..tp2.sequence_layout import RowLayout, chunk_bounds, reduce_scatter_sequen
 from .h3_attention import attention_forward
 from .parallel import Int8Rows, accept_int8_rows, held_weight, int8_rows_call, rowwise_call, tp_group
 from .patches import changes_of
-from .sp_gathers import GatherInFlight, gather, vote_int8_gathers
+from .sp_gathers import gather, vote_int8_gathers
 from .sp_norms import fused_norm_ok, norm_modulated
 from .state import STATE, log
 
@@ -58,82 +55,59 @@ class SequenceParallelForward:
     segments: list | None = None
     int8: bool = False
     pending: _PendingResidual | None = None
-    chunk_rows: int | None = None  # TP2_SP_CHUNK_ROWS, read by the first block: the MLP's row chunks
 
 
 def _split(sp: SequenceParallelForward, x: torch.Tensor, mod_segments, block) -> torch.Tensor:
-    """Record this evaluation's layout, local segments, MLP chunk size and whether int8 gathers are on; return this rank's rows of
-    the full stream `x` (zero rows where padded)."""
+    """Record this evaluation's layout, local segments and whether int8 gathers are on; return this rank's rows of the
+    full stream `x` (zero rows where padded)."""
     global _logged
-    layout = RowLayout.plan(x.shape[0], STATE.env.tp_size, STATE.env.tp_rank, STATE.sp_pieces)
+    layout = RowLayout.plan(x.shape[0], STATE.env.tp_size, STATE.env.tp_rank)
     sp.layout, sp.segments = layout, layout.local_segments(mod_segments)
-    sp.chunk_rows = settings.value("TP2_SP_CHUNK_ROWS")
     local = layout.take(x)
     sp.int8 = STATE.sp_int8_gather and vote_int8_gathers(block, local)
     fused = fused_norm_ok(block, local, sp.segments)
     if _logged != (layout, sp.int8, fused):
         log.info(
-            "%s sequence parallel: %d rows, this rank holds %d rows (%d pieces, padded to %d); the MLP in %d row chunks per piece; norms %s; int8 linears' inputs gathered %s",
-            STATE.tag, layout.full, layout.local_rows, layout.pieces, layout.padded, len(chunk_bounds(layout.valid_rows(0), sp.chunk_rows)),
+            "%s sequence parallel: %d rows, this rank holds %d rows (padded to %d); the MLP in %d row chunks; norms %s; int8 linears' inputs gathered %s",
+            STATE.tag, layout.full, layout.m, layout.padded, len(chunk_bounds(layout.full, settings.value("TP2_SP_CHUNK_ROWS"))),
             "fused (Triton)" if fused else "by ComfyUI's ops", "as int8" if sp.int8 else "in bf16",
         )  # fmt: skip
         _logged = (layout, sp.int8, fused)
     return local
 
 
-def _mlp(sp: SequenceParallelForward, mlp, gathered: GatherInFlight) -> torch.Tensor:
-    """ComfyUI's MLP.forward (fc2(swiglu(fc1(x))), fc2 row-parallel) on every rank's rows, piece by piece (one piece
-    unless TP2_SP_PIECES): piece c runs when its rows are in, and its reduce-scatter is in flight while piece c+1
-    computes. Returns this rank's rows."""
-    layout = sp.layout
-    p = layout.piece_rows
-    piece = lambda c: _mlp_rows(mlp, gathered, c * p, c * p + layout.valid_rows(c), sp.chunk_rows)  # noqa: E731
-    return reduce_scatter_sequence(piece, layout, tp_group()).to(gathered.dtype)
+def _mlp(sp: SequenceParallelForward, mlp, rows) -> torch.Tensor:
+    """ComfyUI's MLP.forward (fc2(swiglu(fc1(x))), fc2 row-parallel) on every rank's rows (`gather`'s): this rank's
+    rows of its output."""
+    return reduce_scatter_sequence(lambda _: _mlp_rows(mlp, rows), sp.layout, tp_group()).to(rows.dtype)
 
 
-def _mlp_rows(mlp, gathered: GatherInFlight, start: int, stop: int, chunk_rows: int) -> torch.Tensor:
-    """fc2's partial sums (reduce dtype) for sequence rows [start, stop), in chunks of at most `chunk_rows` rows:
-    fc1's output [rows, 2 * local_ffn] and fc2's quantised input exist for one chunk at a time. Row-wise math, so
-    each chunk's rows are what the whole would give (bit for bit on CUDA's int8 path; the CPU's float BLAS and
-    ConvRot rotation may round a small matrix differently). Each weight is cast once for all chunks (held_weight),
-    as for one call: only fc1 on bf16 rows goes through ComfyUI's own forward, chunk by chunk."""
-    chunks = chunk_bounds(stop - start, chunk_rows)
+def _mlp_rows(mlp, rows) -> torch.Tensor:
+    """fc2's partial sums (reduce dtype) for the gathered `rows`, in chunks of at most TP2_SP_CHUNK_ROWS rows: fc1's
+    output [rows, 2 * local_ffn] and fc2's quantised input exist for one chunk at a time. Row-wise math, so each
+    chunk's rows are what the whole would give (bit for bit on CUDA's int8 path; the CPU's float BLAS and ConvRot
+    rotation may round a small matrix differently). Each weight is cast once for all chunks (held_weight), as for
+    one call: only fc1 on bf16 rows goes through ComfyUI's own forward, chunk by chunk."""
+    chunks = chunk_bounds(rows.shape[0], settings.value("TP2_SP_CHUNK_ROWS"))
     if len(chunks) == 1:
-        return rowwise_call(mlp.fc2, mlp.fc1(gathered.result(start, stop)), "swiglu", PARTIAL)
+        return rowwise_call(mlp.fc2, mlp.fc1(rows), "swiglu", PARTIAL)
     out, fc1, fc2 = None, None, None
     with contextlib.ExitStack() as hold:
         for a, b in chunks:
-            rows = gathered.result(start + a, start + b)
             if isinstance(rows, Int8Rows):
-                fc1 = fc1 or hold.enter_context(held_weight(mlp.fc1, rows))
-                up = int8_rows_call(mlp.fc1, rows, fc1)
+                part = Int8Rows(rows.qdata[a:b], rows.scale[a:b], rows.dtype, rows.split)
+                fc1 = fc1 or hold.enter_context(held_weight(mlp.fc1, part))
+                up = int8_rows_call(mlp.fc1, part, fc1)
             else:
-                up = mlp.fc1(rows)
+                up = mlp.fc1(rows[a:b])
             fc2 = fc2 or hold.enter_context(held_weight(mlp.fc2, up))
             y = rowwise_call(mlp.fc2, up, "swiglu", PARTIAL, fc2)
-            del rows, up
+            del up
             if out is None:
-                out = y.new_empty((stop - start, y.shape[1]))
+                out = y.new_empty((rows.shape[0], y.shape[1]))
             out[a:b] = y
             del y
     return out
-
-
-def _take_pending(sp: SequenceParallelForward, x: torch.Tensor) -> _PendingResidual | None:
-    pending, sp.pending = sp.pending, None
-    if pending is not None and pending.x is not x:
-        raise PlanError(
-            f"{STATE.tag} a sequence-parallel block got another stream ({tuple(x.shape)}) than the previous block returned "
-            f"({tuple(pending.x.shape)}, its MLP residual still to add): something ran between the blocks (a block patch?). "
-            "Unset TP2_SP_FUSED_NORM on every rank."
-        )
-    return pending
-
-
-def _may_defer(block, transformer_options) -> bool:
-    """Whether this block may leave its MLP residual to the next block: only when ComfyUI's loop hands each block's
-    output straight to the next one (no block replacement patches) and this is not the last block."""
-    return not block.tp2_sp_last and not transformer_options.get("patches_replace", {}).get("dit")
 
 
 def _entered(self, x, mod_segments, transformer_options):
@@ -147,8 +121,14 @@ def _entered(self, x, mod_segments, transformer_options):
     if self.tp2_sp_first:
         sp.pending = None
         x = _split(sp, x, mod_segments, self)
-    pending = _take_pending(sp, x)
-    if sp.layout is None or x.shape[0] != sp.layout.local_rows:
+    pending, sp.pending = sp.pending, None
+    if pending is not None and pending.x is not x:
+        raise PlanError(
+            f"{STATE.tag} a sequence-parallel block got another stream ({tuple(x.shape)}) than the previous block returned "
+            f"({tuple(pending.x.shape)}, its MLP residual still to add): something ran between the blocks (a block patch?). "
+            "Unset TP2_SP_FUSED_NORM on every rank."
+        )
+    if sp.layout is None or x.shape[0] != sp.layout.m:
         raise PlanError(
             f"{STATE.tag} sequence-parallel block got {x.shape[0]} rows, expected this rank's share of the sequence: "
             "the blocks did not run in order (a block patch?). Unset TP2_SEQUENCE_PARALLEL on every rank."
@@ -180,11 +160,13 @@ def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_opt
     else:
         x = mod_gate(x, gate_msa, attn, segments)
         h = mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, segments)
-    gathered = GatherInFlight(sp, h, self.mlp.fc1)
+    gathered = gather(sp, h, self.mlp.fc1)
     del attn, h
     mlp = _mlp(sp, self.mlp, gathered)
     del gathered
-    if fused and _may_defer(self, transformer_options):
+    # the MLP residual is left to the next block only where ComfyUI's loop hands each block's output straight to the
+    # next one (no block replacement patches)
+    if fused and not self.tp2_sp_last and not transformer_options.get("patches_replace", {}).get("dit"):
         sp.pending = _PendingResidual(x, gate_mlp, mlp)
         return x
     x = mod_gate(x, gate_mlp, mlp, segments)
@@ -203,19 +185,15 @@ STANDS_IN_FOR = {
 }
 
 
-def source_digest(obj) -> str:
-    return hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode()).hexdigest()[:16]
-
-
-def changed_comfy_code(h3, expected: dict[str, str] = STANDS_IN_FOR) -> list[str]:
+def changed_comfy_code(h3) -> list[str]:
     """The functions of ComfyUI's H3 module whose source is not what the sequence-parallel path was written against."""
     changed = []
-    for dotted, want in expected.items():
+    for dotted, want in STANDS_IN_FOR.items():
         obj = h3
         try:
             for part in dotted.split("."):
                 obj = getattr(obj, part)
-            got = source_digest(obj)
+            got = hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode()).hexdigest()[:16]
         except (AttributeError, OSError, TypeError):
             got = "missing"
         if got != want:
@@ -238,13 +216,6 @@ def install(diffusion_model: torch.nn.Module) -> bool:
             "; ".join(changed),
         )
         return False
-    needed = ("_mod_scale_shift", "_mod_gate", "optimized_attention")
-    missing = [name for name in needed if getattr(h3, name, None) is None]
-    if missing:
-        raise PlanError(
-            f"{STATE.tag} TP2_SEQUENCE_PARALLEL=1 needs {', '.join(needed)} in ComfyUI's H3 model module, and this "
-            f"ComfyUI lacks {', '.join(missing)}. Unset TP2_SEQUENCE_PARALLEL on every rank."
-        )
     blocks, changes = list(diffusion_model.blocks), changes_of(diffusion_model)
     for i, block in enumerate(blocks):
         block.tp2_sp_first, block.tp2_sp_last = i == 0, i == len(blocks) - 1

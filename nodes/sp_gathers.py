@@ -2,7 +2,6 @@
 
     rows = gather(sp, local, linear)   all ranks' rows of `local` (pad rows dropped): a tensor, or Int8Rows that the
                                        int8 `linear` multiplies as they are (TP2_SP_INT8_GATHER, voted per run)
-    GatherInFlight(sp, local, linear)  the same, started: .result(start, stop) waits only for the pieces it needs
     vote_int8_gathers(block, local)    whether every rank can quantise before gathering (all ranks vote alike)
 
 `sp` is the model evaluation's SequenceParallelForward (nodes/sequence_parallel.py): its layout and its vote.
@@ -12,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tp2.collectives import all_reduce
-from ..tp2.sequence_layout import gather_row_scales, start_gather_sequence
+from ..tp2.collectives import all_reduce, start_all_gather_rows
 from .parallel import Int8Rows, int8_input_split, tp_group
 from .state import STATE
 
@@ -37,27 +35,14 @@ def vote_int8_gathers(block, local: torch.Tensor) -> bool:
     return _votes[key]
 
 
-class GatherInFlight:
-    """All ranks' rows of one activation on their way, in sequence order: bf16 rows, or int8 rows and scales."""
-
-    def __init__(self, sp, local: torch.Tensor, linear=None):
-        self.dtype, layout, group = local.dtype, sp.layout, tp_group()
-        self.split = int8_input_split(linear, local) if sp.int8 and linear is not None else None
-        if self.split is None:
-            self.rows = start_gather_sequence(local, layout, group)
-        else:
-            q, scale = self.split.quantize(local)
-            self.rows = start_gather_sequence(q, layout, group)
-            self.scales = gather_row_scales(scale, layout, group)
-
-    def result(self, start: int, stop: int):
-        """Sequence rows [start, stop) (waiting only for the pieces that hold them): a tensor, or Int8Rows that the
-        int8 linear multiplies as they are."""
-        rows = self.rows.result(stop)[start:stop]
-        return rows if self.split is None else Int8Rows(rows, self.scales[start:stop], self.dtype, self.split)
-
-
 def gather(sp, local: torch.Tensor, linear=None):
     """Every rank's rows of `local` in sequence order (pad rows dropped), quantised on the way when they feed the
-    int8 `linear`."""
-    return GatherInFlight(sp, local, linear).result(0, sp.layout.full)
+    int8 `linear`: a tensor, or Int8Rows that the int8 linear multiplies as they are."""
+    full, group = sp.layout.full, tp_group()
+    split = int8_input_split(linear, local) if sp.int8 and linear is not None else None
+    if split is None:
+        return start_all_gather_rows(local, group).result()[:full]
+    q, scale = split.quantize(local)
+    rows = start_all_gather_rows(q, group)
+    scales = start_all_gather_rows(scale, group).result()
+    return Int8Rows(rows.result()[:full], scales[:full], local.dtype, split)

@@ -1,8 +1,5 @@
-"""This rank's TP state inside one ComfyUI process: the env, the session, the kernels, the loaded plan, the prompt
-it is executing.
-
-Read by the loader, the model wrappers and the status node. `STATE.env is None` means the pack is inactive
-(TP env vars unset) and must change nothing.
+"""This rank's TP state inside one ComfyUI process: the env, the session, the kernels, the loaded models, the prompt
+it is executing. `STATE.env is None` means the pack is inactive (TP env vars unset) and must change nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ from ..tp2 import settings
 from ..tp2.settings import TPEnv
 
 log = logging.getLogger("minimax_h3_tp2")
-
-DEFAULT_PROMPT_TIMEOUT_S = float(settings.SETTINGS["TP2_PROMPT_TIMEOUT_S"].default)
 
 
 @dataclass
@@ -57,12 +52,11 @@ class RankState:
     int8_gemm: object | None = None  # kernels.select_int8_gemm() result
     reduce_dtype: object = None  # torch dtype of the row-parallel all-reduce (TP2_REDUCE_DTYPE)
     sequence_parallel: bool = False  # TP2_SEQUENCE_PARALLEL: DiT blocks keep S/tp_size rows of the stream
-    sp_pieces: int = 1  # TP2_SP_PIECES: the sequence dealt out in pieces, out_proj and the MLP pipelined over them
     sp_int8_gather: bool = True  # TP2_SP_INT8_GATHER: int8 linears' inputs are gathered quantised
     sp_fused_norm: bool = False  # TP2_SP_FUSED_NORM: norm + modulation (+ gated residual) fused on CUDA
     sampling_key: str = ""  # the sampling run every rank agreed on last (prompt id / sampler number)
     attention: str = "comfyui"  # resolved backend name, "comfyui" = ComfyUI's own choice
-    prompt_timeout_s: float = DEFAULT_PROMPT_TIMEOUT_S
+    prompt_timeout_s: float = float(settings.SETTINGS["TP2_PROMPT_TIMEOUT_S"].default)
     models: list[LoadedModel] = field(default_factory=list)
     prompt: Prompt = field(default_factory=Prompt)
     last_agreement: str = "none yet"

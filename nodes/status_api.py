@@ -5,8 +5,7 @@
     GET /tp2/cluster   every rank's /tp2/status as this rank reaches them (the front door's rank URLs), each
                        with a health verdict; rank 0's UI polls it
 
-No secret: nothing here changes state (the front door guards only POSTs). Reads `STATE`, the prompt in `STATE` and
-the watcher; writes nothing and reads no environment variable of its own.
+No secret: nothing here changes state (the front door guards only POSTs).
 """
 
 from __future__ import annotations
@@ -80,9 +79,7 @@ def heartbeat_ages() -> dict[str, float]:
 def settings() -> dict[str, str]:
     """The pack's settings as this rank resolved them at start (the env was read once, by activation)."""
     env = STATE.env
-    sp = "off"
-    if STATE.sequence_parallel:
-        sp = f"on (pieces {STATE.sp_pieces}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})"
+    sp = f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})" if STATE.sequence_parallel else "off"
     from . import front_door
 
     return {
@@ -118,7 +115,9 @@ def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[st
     return "healthy", "answers, registered, heartbeat fresh" if age is not None else "answers, registered"
 
 
-async def _fetch(session: ClientSession, url: str) -> tuple[dict | None, str | None]:
+async def _fetch(session: ClientSession, url: str | None) -> tuple[dict | None, str | None]:
+    if not url:
+        return None, "unknown address (the front door is off: start the ranks with scripts/start-tp2.sh)"
     try:
         async with session.get(url + "/tp2/status") as r:
             if r.status != 200:
@@ -140,27 +139,18 @@ async def get_cluster(request: web.Request) -> web.Response:
     me = rank_status()
     if not me["active"]:
         return web.json_response({"active": False, "ranks": []})
-    door = front_door.FRONT_DOOR
+    mine, door = STATE.env.tp_rank, front_door.FRONT_DOOR
     urls = door.rank_urls if door is not None else [None] * STATE.env.tp_size
     async with ClientSession(timeout=PEER_TIMEOUT) as session:
-        fetched = await asyncio.gather(*(_fetch(session, u) if u and r != STATE.env.tp_rank else _none() for r, u in enumerate(urls)))
+        fetched = await asyncio.gather(*(_fetch(session, u) for r, u in enumerate(urls) if r != mine))
+    fetched.insert(mine, (me, None))
     ages = me["heartbeats"]
     ranks = []
     for r, (url, (status, problem)) in enumerate(zip(urls, fetched)):
-        if r == STATE.env.tp_rank:
-            status, problem = me, None
-        elif url is None:
-            problem = "unknown address (the front door is off: start the ranks with scripts/start-tp2.sh)"
         verdict, why = health(r, status, problem, ages, STATE.session.watcher.heartbeat_timeout_s)
         ranks.append({"tp_rank": r, "url": url, "health": verdict, "why": why, "status": status})
     healthy = sum(1 for x in ranks if x["health"] == "healthy")
-    return web.json_response(
-        {"active": True, "this_rank": STATE.env.tp_rank, "tp_size": STATE.env.tp_size, "healthy": healthy, "ranks": ranks}
-    )
-
-
-async def _none() -> tuple[None, None]:
-    return None, None
+    return web.json_response({"active": True, "this_rank": mine, "tp_size": STATE.env.tp_size, "healthy": healthy, "ranks": ranks})
 
 
 def install_status_routes(routes) -> None:

@@ -48,9 +48,8 @@ done
 : "${TP2_SEQUENCE_PARALLEL:=0}"      # 1: DiT blocks split the token rows too (bit-identical, a little faster)
 : "${TP2_SP_INT8_GATHER:=1}"         # with sequence parallelism: int8 linears' inputs gathered as int8 (bit-identical)
 : "${TP2_SP_FUSED_NORM:=0}"          # with sequence parallelism on CUDA: norm + modulation as one Triton kernel (faster)
-: "${TP2_SP_PIECES:=1}"              # with sequence parallelism: the sequence in N pieces, out_proj/MLP collectives overlapped
 : "${TP2_PARALLEL_VAE:=1}"           # 1: the video VAE decode is split over the ranks
-export TP2_INT8_KERNEL TP2_ATTN_BACKEND TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM TP2_SP_PIECES TP2_PARALLEL_VAE
+export TP2_INT8_KERNEL TP2_ATTN_BACKEND TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM TP2_PARALLEL_VAE
 
 PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 die() { echo "start-tp2: $*" >&2; exit 1; }
@@ -333,7 +332,7 @@ if [[ $LEAN_MEMORY -eq 1 ]]; then
   EXTRA+=(--disable-cuda-malloc)
   ALLOCATOR="torch's native${PYTORCH_CUDA_ALLOC_CONF:+, PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF}"
 fi
-echo "minimax-h3-tp2 settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_SP_PIECES=$TP2_SP_PIECES TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S"
+echo "minimax-h3-tp2 settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S"
 echo "minimax-h3-tp2 CUDA allocator: $ALLOCATOR"
 [[ "$TP_SIZE" =~ ^[1-9][0-9]*$ ]] || die "--tp-size must be a positive integer, got '$TP_SIZE'"
 if [[ -f "$PIDS" ]]; then

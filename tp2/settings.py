@@ -1,8 +1,7 @@
 """Every environment variable the pack reads or sets, in one place: named, typed, defaulted, documented.
 
     freeze()                      every setting read once as a rank starts; value() answers from that snapshot
-    SETTINGS                      name -> Setting (kind, default, what it does, whether the launcher exports it, and
-                                  whether it is a seam for the tests and benchmarks rather than a user setting)
+    SETTINGS                      name -> Setting (kind, default, what it does, launcher-exported, user setting or seam)
     value(name, environ=None)     the typed value of one setting (its default when unset); SettingError otherwise
     read_tp_env(environ=None)     this rank's TPEnv, or None when TP2_RANK and TP2_WORLD_SIZE are unset
     torch_allocator_conf()        PYTORCH_CUDA_ALLOC_CONF (read, never set: the capacity check names the allocator from it)
@@ -56,7 +55,6 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
         Setting("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),
         Setting("TP2_SP_FUSED_NORM", "bool", "0", "norm + modulation (+ gated residual) as one kernel on CUDA", launcher=True),
-        Setting("TP2_SP_PIECES", "int", "1", "the sequence in N pieces, collectives overlapped", low=1, high=16, launcher=True),
         Setting("TP2_SP_CHUNK_ROWS", "int", "16384", "rows per chunk of the MLP at long sequences", low=2),
         Setting("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
         Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
@@ -78,7 +76,6 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_BENCH_GLOO_ON_CUDA", "bool", "0", "benchmarks only: ranks sharing one GPU form their group over gloo", seam=True),
     )
 }
-RENAMED = {"TP2_SP_PIECES": ("TP2_SP_MLP_CHUNKS", "it now pipelines out_proj too")}  # new name: (old name, why)
 _TRUE, _FALSE = ("1", "on", "true"), ("0", "off", "false")
 
 
@@ -112,10 +109,7 @@ def value(name: str, environ: Mapping[str, str] | None = None):
 
 
 def _parse(name: str, environ: Mapping[str, str] | None):
-    s, env = SETTINGS[name], _env(environ)
-    if name in RENAMED and env.get(RENAMED[name][0]):
-        old, why = RENAMED[name]
-        raise SettingError(f"{old} was renamed {name} ({why}): set that instead.")
+    s = SETTINGS[name]
     text = raw(name, environ)
     if text is None or (text == "" and s.kind in ("path", "list")):
         return [] if s.kind == "list" else None
@@ -162,17 +156,13 @@ def read_tp_env(environ: Mapping[str, str] | None = None) -> TPEnv | None:
         raise SettingError(f"{missing[0]} is not set but the other TP variable is. Set both TP2_RANK and TP2_WORLD_SIZE, or neither.")
     try:
         tp_rank, tp_size = int(env["TP2_RANK"]), int(env["TP2_WORLD_SIZE"])
-        port = int(raw("MASTER_PORT", env))
-        timeout_s = float(raw("TP2_TIMEOUT_S", env))
     except ValueError as e:
         raise SettingError(
             f"TP environment variables must be numbers ({e}). Example: TP2_RANK=0 TP2_WORLD_SIZE=2 MASTER_PORT=29511."
         ) from e
     if not 0 <= tp_rank < tp_size:
         raise SettingError(f"TP2_RANK={tp_rank} must be in 0..{tp_size - 1} for TP2_WORLD_SIZE={tp_size}.")
-    if timeout_s <= 0:
-        raise SettingError(f"TP2_TIMEOUT_S={timeout_s} must be positive (seconds a rank waits for its peers).")
-    return TPEnv(tp_rank, tp_size, raw("MASTER_ADDR", env), port, timeout_s)
+    return TPEnv(tp_rank, tp_size, raw("MASTER_ADDR", env), value("MASTER_PORT", env), value("TP2_TIMEOUT_S", env))
 
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -211,25 +201,21 @@ def set_for_libraries(cuda: bool, loopback: bool, environ: dict | None = None) -
 def markdown() -> str:
     """docs/SETTINGS.md: every setting with its kind, default and meaning; user settings first, then the seams."""
 
-    def rows(seam: bool) -> list[str]:
+    def table(seam: bool) -> str:
         out = ["| Variable | Kind | Default | What it does |", "|---|---|---|---|"]
         for s in SETTINGS.values():
             if s.seam == seam:
                 kind = f"{s.kind}: {' / '.join(s.choices)}" if s.choices else s.kind
                 default = s.shown or (f"`{s.default}`" if s.default is not None else "unset")
                 out.append(f"| `{s.name}` | {kind} | {default} | {s.means} |")
-        return out
+        return "\n".join(out)
 
-    head = [
-        "# Settings",
-        "",
-        "Environment variables the pack reads (ComfyUI refuses unknown command-line flags). Generated from",
-        "`tp2/settings.py` by `python -m tp2.settings > docs/SETTINGS.md`; a test checks it is current.",
-        "",
-        "## For users",
-        "",
-    ]
-    return "\n".join([*head, *rows(False), "", "## Seams for the tests and benchmarks (not for users)", "", *rows(True), ""])
+    intro = (
+        "Environment variables the pack reads (ComfyUI refuses unknown command-line flags). Generated from\n"
+        "`tp2/settings.py` by `python -m tp2.settings > docs/SETTINGS.md`; a test checks it is current."
+    )
+    sections = ["# Settings", intro, "## For users", table(False), "## Seams for the tests and benchmarks (not for users)", table(True)]
+    return "\n\n".join(sections) + "\n"
 
 
 if __name__ == "__main__":

@@ -96,15 +96,11 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
         unknown = {
             o
             for o in options - known
-            if not (
-                (o[:3] in ("mlp", "nch") and o[3:].isdigit())
-                or (o[:4] == "nmax" and o[4:].isdigit())
-                or (o[:5] == "chunk" and o[5:].isdigit())
-            )
+            if not ((o[:3] == "nch" and o[3:].isdigit()) or (o[:4] == "nmax" and o[4:].isdigit()) or (o[:5] == "chunk" and o[5:].isdigit()))
         }
         if unknown:
             raise SystemExit(
-                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, mlpN, chunkN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half, pack, lean, hv with +)"
+                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, chunkN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half, pack, lean, hv with +)"
             )
         for o in options:
             if o.startswith("nch"):  # NCCL tuning: at least N channels
@@ -128,8 +124,6 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
         for o in options:
             if o.startswith("chunk"):  # the sequence-parallel MLP in row chunks of at most N rows (TP2_SP_CHUNK_ROWS)
                 env["TP2_SP_CHUNK_ROWS"] = o[5:]
-            if o.startswith("mlp"):  # sequence parallel in N pieces (out_proj and the MLP pipelined; named for its first form)
-                env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_PIECES=o[3:])
         if "bf16" in options:
             env["TP2_REDUCE_DTYPE"] = "bf16"
         if "sp" in options:
@@ -364,8 +358,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--tp-sizes",
         default="1,2",
-        help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,2:bf16+mlp4,1:sdpa,1:half. Variant parts, joined with +: bf16 "
-        "(bf16 reduce), sp (sequence parallel), mlpN (SP in N pieces: out_proj and MLP pipelined), bf16ag (SP, int8 inputs gathered in bf16), fnorm "
+        help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,1:sdpa,1:half. Variant parts, joined with +: bf16 "
+        "(bf16 reduce), sp (sequence parallel), bf16ag (SP, int8 inputs gathered in bf16), fnorm "
         "(SP, fused norm kernels), chunkN (the SP MLP in row chunks of at most N rows), nchN / nmaxN (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS=N), simple (NCCL_PROTO=Simple), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication), pack (tp 1 only: the pack active on one GPU, TP2_WORLD_SIZE=1, its own block path with sp/fnorm), lean (the launcher's --lean-memory: torch's native allocator), hv (ComfyUI's --highvram --disable-async-offload added: every model resident)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")

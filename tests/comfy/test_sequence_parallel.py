@@ -2,16 +2,14 @@
 
 Sequence parallelism changes where rows are normalised, modulated and summed, not the math of any row, so at
 tp_size 2 the latents must be bit-identical to plain TP2 (a sum of two partials is the same in either
-collective), and hence within test_tp_comfy.py's thresholds of one server. In pieces (TP2_SP_PIECES: out_proj and
-the MLP pipelined) each row is computed and summed as before, but the GEMMs see fewer rows per call, and a BLAS
-may block the sums of a smaller matrix differently: there the gate is 1e-5 relative for float weights and 40 dB SQNR for int8 (an ulp
-change in the float ConvRot rotation before quantisation can flip an activation's int8 rounding); measured on CPU:
-see the printout. A misplaced piece moves the latent by tens of percent. Gathering int8 linears' inputs
-quantised (the default) or in bf16 gives the same bits, pipelined or not, up to that same rotation effect. The
-sequence lengths used cover an even and an odd number of rows (odd: the sequence ends in a zero pad row). The MLP
-in row chunks (TP2_SP_CHUNK_ROWS, the path at long sequences) is held to the same: bit-identical to plain TP2 where
-each chunk has enough rows for the CPU's BLAS to round as on the whole matrix (19-20 rows here), within the pieces'
-gates where the chunks have 3-4.
+collective), and hence within test_tp_comfy.py's thresholds of one server. Gathering int8 linears' inputs
+quantised (the default) or in bf16 gives the same bits. The sequence lengths used cover an even and an odd number
+of rows (odd: the sequence ends in a zero pad row). The MLP in row chunks (TP2_SP_CHUNK_ROWS, the path at long
+sequences) is bit-identical to plain TP2 where each chunk has enough rows for the CPU's BLAS to round as on the
+whole matrix (19-20 rows here). Chunks of 3-4 rows compute and sum each row as before, but a BLAS may block the
+sums of a smaller matrix differently: there the gate is 1e-5 relative for float weights and 40 dB SQNR for int8
+(an ulp change in the float ConvRot rotation before quantisation can flip an activation's int8 rounding);
+measured on CPU: see the printout. A misplaced row moves the latent by tens of percent.
 """
 
 from __future__ import annotations
@@ -43,34 +41,32 @@ def tp2(request, tmp_path_factory, models):
 @pytest.fixture(
     scope="module",
     params=[
-        (1, "1", False, None),
-        (4, "1", False, None),
-        (1, "0", False, None),
-        (1, "1", True, None),
-        (1, "1", False, 20),
-        (4, "0", False, 4),
+        ("1", False, None),
+        ("0", False, None),
+        ("1", True, None),
+        ("1", False, 20),
+        ("0", False, 4),
     ],
-    ids=["sp", "sp_pieces4", "sp_bf16_gather", "sp_fused", "sp_chunks20", "sp_pieces4_bf16_gather_chunks4"],
+    ids=["sp", "sp_bf16_gather", "sp_fused", "sp_chunks20", "sp_bf16_gather_chunks4"],
 )
 def tp2_sp(request, tmp_path_factory, models):
-    """Sequence parallel in 1 piece or 4 (TP2_SP_PIECES: out_proj and the MLP pipelined), int8 linears'
-    inputs gathered as int8 (default) or in bf16 (TP2_SP_INT8_GATHER=0, with TP2_SP_FUSED_NORM=1, which CPU
-    ignores without a Triton device); `sp_fused`: TP2_SP_FUSED_NORM=1 run on CPU by Triton's interpreter (the
+    """Sequence parallel with int8 linears' inputs gathered as int8 (default) or in bf16 (TP2_SP_INT8_GATHER=0,
+    with TP2_SP_FUSED_NORM=1, which CPU ignores without a Triton device); `sp_fused`: TP2_SP_FUSED_NORM=1 run on CPU by Triton's interpreter (the
     fused norms, the q/k norm + rope kernel and the MLP residual left to the next block's norm); `..._chunksN`: the
     MLP in chunks of at most N rows (TP2_SP_CHUNK_ROWS; its default 16384 makes one chunk of every tiny sequence),
     so chunking really happens here as it does at long sequences: 20 gives chunks of 19-20 rows (the 40 and 153 rows
     of the cases below in 2 and 8 chunks), each as many rows as the CPU's fp32 BLAS needs to round every row as in
-    the whole matrix (below ~13 rows it takes other kernels, as its pieces do, measured: docs/PERFORMANCE.md), so
-    the bytes must not move; 4 (in 4 pieces) gives 3-4-row chunks, within the pieces' gates."""
-    pieces, int8_gather, fused, chunk_rows = request.param
-    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_PIECES": str(pieces), "TP2_SP_INT8_GATHER": int8_gather}
+    the whole matrix (below ~13 rows it takes other kernels, measured: docs/PERFORMANCE.md), so the bytes must not
+    move; 4 gives 3-4-row chunks, within the module docstring's gates."""
+    int8_gather, fused, chunk_rows = request.param
+    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_INT8_GATHER": int8_gather}
     if chunk_rows:
         env["TP2_SP_CHUNK_ROWS"] = str(chunk_rows)
     if int8_gather == "0":  # and the fused norms asked for: on CPU they fall back to ComfyUI's ops (same bits)
         env["TP2_SP_FUSED_NORM"] = "1"
     if fused:
         env |= {"TP2_SP_FUSED_NORM": "1", "TRITON_INTERPRET": "1"}
-    return servers_for(request, tmp_path_factory, models, f"sp_on_{pieces}_{int8_gather}_{int(fused)}_{chunk_rows}", 2, env)
+    return servers_for(request, tmp_path_factory, models, f"sp_on_{int8_gather}_{int(fused)}_{chunk_rows}", 2, env)
 
 
 def _sequence_parallel_line(server) -> str:
@@ -82,7 +78,7 @@ def _sequence_parallel_line(server) -> str:
 
 @pytest.mark.parametrize("unet,size,odd", [(INT8, (64, 64, 5), False), (INT8, (80, 80, 22), True), (FULL, (64, 64, 5), False)])
 def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, odd):
-    pieces, int8_gather, fused, chunk_rows = request.node.callspec.params["tp2_sp"]
+    int8_gather, fused, chunk_rows = request.node.callspec.params["tp2_sp"]
     wf = tiny_workflow(unet, COND, prefix=f"sp_{unet[:-12]}_{size[0]}")
     wf["4"]["inputs"].update(width=size[0], height=size[1], length=size[2])
     sp = ok(tp2_sp, run_prompt(tp2_sp, wf))
@@ -91,14 +87,14 @@ def test_sequence_parallel_equals_plain_tp2(request, tp2, tp2_sp, unet, size, od
     for kind in ("video", "audio"):
         a, b = latent(sp[0], kind), latent(plain[0], kind)
         print(
-            f"{unet} {size} pieces {pieces}, int8 gathers {int8_gather}, fused {fused}, chunk rows {chunk_rows} {kind}: "
+            f"{unet} {size} int8 gathers {int8_gather}, fused {fused}, chunk rows {chunk_rows} {kind}: "
             f"max relative difference to plain TP2 {rel(a, b):.1e}, SQNR {sqnr_db(b, a):.1f} dB"
         )
         if fused:  # other kernels, other roundings: within the gates below, and nowhere near a misplaced row
             assert (rel(a, b) < 1e-4) if unet == FULL else (sqnr_db(b, a) >= 30.0), (kind, rel(a, b), sqnr_db(b, a))
-        elif pieces == 1:
+        elif chunk_rows != 4:
             assert a.equal(b), f"{kind}: sequence parallel changed the result"
-        elif unet == FULL:  # the MLP's GEMMs see fewer rows per call: the CPU BLAS may block (and sum) them differently
+        elif unet == FULL:  # the MLP's GEMMs see 4 rows per call: the CPU BLAS may block (and sum) them differently
             assert rel(a, b) < 1e-5, (kind, rel(a, b))
         else:  # int8: the same ulp-level change in the float ConvRot rotation can flip an activation's int8 rounding
             assert sqnr_db(b, a) >= 40.0, (kind, sqnr_db(b, a))
@@ -134,13 +130,12 @@ def test_changed_comfyui_code_falls_back_to_plain_tp_with_a_log_line(tp2, tp2_sp
     assert "sequence parallel:" not in log  # the sequence-parallel forward never ran
 
 
-@pytest.fixture(scope="module", params=["1", "2"], ids=["one_piece", "pieces2"])
+@pytest.fixture(scope="module")
 def tp1_pack(request, tmp_path_factory, models):
     """tp_size 1 as a first-class size: the pack active on one server (TP2_WORLD_SIZE=1) with its own block path
-    (sequence parallelism's forward, int8 rows; in one piece its gathers and reduce-scatters are no-ops, in two
-    they run as at tp 2), no peer to talk to."""
-    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_PIECES": request.param}
-    return servers_for(request, tmp_path_factory, models, f"tp1_pack_{request.param}", 1, env)
+    (sequence parallelism's forward, int8 rows; its gathers and reduce-scatters are no-ops), no peer to talk to."""
+    env = TP_ENV | {"TP2_SEQUENCE_PARALLEL": "1"}
+    return servers_for(request, tmp_path_factory, models, "tp1_pack", 1, env)
 
 
 @pytest.mark.parametrize("unet", [INT8, FULL])
@@ -153,7 +148,6 @@ def test_tp_size_1_with_the_pack_equals_tp2(request, tp1_pack, tp2, unet):
         print(f"tp1 with the pack, {unet} {kind}: max relative difference to TP2 {rel(a, b):.1e}, SQNR {sqnr_db(b, a):.1f} dB")
         assert (rel(a, b) < 1e-4) if unet == FULL else (sqnr_db(b, a) >= 25.0), (kind, rel(a, b), sqnr_db(b, a))
     line = _sequence_parallel_line(tp1_pack[0])
-    pieces = request.node.callspec.params["tp1_pack"]
-    assert "this rank holds" in line and f"({pieces} pieces" in line, line  # the pack's block path ran, on one rank
+    assert "this rank holds" in line, line  # the pack's block path ran, on one rank
     with open(tp1_pack[0].log_path, "rb") as f:
         assert f"loaded {unet} (mapped whole)" in f.read().decode(errors="replace")  # tp 1: nothing to cut

@@ -126,29 +126,27 @@ def test_peer_that_never_arrives_is_an_error_within_the_timeout():
     assert secs < 5 + 20, secs
 
 
-def _pieces_worker(tp_rank, tp_size, full, pieces):
-    from tp2.sequence_layout import RowLayout, gather_row_scales, reduce_scatter_sequence, start_gather_sequence
+def _sequence_worker(tp_rank, tp_size, full):
+    from tp2.collectives import start_all_gather_rows
+    from tp2.sequence_layout import RowLayout, reduce_scatter_sequence
 
     tp = _join()
     x = torch.arange(full * 3, dtype=torch.float32).reshape(full, 3) + 1
-    layout = RowLayout.plan(full, tp_size, tp_rank, pieces)
+    layout = RowLayout.plan(full, tp_size, tp_rank)
     local = layout.take(x)
-    gathered = start_gather_sequence(local, layout, tp).result()
-    scales = gather_row_scales(local[:, :1].contiguous(), layout, tp)
-    p = layout.piece_rows
-    summed = reduce_scatter_sequence(lambda c: x[c * p : c * p + layout.valid_rows(c)] * (tp_rank + 1), layout, tp)
-    return gathered, scales, summed, local
+    gathered = start_all_gather_rows(local, tp).result()
+    summed = reduce_scatter_sequence(lambda c: x * (tp_rank + 1), layout, tp)
+    return gathered, summed, local
 
 
-@pytest.mark.parametrize("tp_size,full,pieces", [(2, 37, 1), (2, 37, 4), (3, 20, 3), (2, 3, 4)])
-def test_sequence_in_pieces_gathers_and_reduces_in_place(tp_size, full, pieces):
-    """tp2.sequence_layout on gloo: the per-piece all-gathers rebuild the sequence (pad rows zero), the row scales
-    come back in sequence order, and the per-piece reduce-scatters leave each rank the sums of its own rows."""
+@pytest.mark.parametrize("tp_size,full", [(2, 37), (3, 20), (2, 3), (3, 2)])
+def test_sequence_gathers_and_reduces(tp_size, full):
+    """tp2.sequence_layout on gloo: an all-gather of the ranks' rows rebuilds the sequence (pad rows zero), and the
+    reduce-scatter of a partial output of the real rows leaves each rank the sums of its own rows."""
     x = torch.arange(full * 3, dtype=torch.float32).reshape(full, 3) + 1
     total = sum(r + 1 for r in range(tp_size))
-    for gathered, scales, summed, local in values(run_ranks(_pieces_worker, tp_size, full, pieces)):
+    for gathered, summed, local in values(run_ranks(_sequence_worker, tp_size, full)):
         assert torch.equal(gathered[:full], x) and not gathered[full:].any()
-        assert torch.equal(scales, gathered[:, :1])
         assert torch.equal(summed, local * total)
 
 

@@ -1,6 +1,6 @@
 """The row-parallel linear ComfyUI runs (nodes/parallel.py rowwise_call: a real ComfyUI Linear, its weight cast by
 ComfyUI) against the core's RowParallelLinear (tp2/layers.py) on real gloo groups: the same bits for the all-reduce
-and for a reduce-scatter to a RowLayout (in pieces), whose rows are this rank's rows of the all-reduce, and partial
+and for a reduce-scatter to a RowLayout, whose rows are this rank's rows of the all-reduce, and partial
 sums that add up to it. Both run tp2.layers.row_parallel, the one implementation; this pins that ComfyUI's path is
 that one. The text encoder's (full_precision_rowwise_call, an nvfp4 AWQ layer as ComfyUI builds it) likewise, and
 the same bits as ComfyUI's own forward plus an all-reduce in the fp32 the encoder runs in. Needs ComfyUI."""
@@ -56,7 +56,7 @@ def _worker(tp_rank, tp_size, comfy_dir, root):
     linear = comfy.ops.disable_weight_init.Linear(k, N, bias=False)
     linear.weight = torch.nn.Parameter(w_r, requires_grad=False)
     linear.tp_role = "rowwise"
-    layout = seq.RowLayout.plan(M, tp_size, tp_rank, 2)
+    layout = seq.RowLayout.plan(M, tp_size, tp_rank)
     core = layers.RowParallelLinear(w_r, None, tp)
     return {
         "adapter": parallel.rowwise_call(linear, x_r),
@@ -64,7 +64,7 @@ def _worker(tp_rank, tp_size, comfy_dir, root):
         "scattered": parallel.rowwise_call(linear, x_r, reduce=layout),
         "core_scattered": core(x_r, reduce=layout),
         "partial": parallel.rowwise_call(linear, x_r, reduce=layers.PARTIAL),
-        "ranges": layout.sequence_ranges(),
+        "rows": (tp_rank * layout.m, (tp_rank + 1) * layout.m),
         "reference": torch.nn.functional.linear(x, w),
     }
 
@@ -78,7 +78,8 @@ def test_comfyui_row_parallel_call_is_the_core_row_parallel_linear(tp_size):
     for o in outs:
         assert torch.equal(o["adapter"], o["core"]) and torch.equal(o["adapter"], full)  # one implementation, every rank
         assert torch.equal(o["scattered"], o["core_scattered"])
-        mine = torch.cat([full[a:b] for a, b in o["ranges"] if a < M])[: o["scattered"].shape[0]]
+        a, b = o["rows"]
+        mine = full[a:b]
         got = o["scattered"][: mine.shape[0]]
         # this rank's rows of the all-reduce: bit for bit at 2 ranks (a + b either way); gloo's 4-rank reduce-scatter
         # and all-reduce add in different orders, so fp32 rounding differs there

@@ -1,5 +1,5 @@
-"""tp2.sequence_layout.RowLayout: every real row is held by exactly one rank, in an order the collectives
-reproduce; segments map onto local rows; one piece is the plain contiguous split."""
+"""tp2.sequence_layout.RowLayout: every real row is held by exactly one rank, in an order an all-gather in rank
+order reproduces (the plain contiguous split); segments map onto local rows."""
 
 import pytest
 import torch
@@ -7,35 +7,33 @@ import torch
 from tp2.sequence_layout import RowLayout, chunk_bounds
 
 
-@pytest.mark.parametrize("full,size,pieces", [(1, 2, 1), (7, 2, 1), (8, 2, 4), (37, 2, 4), (37, 3, 4), (100, 4, 3)])
-def test_ranks_hold_every_real_row_once_and_gathers_restore_the_order(full, size, pieces):
+@pytest.mark.parametrize("full,size", [(1, 2), (7, 2), (8, 2), (37, 2), (37, 3), (100, 4)])
+def test_ranks_hold_every_real_row_once_and_gathers_restore_the_order(full, size):
     x = torch.arange(full, dtype=torch.float32)[:, None] + 1  # row i holds i + 1; pad rows are 0
-    layouts = [RowLayout.plan(full, size, r, pieces) for r in range(size)]
+    layouts = [RowLayout.plan(full, size, r) for r in range(size)]
     locals_ = [lay.take(x) for lay in layouts]
     held = torch.cat(locals_).flatten()
     assert sorted(held[held > 0].tolist()) == list(range(1, full + 1))
     lay = layouts[0]
-    assert all(loc.shape[0] == lay.local_rows for loc in locals_) and lay.padded == size * lay.local_rows >= full
-    # what start_gather_sequence assembles: piece c of every rank, in rank order, at sequence rows [c*P, (c+1)*P)
-    m = lay.m
-    seq = torch.cat([torch.cat([loc[c * m : (c + 1) * m] for loc in locals_]) for c in range(pieces)])
+    assert all(loc.shape[0] == lay.m for loc in locals_) and lay.padded == size * lay.m >= full
+    seq = torch.cat(locals_)  # what an all-gather in rank order assembles
     assert torch.equal(seq[:full], x) and not seq[full:].any()
-    assert sum(lay.valid_rows(c) for c in range(pieces)) == full
+    assert lay.valid_rows(0) == full
 
 
-def test_one_piece_is_the_plain_split():
-    lay = RowLayout.plan(10, 2, 1, 1)
-    assert lay.sequence_ranges() == [(5, 10)] and lay.local_rows == 5
+def test_the_split_is_contiguous():
+    lay = RowLayout.plan(10, 2, 1)
+    assert torch.equal(lay.take(torch.arange(10)[:, None]).flatten(), torch.arange(5, 10)) and lay.m == 5
 
 
 def test_segments_map_to_local_rows():
-    full, size, pieces = 30, 2, 3
-    segments = [(0, 4, 0), (4, 9, 1), (9, 30, 2)]
+    full, size = 29, 3
+    segments = [(0, 4, 0), (4, 9, 1), (9, 29, 2)]
     tags = torch.tensor([t for a, b, t in segments for _ in range(a, b)], dtype=torch.float32)[:, None]
     for r in range(size):
-        lay = RowLayout.plan(full, size, r, pieces)
+        lay = RowLayout.plan(full, size, r)
         local = lay.take(tags + 10) - 10  # pad rows become -10
-        covered = torch.zeros(lay.local_rows, dtype=torch.bool)
+        covered = torch.zeros(lay.m, dtype=torch.bool)
         for a, b, t in lay.local_segments(segments):
             assert (local[a:b] == t).all()
             covered[a:b] = True

@@ -51,8 +51,8 @@ def test_no_pack_module_reads_the_environment_itself():
     [
         ("TP2_SEQUENCE_PARALLEL", "yes", "TP2_SEQUENCE_PARALLEL='yes' must be 1 (DiT blocks split the token rows over the ranks) or 0"),
         ("TP2_REDUCE_DTYPE", "fp16", "TP2_REDUCE_DTYPE='fp16' is not one of fp32, bf16"),
-        ("TP2_SP_PIECES", "0", "TP2_SP_PIECES=0 must be from 1 to 16"),
-        ("TP2_SP_PIECES", "two", "TP2_SP_PIECES='two' must be a whole number"),
+        ("MASTER_PORT", "0", "MASTER_PORT=0 must be from 1 to 65535"),
+        ("TP2_SP_CHUNK_ROWS", "two", "TP2_SP_CHUNK_ROWS='two' must be a whole number"),
         ("TP2_PROMPT_TIMEOUT_S", "-1", "TP2_PROMPT_TIMEOUT_S=-1.0 must be at least"),
     ],
 )
@@ -63,11 +63,9 @@ def test_bad_values_are_refused_saying_what_the_variable_does(name, raw, says):
 
 def test_typed_values_and_defaults():
     assert value("TP2_SEQUENCE_PARALLEL", {}) is False and value("TP2_SEQUENCE_PARALLEL", {"TP2_SEQUENCE_PARALLEL": "on"}) is True
-    assert value("TP2_SP_PIECES", {"TP2_SP_PIECES": " 4 "}) == 4 and value("TP2_TIMEOUT_S", {}) == 300.0
+    assert value("TP2_SP_CHUNK_ROWS", {"TP2_SP_CHUNK_ROWS": " 4 "}) == 4 and value("TP2_TIMEOUT_S", {}) == 300.0
     assert value("TP2_RANK_URLS", {"TP2_RANK_URLS": "http://a,http://b"}) == ["http://a", "http://b"]
     assert value("TP2_SECRET_FILE", {}) is None and value("TP2_TEST_BREAK_INT8_RANKS", {}) == []
-    with pytest.raises(SettingError, match="TP2_SP_MLP_CHUNKS was renamed TP2_SP_PIECES"):
-        value("TP2_SP_PIECES", {"TP2_SP_MLP_CHUNKS": "4"})
     assert settings.cache_dir({"TP2_CACHE_DIR": "/x"}) == "/x"
 
 
@@ -82,8 +80,8 @@ def test_a_frozen_snapshot_answers_every_read_after_activation(monkeypatch):
     assert value("TP2_SP_CHUNK_ROWS", {"TP2_SP_CHUNK_ROWS": "8192"}) == 8192
     with pytest.raises(TypeError):
         frozen["TP2_SP_CHUNK_ROWS"] = 1  # read-only
-    monkeypatch.setenv("TP2_SP_PIECES", "many")
-    with pytest.raises(SettingError, match="TP2_SP_PIECES='many' must be a whole number"):
+    monkeypatch.setenv("TP2_SP_CHUNK_ROWS", "many")
+    with pytest.raises(SettingError, match="TP2_SP_CHUNK_ROWS='many' must be a whole number"):
         settings.freeze()
 
 
