@@ -23,14 +23,6 @@ Int8Gemm = Callable[..., torch.Tensor]
 _selected: dict[str, Int8Gemm] = {}
 
 
-def _kitchen():
-    try:
-        import comfy_kitchen
-    except ImportError as e:  # pragma: no cover - comfy-kitchen is a hard dependency
-        raise _unavailable("auto", f"comfy-kitchen is not installed ({e}); run the set-up command") from e
-    return comfy_kitchen
-
-
 class KernelUnavailableError(RuntimeError):
     """The requested GEMM kernel cannot run on this device."""
 
@@ -49,8 +41,8 @@ def select_int8_gemm(name: str = "auto") -> Int8Gemm:
         return _selected[name]
     if name not in INT8_KERNELS:
         raise _unavailable(name, f"unknown kernel (choose {', '.join(INT8_KERNELS)})")
-    ck = _kitchen()
-    registry = ck.registry
+    from comfy_kitchen import registry
+
     if name != "auto":
         info = registry.list_backends().get(name)
         if info is None or not info["available"]:

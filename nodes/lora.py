@@ -33,9 +33,7 @@ _SOURCE = "tp2_source"  # tag on a patch value this module produced: the LoRA di
 
 
 class _TaggedPatch(tuple):
-    """A ComfyUI tuple patch ("diff"/"set", data) that remembers which LoRA it came from."""
-
-    tp2_source: str = ""
+    """A ComfyUI tuple patch ("diff"/"set", data) that can remember which LoRA it came from."""
 
 
 def tp_plan(patcher) -> Plan | None:
@@ -50,7 +48,7 @@ def _shard_of(plan: Plan, key: str) -> TensorShard | None:
     return plan.tensors.get(plan.prefix + key[len(MODEL_PREFIX) :])
 
 
-def _slice_value(v, ts: TensorShard, key: str, source: str):
+def _slice_value(v, ts: TensorShard, key: str):
     """This rank's version of one patch value on a sharded tensor; AdapterPlacementError when it has none."""
     rank, size = STATE.env.tp_rank, STATE.env.tp_size
     if isinstance(v, weight_adapter.LoRAAdapter):
@@ -59,17 +57,13 @@ def _slice_value(v, ts: TensorShard, key: str, source: str):
             what = "DoRA (its magnitude is normalised over the full weight)" if dora_scale is not None else "a conv/reshaped LoRA"
             raise AdapterPlacementError(f"{key}: {what} cannot be sliced for tensor parallelism")
         up, down = slice_lora_factors(up, down, ts, rank, size, key)
-        out = weight_adapter.LoRAAdapter(v.loaded_keys, (up, down, alpha, mid, dora_scale, reshape))
-        setattr(out, _SOURCE, source)
-        return out
+        return weight_adapter.LoRAAdapter(v.loaded_keys, (up, down, alpha, mid, dora_scale, reshape))
     if isinstance(v, weight_adapter.WeightAdapterBase):
         raise AdapterPlacementError(f"{key}: a {type(v).__name__} patch (product of factors) cannot be sliced for tensor parallelism")
     if isinstance(v, tuple) and len(v) in (1, 2):
         kind, data = ("diff", v) if len(v) == 1 else v
         if kind in ("diff", "set") and isinstance(data, tuple) and (kind == "set" or len(data) == 1):
-            out = _TaggedPatch((kind, (slice_like_weight(data[0], ts, rank, size, key),)))
-            out.tp2_source = source
-            return out
+            return _TaggedPatch((kind, (slice_like_weight(data[0], ts, rank, size, key),)))
     raise AdapterPlacementError(f"{key}: a patch of type {type(v).__name__} {str(v)[:40]!r} cannot be sliced for tensor parallelism")
 
 
@@ -86,7 +80,7 @@ def shard_new_patches(before: dict, patcher, plan: Plan, source: str) -> None:
             try:
                 if offset is not None:
                     raise AdapterPlacementError(f"{key}: an offset patch cannot be sliced for tensor parallelism")
-                replaced[(key, i)] = (strength, _slice_value(v, ts, key, source), strength_model, offset, function)
+                replaced[(key, i)] = (strength, _tag(_slice_value(v, ts, key), source), strength_model, offset, function)
             except AdapterPlacementError as e:
                 refused.append(str(e))
     if refused:
@@ -100,13 +94,11 @@ def shard_new_patches(before: dict, patcher, plan: Plan, source: str) -> None:
         patcher.patches[key][i] = entry
 
 
-def _tag(v, source: str) -> None:
-    if isinstance(v, weight_adapter.WeightAdapterBase):
+def _tag(v, source: str):
+    """`v`, marked as a patch of the LoRA `source` where it can carry a mark (an adapter, or a patch sliced here)."""
+    if isinstance(v, (weight_adapter.WeightAdapterBase, _TaggedPatch)):
         setattr(v, _SOURCE, source)
-
-
-def _source_of(v) -> str | None:
-    return getattr(v, _SOURCE, None)
+    return v
 
 
 def lora_patch_report(patcher, plan: Plan) -> str:
@@ -117,7 +109,7 @@ def lora_patch_report(patcher, plan: Plan) -> str:
     for key in sorted(patcher.patches):
         ts = _shard_of(plan, key)
         for strength, v, strength_model, offset, _fn in patcher.patches[key]:
-            source = _source_of(v)
+            source = getattr(v, _SOURCE, None)
             if source is None and ts is not None and is_sharded(ts):
                 unsliced.append(f"{key} ({type(v).__name__})")
             h.update(f"{key}|{strength}|{strength_model}|{offset}|{source or type(v).__name__}\n".encode())

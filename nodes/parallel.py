@@ -63,13 +63,11 @@ def rowwise_call(
 
 
 def full_precision_rowwise_call(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """ComfyUI's full-precision forward of a row-parallel linear (the text encoder's: comfy/sd1_clip.py builds its
-    quantised linears with full_precision_mm) through tp2.layers.row_parallel, then the all-reduce. As ComfyUI's
-    forward: the interrupt check, AWQ smoothing (this rank's K slice of pre_quant_scale), the weight cast without
-    requantising (dequantised, LoRA applied; an int8 weight it leaves quantised takes the int8 GEMM, as its F.linear
-    would). The cast is to the wider of x's dtype and the reduce dtype, so the GEMM hands back the partial sum in the
-    reduce dtype, unrounded: ComfyUI runs the encoder in fp32 (SDClipModel.forward), where this is its own cast and
-    GEMM bit for bit."""
+    """ComfyUI's full-precision forward of a row-parallel linear (the text encoder's, built with full_precision_mm by
+    comfy/sd1_clip.py) through tp2.layers.row_parallel: the interrupt check, AWQ smoothing (this rank's K slice of
+    pre_quant_scale), the weight cast without requantising (an int8 weight it leaves quantised takes the int8 GEMM).
+    The cast is to the wider of x's dtype and the reduce dtype, so the partial sum reaches the reduce unrounded; in
+    the encoder's fp32 this is ComfyUI's own cast and GEMM, bit for bit."""
     comfy.ops.run_every_op()
     smooth = getattr(linear, "pre_quant_scale", None)
     if smooth is not None:
@@ -190,7 +188,6 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
     Fails closed (PlanError / MissingRoleError) when ComfyUI built other widths than the plan's local ones, a
     linear has no role, or the int8 layout did not survive the load.
     """
-    quantised = {name for name, ts in plan.tensors.items() if name.endswith(".comfy_quant")}
     changes = changes_of(diffusion_model)
     for name, module in diffusion_model.named_modules():
         if not _is_comfy_linear(module):
@@ -204,7 +201,7 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
             changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: types.MethodType(_rowwise_forward, m))
             if style == ROWWISE_SPLIT_INPUT:
                 module.tp_split_input, module.tp_local_in = True, plan.tensors[plan.prefix + name + ".weight"].local_shape[1]
-        if plan.prefix + name + ".comfy_quant" in quantised and not isinstance(module.weight, QuantizedTensor):
+        if plan.prefix + name + ".comfy_quant" in plan.tensors and not isinstance(module.weight, QuantizedTensor):
             raise PlanError(
                 f"'{name}' is int8 in the checkpoint but ComfyUI loaded it as {type(module.weight).__name__}: the int8 path was "
                 "dropped (another node pack passing custom_operations?). Disable that pack for H3 or report it."
@@ -220,17 +217,13 @@ def _verify_widths(dm: torch.nn.Module, plan: Plan) -> None:
             f"{plan.num_layers} + {plan.refiner_layers}. The checkpoint and the built model disagree; report this with the file name."
         )
     for i, (where, block) in enumerate(blocks):
-        heads, fc1_rows = block.attn.heads, _rows(block.mlp.fc1)
+        heads, fc1_rows = block.attn.heads, int(block.mlp.fc1.weight.shape[0])  # a QuantizedTensor: its logical shape
         if heads != plan.local_heads or fc1_rows != 2 * plan.local_ffn:
             raise PlanError(
                 f"{where} block {i}: ComfyUI built {heads} heads and fc1 with {fc1_rows} rows, this rank's plan needs "
                 f"{plan.local_heads} heads and {2 * plan.local_ffn} rows (tp_size={plan.tp_size}). The loaded state dict "
                 "was not this rank's shard; restart the rank and report the log."
             )
-
-
-def _rows(linear) -> int:
-    return int(linear.weight.shape[0])  # a QuantizedTensor reports its logical shape
 
 
 def _check_module(module, args):

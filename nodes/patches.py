@@ -1,7 +1,7 @@
-"""The pack's changes to ComfyUI, each named, installed once, removable, listed: process-wide and per model.
+"""The pack's changes to ComfyUI, each named, installed once, listed: process-wide (removable) and per model.
 
     PATCHES.install(owner, attr, make)   owner.attr = make(original), once; the name is "<owner>.<attr>"
-    PATCHES.remove(name) / remove_all()  ComfyUI's original back in place (refused if someone patched on top of ours)
+    PATCHES.remove_all()                 ComfyUI's originals back in place (refused if someone patched on top of ours)
     PATCHES.names()                      what is installed, e.g. ["comfy.sd.load_diffusion_model", ...]
     changes_of(model).replace(name, obj, attr, make)   the same for one object of one model the pack built (a
                                          linear's or a block's forward, the text refiner); kept on the model
@@ -49,20 +49,17 @@ class PatchRegistry:
         self._patches[name] = patch
         return patch
 
-    def remove(self, name: str) -> None:
-        patch = self._patches[name]
-        current = getattr(patch.owner, patch.attr)
-        if current is not patch.replacement:
-            raise RuntimeError(
-                f"cannot remove the pack's patch of {name}: something else replaced it after the pack did ({current!r}); "
-                "remove that one first"
-            )
-        setattr(patch.owner, patch.attr, patch.original)
-        del self._patches[name]
-
     def remove_all(self) -> None:
         for name in reversed(list(self._patches)):
-            self.remove(name)
+            patch = self._patches[name]
+            current = getattr(patch.owner, patch.attr)
+            if current is not patch.replacement:
+                raise RuntimeError(
+                    f"cannot remove the pack's patch of {name}: something else replaced it after the pack did ({current!r}); "
+                    "remove that one first"
+                )
+            setattr(patch.owner, patch.attr, patch.original)
+            del self._patches[name]
 
     def names(self) -> list[str]:
         return list(self._patches)
@@ -74,40 +71,24 @@ class PatchRegistry:
 PATCHES = PatchRegistry()
 
 
-_ABSENT = object()
-
-
 class ModelChanges:
-    """The per-instance changes the pack made to one model's objects: obj.attr = make(what it was), each named."""
+    """The per-instance changes the pack made to one model's objects: obj.attr = make(what it was), each named.
+    They live and go with the model; nothing puts them back."""
 
     def __init__(self):
-        self._changes: dict[str, tuple[object, str, object, object]] = {}  # name -> (obj, attr, own value or _ABSENT, new)
+        self._changes: dict[str, tuple[object, str]] = {}  # name -> (obj, attr)
 
     def replace(self, name: str, obj: object, attr: str, make: Callable[[object], object]) -> None:
         """obj.attr = make(obj.attr) under `name` (e.g. "blocks.3.attn.out_proj.forward"), unless already done."""
         if name in self._changes:
             return
-        own = obj.__dict__.get(attr, _ABSENT)  # an attribute of the instance itself, or the class's (then _ABSENT)
-        new = make(getattr(obj, attr))
-        setattr(obj, attr, new)
-        self._changes[name] = (obj, attr, own, new)
-
-    def remove_all(self) -> None:
-        """Every object back as the pack found it."""
-        for obj, attr, own, _new in reversed(self._changes.values()):
-            if own is _ABSENT:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, own)
-        self._changes.clear()
-
-    def names(self) -> list[str]:
-        return list(self._changes)
+        setattr(obj, attr, make(getattr(obj, attr)))
+        self._changes[name] = (obj, attr)
 
     def summary(self) -> str:
         """What was changed, by kind: "forward of 4 Linear, preprocess_text_embeds of 1 MiniMaxH3Model"."""
         kinds: dict[str, int] = {}
-        for obj, attr, _own, _new in self._changes.values():
+        for obj, attr in self._changes.values():
             kind = f"{attr} of {{}} {type(obj).__name__}"
             kinds[kind] = kinds.get(kind, 0) + 1
         return ", ".join(kind.format(n) for kind, n in kinds.items()) or "nothing"

@@ -3,16 +3,13 @@
     install_text_encoder_hook()   replaces comfy.sd.load_clip (by module attribute; load_clip_model_patcher too)
 
 For H3's Qwen3-VL-32B file (CLIPLoader type 'minimax') on an active rank with tp_size > 1, the plan (tp2/te_plan.py) is
-resolved and checked before any weight is read; this rank reads only its slices (tp2.rank_cache.read_rank_slices: a follower
-never holds the whole file); ComfyUI's `load_text_encoder_state_dicts` builds its own encoder classes at this rank's width
-(local heads, KV heads and FFN via its `qwen3vl_32b_model_config` override), so every quantised format loads as without the
-pack. Every linear gets its plan role. o_proj and down_proj run ComfyUI's full-precision forward (AWQ smoothing, the weight
-dequantised) through tp2.layers.row_parallel on their K slice: partial sums in TP2_REDUCE_DTYPE straight from the GEMM, then
-the all-reduce (nodes/parallel.py full_precision_rowwise_call); the token embedding looks up this rank's rows and
-all-reduces (exact). Each encode is a rendezvous (prompt, plan, digest of token ids and images); then the ranks run the 50
-layers in step under the role guard, interrupts deferred to its end. A rank that does not arrive fails the prompt with the
-reason: the encoder cannot run alone. The DiT still takes rank 0's context at every model evaluation (nodes/model_wrappers.py),
-so every rank samples with bit-identical conditioning whatever happens here.
+checked before any weight is read and this rank reads only its slices (a follower never holds the whole file); ComfyUI
+builds its own encoder classes at this rank's width (its `qwen3vl_32b_model_config` override), so every quantised format
+loads as without the pack. o_proj and down_proj are row-parallel (nodes/parallel.py full_precision_rowwise_call); the
+token embedding looks up this rank's rows and all-reduces (exact). Each encode is a rendezvous (prompt, plan, digest of
+token ids and images), then the ranks run the layers in step under the role guard, interrupts deferred to its end; a rank
+that does not arrive fails the prompt: the encoder cannot run alone. The DiT still takes rank 0's context at every model
+evaluation (nodes/model_wrappers.py), so every rank samples with bit-identical conditioning whatever happens here.
 """
 
 from __future__ import annotations

@@ -2,16 +2,15 @@
 
     install_parallel_vae_decode()   wraps comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal (once)
 
-ComfyUI's `decode_temporal` decodes latent chunks in turn, each in spatial tiles (per tile one `_decode_pixels` call, the
-36-layer ViT: costly, independent), then blends. All chunks' tiles form one list in ComfyUI's order; rank r decodes tiles
-r, r + tp_size, ... and broadcasts each (tp2.chunk_decode), so ComfyUI's own tiling and blends run unchanged on every rank
-and give the single-rank video bit for bit. A tile asked for that is not the one decoded is an error, not a wrong video.
+ComfyUI's `decode_temporal` decodes latent chunks in turn, each in spatial tiles (per tile one `_decode_pixels` call:
+costly, independent), then blends. Rank r decodes tiles r, r + tp_size, ... of ComfyUI's order and broadcasts each
+(tp2.chunk_decode), so ComfyUI's own tiling and blends run unchanged on every rank and give the single-rank video bit for
+bit. A tile asked for that is not the one decoded is an error, not a wrong video.
 
-Falls back to ComfyUI's decode on this rank alone, logged: TP2_PARALLEL_VAE=0 or tp_size 1 (read at start-up), under 2 chunks,
-or a peer not at the decode within TP2_PROMPT_TIMEOUT_S (e.g. its node cache served it; the cache epoch is raised so the next
-prompt clears caches). Different latents: RankMismatchError on every rank. A failed collective or chunk decode marks the group
-broken, raises the cache epoch and fails the prompt; an OOM there is a TP2Error (ComfyUI's one-rank OOM retry would strand the
-others). Interrupts act after the decode. The audio VAE is not split.
+Falls back to ComfyUI's decode on this rank alone, logged: TP2_PARALLEL_VAE=0 or tp_size 1 (read at start-up), under 2
+chunks, or a peer not at the decode within TP2_PROMPT_TIMEOUT_S (e.g. its node cache served it). Different latents:
+RankMismatchError on every rank. A failed collective or chunk decode fails the prompt; an OOM there is a TP2Error
+(ComfyUI's one-rank OOM retry would strand the others). Interrupts act after the decode. The audio VAE is not split.
 """
 
 from __future__ import annotations
@@ -35,13 +34,8 @@ ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
 def install_parallel_vae_decode() -> None:
     """Split H3 video decodes over the ranks from now on (unless TP2_PARALLEL_VAE=0 or tp_size 1)."""
     if not settings.value(ENV_PARALLEL_VAE) or STATE.env.tp_size < 2:
-        log.info(
-            "%s video VAE decode not split (%s=%s, tp_size %d)",
-            STATE.tag,
-            ENV_PARALLEL_VAE,
-            settings.raw(ENV_PARALLEL_VAE),
-            STATE.env.tp_size,
-        )
+        raw = settings.raw(ENV_PARALLEL_VAE)
+        log.info("%s video VAE decode not split (%s=%s, tp_size %d)", STATE.tag, ENV_PARALLEL_VAE, raw, STATE.env.tp_size)
         return
     import comfy.ldm.minimax.vae as h3_vae
 

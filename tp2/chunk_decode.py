@@ -1,18 +1,11 @@
 """Independent decodes spread over TP ranks: who decodes which unit, and the exchange handing every rank every decoded unit.
 
-A chunked, tiled video decode (the H3 VAE: temporal chunks, each decoded in spatial tiles) decodes its tiles one after
-another and blends each into its neighbours; the tile decodes themselves are independent. The units dealt out are every
-chunk's tiles in one list, in the order the model asks for them, so the ranks get equal shares. `RoundRobinDecoder`
-decodes unit i on rank i % tp_size, a round of tp_size units at a time, and broadcasts each from its owner, so every rank
-can run the model's own serial blend on exactly the tensors a single-rank decode would have made.
-
-    clips = temporal_chunks(z, pad, n, size, overlap)       chunk inputs, cut as the H3 VAE cuts them
-    units = spatial_tiles(clip, y_tiles, x_tiles, ratio)    one chunk's tile inputs, cut as its tiled decode cuts them
-    dec = RoundRobinDecoder(units, decode, tp, mark)         decode(unit) -> decoded unit; mark() as each round starts
-                                                             and as this rank's decode of it is done (tp2/progress.py)
-    dec.serve(unit)                                          the next unit's decode; `unit` must equal units[next]
-
-Memory: at most one round (tp_size decoded units) is held at a time. Imports torch only; never `comfy`.
+A chunked, tiled video decode (the H3 VAE: temporal chunks, each decoded in spatial tiles) blends each tile into its
+neighbours, but the tile decodes themselves are independent. The units are every chunk's tiles in one list, in the order
+the model asks for them (temporal_chunks, spatial_tiles cut them as the H3 VAE does). `RoundRobinDecoder` decodes unit i
+on rank i % tp_size, a round of tp_size units at a time, and broadcasts each from its owner, so every rank runs the
+model's own serial blend on exactly the tensors a single-rank decode would have made. At most one round of decoded units
+is held at a time. Imports torch only; never `comfy`.
 """
 
 from __future__ import annotations
@@ -51,6 +44,7 @@ def rank_shares(num_chunks: int, tp_size: int) -> list[list[int]]:
 
 class RoundRobinDecoder:
     """Serve unit decodes in order 0..n-1; unit i is decoded on rank i % tp_size, then broadcast from it.
+    `mark()` is called as each round starts and as this rank's decode in it is done (tp2/progress.py).
 
     Contract per round of tp_size units: forward: each rank decodes at most one unit, then one broadcast per unit
     from its owner (over `tp`); every rank ends the round with the same decoded tensors.

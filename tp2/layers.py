@@ -1,16 +1,17 @@
-"""Parallel linears over local weight slices: float or int8 (ConvRot) weights, each layer with a TP role.
+"""The TP core's linear on this rank's weight slice (float, or int8 ConvRot), and the row-parallel sum.
 
-    ColumnParallelLinear  Y_r = X A_r, A split by output rows (per packed part). forward: no collective.
-    RowParallelLinear     Y = sum_r X_r A_r, A split by input columns. forward: all-reduce(sum) in fp32, then cast.
-    ReplicatedLinear      Y = X A on every rank. forward: no collective.
+    column-parallel  Y_r = X A_r, A split by output rows (per packed part): the local GEMM, no collective
+    row-parallel     Y = sum_r X_r A_r, A split by input columns: row_parallel, partial sums in the reduce dtype
+                     (fp32 by default), then all-reduce (or the reduction asked for), then cast
+    replicated       Y = X A on every rank: the local GEMM, no collective
 
+Each rank quantises its own half-row of activations (int8), so a row-parallel sum is exact math on a different
+quantisation grid than one GPU. The bias lives on rank 0 (zeros elsewhere) and is therefore added once.
 The int8 GEMM is injected (`kernels.select_int8_gemm()`), so this module depends on torch only.
-Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,10 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import convrot_group
 from .collectives import TPGroup, all_reduce
 from .errors import MissingRoleError
-from .plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
 from .sequence_layout import RowLayout, reduce_scatter_sequence
 
 ROLE_ATTR = "tp_role"
@@ -41,15 +40,6 @@ class Int8Weight:
 
 
 LinearWeight = torch.Tensor | Int8Weight
-
-
-def weight_from_state_dict(sd: dict[str, torch.Tensor], prefix: str) -> LinearWeight:
-    """The weight of layer `prefix` (e.g. 'blocks.0.mlp.fc2.') as float tensor or Int8Weight."""
-    marker = sd.get(prefix + "comfy_quant")
-    if marker is None:
-        return sd[prefix + "weight"]
-    conf = json.loads(bytes(marker.cpu().numpy().tobytes()))
-    return Int8Weight(sd[prefix + "weight"], sd[prefix + "weight_scale"].float(), convrot_group(conf))
 
 
 def apply_input_act(x: torch.Tensor, input_act: str | None) -> torch.Tensor:
@@ -76,54 +66,6 @@ def local_linear(
         return gemm(x, weight.qdata, weight.scale, bias, out_dtype, weight.convrot_group, input_act)
     x = apply_input_act(x, input_act).to(weight.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(weight.dtype)).to(out_dtype)
-
-
-class _TPLinear(nn.Module):
-    tp_role = "replicate"
-
-    def __init__(self, weight: LinearWeight, bias: torch.Tensor | None, tp: TPGroup, gemm=None):
-        super().__init__()
-        self.weight, self.bias, self.tp, self.gemm = weight, bias, tp, gemm
-
-
-class ReplicatedLinear(_TPLinear):
-    """Y = X A on every rank (the whole weight). forward: no collective."""
-
-    def forward(self, x: torch.Tensor, input_act: str | None = None) -> torch.Tensor:
-        return local_linear(x, self.weight, self.bias, x.dtype, self.gemm, input_act)
-
-
-class ColumnParallelLinear(_TPLinear):
-    """Y_r = X A_r, A split by output rows (each packed part split alike). forward: no collective.
-
-    The output holds this rank's columns of Y (for packed layers: its slice of each part, parts in order).
-    """
-
-    tp_role = "colwise"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return local_linear(x, self.weight, self.bias, x.dtype, self.gemm)
-
-
-class RowParallelLinear(_TPLinear):
-    """Y = sum_r X_r A_r, A split by input columns K. forward: all-reduce(sum) in fp32 (or `reduce_dtype`), then cast;
-    or the reduction passed to forward (see row_parallel).
-
-    Each rank quantises its own half-row of activations (int8), so the sum is exact math on a different
-    quantisation grid than one GPU. The bias lives on rank 0 (zeros elsewhere) and is therefore added once.
-    With `split_input` the input is replicated and each rank takes its K slice first (adaln in full form).
-    """
-
-    tp_role = "rowwise"
-
-    def __init__(self, weight, bias, tp, gemm=None, split_input: bool = False, reduce_dtype: torch.dtype = torch.float32):
-        super().__init__(weight, bias, tp, gemm)
-        self.split_input, self.reduce_dtype = split_input, reduce_dtype
-
-    def forward(self, x: torch.Tensor, input_act: str | None = None, reduce: Reduction = ALL_REDUCE) -> torch.Tensor:
-        if self.split_input:
-            x = split_input_slice(x, weight_k(self.weight), self.tp.tp_rank)
-        return row_parallel(x, self.weight, self.bias, self.tp, self.gemm, self.reduce_dtype, input_act, reduce)
 
 
 def split_input_slice(x: torch.Tensor, k: int, tp_rank: int) -> torch.Tensor:
@@ -157,25 +99,6 @@ def row_parallel(
     if reduce != ALL_REDUCE:
         raise ValueError(f"unknown reduction {reduce!r} (ALL_REDUCE, PARTIAL or a RowLayout)")
     return all_reduce(partial(x), tp).to(x.dtype)
-
-
-def weight_k(weight: LinearWeight) -> int:
-    return (weight.qdata if isinstance(weight, Int8Weight) else weight).shape[1]
-
-
-def build_linear(plan: Plan, layer: str, sd: dict[str, torch.Tensor], tp: TPGroup, gemm=None, reduce_dtype=torch.float32) -> _TPLinear:
-    """The parallel linear for plan layer `layer` (no prefix) from this rank's state dict."""
-    prefix = plan.prefix + layer + "."
-    weight = weight_from_state_dict(sd, prefix)
-    bias = sd.get(prefix + "bias")
-    style = plan.linears[layer]
-    if style in (COLWISE, COLWISE_PACKED):
-        return ColumnParallelLinear(weight, bias, tp, gemm)
-    if style in (ROWWISE, ROWWISE_SPLIT_INPUT):
-        return RowParallelLinear(weight, bias, tp, gemm, split_input=style == ROWWISE_SPLIT_INPUT, reduce_dtype=reduce_dtype)
-    if style == REPLICATE:
-        return ReplicatedLinear(weight, bias, tp, gemm)
-    raise ValueError(f"Unknown style '{style}' for '{layer}'.")
 
 
 def require_role(module: nn.Module, name: str) -> str:

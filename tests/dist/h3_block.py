@@ -1,22 +1,36 @@
 """The reference H3 DiT block (tp2.numerics.block) on a checkpoint's weights, for the TP tests.
 
 `block_forward` runs one block given a table of linears; the reference table uses the full weights directly
-(F.linear, or comfy-kitchen's int8_linear), the TP table uses tp2.layers on one rank's shard. It returns the
+(F.linear, or comfy-kitchen's int8_linear), the TP table runs tp2.layers' local GEMM and row-parallel sum on one
+rank's shard. It returns the
 intermediates the tests compare: the column-parallel qkv and fc1 outputs, the row-parallel attention and MLP
 outputs (after their all-reduce), and the block output.
 """
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 
-from tp2.layers import Int8Weight, apply_input_act, build_linear, weight_from_state_dict
+from tp2.checkpoint import convrot_group
+from tp2.layers import Int8Weight, LinearWeight, apply_input_act, local_linear, row_parallel, split_input_slice
 from tp2.numerics import block
+from tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def weight_from_state_dict(sd: dict[str, torch.Tensor], prefix: str) -> LinearWeight:
+    """The weight of layer `prefix` (e.g. 'blocks.0.mlp.fc2.') as float tensor or Int8Weight."""
+    marker = sd.get(prefix + "comfy_quant")
+    if marker is None:
+        return sd[prefix + "weight"]
+    conf = json.loads(bytes(marker.cpu().numpy().tobytes()))
+    return Int8Weight(sd[prefix + "weight"], sd[prefix + "weight_scale"].float(), convrot_group(conf))
 
 
 def reference_linear(sd: dict, prefix: str):
@@ -83,5 +97,23 @@ def reference_linears(sd, prefix):
     return {k: reference_linear(sd, prefix + v + ".") for k, v in LAYERS.items()}
 
 
+def tp_linear(plan, layer: str, sd: dict, tp, gemm, reduce_dtype):
+    """This rank's linear for plan layer `layer`: column-parallel and replicated ones the local GEMM, row-parallel
+    ones tp2.layers.row_parallel (split-input ones on this rank's K slice of the replicated input)."""
+    prefix = plan.prefix + layer + "."
+    weight, bias, style = weight_from_state_dict(sd, prefix), sd.get(prefix + "bias"), plan.linears[layer]
+    if style in (COLWISE, COLWISE_PACKED, REPLICATE):
+        return lambda x, input_act=None: local_linear(x, weight, bias, x.dtype, gemm, input_act)
+    if style not in (ROWWISE, ROWWISE_SPLIT_INPUT):
+        raise ValueError(f"Unknown style '{style}' for '{layer}'.")
+
+    def run(x, input_act=None):
+        if style == ROWWISE_SPLIT_INPUT:
+            x = split_input_slice(x, (weight.qdata if isinstance(weight, Int8Weight) else weight).shape[1], tp.tp_rank)
+        return row_parallel(x, weight, bias, tp, gemm, reduce_dtype, input_act)
+
+    return run
+
+
 def tp_linears(plan, sd, block, tp, gemm, reduce_dtype=torch.float32):
-    return {k: build_linear(plan, f"{block}.{v}", sd, tp, gemm, reduce_dtype) for k, v in LAYERS.items()}
+    return {k: tp_linear(plan, f"{block}.{v}", sd, tp, gemm, reduce_dtype) for k, v in LAYERS.items()}

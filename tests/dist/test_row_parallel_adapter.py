@@ -1,5 +1,5 @@
 """The row-parallel linear ComfyUI runs (nodes/parallel.py rowwise_call: a real ComfyUI Linear, its weight cast by
-ComfyUI) against the core's RowParallelLinear (tp2/layers.py) on real gloo groups: the same bits for the all-reduce
+ComfyUI) against the core's row_parallel (tp2/layers.py) on the plain weight, on real gloo groups: the same bits for the all-reduce
 and for a reduce-scatter to a RowLayout, whose rows are this rank's rows of the all-reduce, and partial
 sums that add up to it. Both run tp2.layers.row_parallel, the one implementation; this pins that ComfyUI's path is
 that one. The text encoder's (full_precision_rowwise_call, an nvfp4 AWQ layer as ComfyUI builds it) likewise, and
@@ -7,6 +7,7 @@ the same bits as ComfyUI's own forward plus an all-reduce in the fp32 the encode
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -57,12 +58,12 @@ def _worker(tp_rank, tp_size, comfy_dir, root):
     linear.weight = torch.nn.Parameter(w_r, requires_grad=False)
     linear.tp_role = "rowwise"
     layout = seq.RowLayout.plan(M, tp_size, tp_rank)
-    core = layers.RowParallelLinear(w_r, None, tp)
+    core = functools.partial(layers.row_parallel, x_r, w_r, None, tp, None, torch.float32)
     return {
         "adapter": parallel.rowwise_call(linear, x_r),
-        "core": core(x_r),
+        "core": core(),
         "scattered": parallel.rowwise_call(linear, x_r, reduce=layout),
-        "core_scattered": core(x_r, reduce=layout),
+        "core_scattered": core(reduce=layout),
         "partial": parallel.rowwise_call(linear, x_r, reduce=layers.PARTIAL),
         "rows": (tp_rank * layout.m, (tp_rank + 1) * layout.m),
         "reference": torch.nn.functional.linear(x, w),
@@ -113,7 +114,7 @@ def _te_worker(tp_rank, tp_size, comfy_dir, root):
             w_r = mine.weight.to(dtype=torch.float32).dequantize()  # the adapter's cast: straight to fp32
             out[dtype] = {
                 "adapter": mod.parallel.full_precision_rowwise_call(mine, x_r),
-                "core": mod.layers.RowParallelLinear(w_r, None, tp)(x_r * mine.pre_quant_scale.to(dtype)),
+                "core": mod.layers.row_parallel(x_r * mine.pre_quant_scale.to(dtype), w_r, None, tp, None, torch.float32),
                 "own_then_reduce": mod.collectives.all_reduce(own.float(), tp).to(own.dtype),
                 "one_device": whole(x.to(dtype)),
                 "exact": torch.nn.functional.linear((x.to(dtype) * pqs.to(dtype)).double(), w_full),
