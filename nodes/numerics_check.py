@@ -1,11 +1,9 @@
-"""The loader's numerics check: this rank's int8 path, as the pack resolved it here, measured against exact math.
-
-    check_int8_path(dtype)   once per device, comfy-kitchen version and kernel choice; raises NumericsError below
-                             tp2.numerics.MIN_DB with the GPU, its compute capability, the kernels and the dB
+"""The loader's numerics check: this rank's int8 path, as the pack resolved it here, measured against exact math,
+once per device, comfy-kitchen version and kernel choice; a path below tp2.numerics.MIN_DB is refused (NumericsError).
 
 The block runs through the very callables a TP forward uses: the rank's int8 GEMM (`STATE.int8_gemm`), comfy-kitchen's
 q/k norm + rope (or the pack's Triton kernel when sequence parallelism fuses it), the attention backend the model
-wrappers chose for this device, and the fused norm when it is on. The report shows in the TP2 Status node and the log.
+wrappers chose for this device, and the fused norm when it is on.
 """
 
 from __future__ import annotations
