@@ -1,12 +1,10 @@
 """The capacity advice at the sampler: what tp2/capacity.py predicts this rank needs, logged before the ranks meet,
 and added to an out-of-memory error if one comes (tp2.watch.with_advice).
 
-The need is tp2/capacity.py's prediction for this rank's shard and the latent's sequence: with the weights
-resident, or, where ComfyUI's dynamic VRAM streams them block by block, with only the blocks in flight. What is
-available is the device's free memory plus what this process already holds (its cached blocks, the weights dynamic
-VRAM can evict), less ComfyUI's --reserve-vram. It never refuses a prompt: its constants were fitted on H200s from a
-few measured lengths, and a real out-of-memory already stops every rank with the reason. On a CPU it runs only when
-a test sets TP2_TEST_AVAILABLE_GIB.
+What is available is the device's free memory plus what this process already holds (its cached blocks, the weights
+dynamic VRAM can evict), less ComfyUI's --reserve-vram. It never refuses a prompt: its constants were fitted on H200s
+from a few measured lengths, and a real out-of-memory already stops every rank with the reason. On a CPU it runs
+only when a test sets TP2_TEST_AVAILABLE_GIB.
 """
 
 from __future__ import annotations
@@ -34,7 +32,9 @@ def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=Non
         return None
     width, height, frames = video[4] * 16, video[3] * 16, capacity.pixel_frames(video[2])
     rows = capacity.tokens(width, height, frames)
-    shard, streams = _shard_gib(plan), _weights_can_stream(patcher)
+    shard = sum(math.prod(ts.local_shape) * DTYPES[ts.dtype].itemsize for ts in plan.tensors.values()) / capacity.GIB
+    # ComfyUI's dynamic VRAM (ModelPatcherDynamic) pages the weights in block by block; --highvram keeps them resident
+    streams = bool(patcher is not None and patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
     allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), settings.torch_allocator_conf())
     resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden)
     streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator)
@@ -59,12 +59,6 @@ def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=Non
     return advice
 
 
-def _weights_can_stream(patcher) -> bool:
-    """ComfyUI's dynamic VRAM (ModelPatcherDynamic) pages the DiT's weights in block by block; the legacy patcher
-    and --highvram keep them resident."""
-    return bool(patcher is not None and patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
-
-
 @contextlib.contextmanager
 def sampling_peak(device: torch.device):
     """Log the peak of this process's live tensors and of torch's cache over the block (what tp2/capacity.py's
@@ -80,10 +74,6 @@ def sampling_peak(device: torch.device):
                 "%s sampling peak: %.2f GiB of live tensors, %.2f GiB reserved by torch's allocator", STATE.tag,
                 torch.cuda.max_memory_allocated(device) / capacity.GIB, torch.cuda.max_memory_reserved(device) / capacity.GIB,
             )  # fmt: skip
-
-
-def _shard_gib(plan: Plan) -> float:
-    return sum(math.prod(ts.local_shape) * DTYPES[ts.dtype].itemsize for ts in plan.tensors.values()) / capacity.GIB
 
 
 def _available_gib(device: torch.device) -> float | None:
