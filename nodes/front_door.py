@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 import os
 import time
 
@@ -26,9 +25,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from execution import SENSITIVE_EXTRA_DATA_KEYS
 
 from ..tp2 import settings
-from .state import STATE
-
-log = logging.getLogger("minimax_h3_tp2")
+from .state import STATE, log
 
 HEADER = "X-TP2-Secret"
 ENV_SECRET_FILE = "TP2_SECRET_FILE"
@@ -171,9 +168,8 @@ class FrontDoor:
     # -- followers -------------------------------------------------------------------------------------
     async def _follower(self, request: web.Request, handler):
         if not hmac.compare_digest(request.headers.get(HEADER, ""), self.secret):
-            front = self.rank_urls[0] if self.rank_urls else "rank 0"
             why = (f"This ComfyUI is tensor-parallel rank {STATE.env.tp_rank} of {STATE.env.tp_size}, a follower: use rank 0 "
-                   f"({front}); it queues prompts and runs them on every rank.")  # fmt: skip
+                   f"({self.rank_urls[0]}); it queues prompts and runs them on every rank.")  # fmt: skip
             return _refusal("tp2_follower", why, 403)
         if _route(request) != "/prompt":
             return await handler(request)
@@ -229,7 +225,6 @@ def _known_prompt_id(prompt_id) -> bool:
 
 
 def _well_formed(order) -> bool:
-    """An order as rank 0's dispatcher writes it: {run: str, seq: int, boot: str, reset: bool}."""
     kinds = {"run": str, "seq": int, "boot": str, "reset": bool}
     return isinstance(order, dict) and all(isinstance(order.get(k), t) for k, t in kinds.items())
 

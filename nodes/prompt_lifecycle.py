@@ -1,12 +1,10 @@
 """The prompt lifecycle on every rank (execution.PromptExecutor.execute_async): each prompt is a run every rank knows
-by one id.
+by one id. Rank 0 dispatches each prompt to the followers as it starts (front door on); a rank whose prompt fails
+tells every rank at once, with its reason (tp2/watch.py), and gives up its group.
 
-Rank 0 dispatches each prompt to the followers as it starts (front door on), with whether every rank clears its node cache
-first; a rank whose prompt fails for any reason tells every rank at once, with its reason (tp2/watch.py), and gives up its group.
-
-Node caches need not be alike. Every rank clears its node cache before a prompt when any rank restarted since its last prompt
-(boot ids in the store: a restarted rank has an empty cache) or reported a failed rendezvous or collective; anything else (e.g.
-RAM-pressure eviction on one rank) is caught at the sampler rendezvous (a bounded wait, a clear error) and cleared likewise.
+Every rank clears its node cache before a prompt when any rank restarted since its last prompt (boot ids in the
+store: a restarted rank has an empty cache) or reported a failed rendezvous or collective; anything else (e.g.
+RAM-pressure eviction on one rank) is caught at the sampler rendezvous (a bounded wait, a clear error).
 
 ComfyUI internals (execution.PromptExecutor, 0.33): for a prompt refused before it starts this writes `server.client_id`,
 `status_messages` (through `add_message`), `success` and `history_result`, as execute_async does for a node's error;
@@ -60,16 +58,14 @@ def _caches_may_differ() -> bool:
 async def _run_id(prompt, prompt_id, extra_data, execute_outputs) -> tuple[str, bool, str | None, dict]:
     """(run id, whether to clear the node cache, why the ranks are unavailable or None, boot ids known from rank 0)."""
     door = front_door.FRONT_DOOR
-    if door is not None and STATE.env.tp_rank == 0:
-        lost = extra_data.get(LOST)
-        if lost is not None:  # never handed to the followers: it fails here, with the reason
-            return prompt_id, False, lost, {}
-        run, reset, refused = await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, _caches_may_differ())
-        return run, reset, refused, {}
-    if door is not None:
+    if door is None:  # every rank was given the prompt under one id
+        return prompt_id, _caches_may_differ(), None, {}
+    if STATE.env.tp_rank != 0:
         order = door.take_order(prompt_id) or {"run": prompt_id, "reset": _caches_may_differ()}
         return order["run"], order["reset"], None, ({0: order["boot"]} if "boot" in order else {})
-    return prompt_id, _caches_may_differ(), None, {}  # no front door: every rank was given the prompt under one id
+    if extra_data.get(LOST) is not None:  # never handed to the followers: it fails here, with the reason
+        return prompt_id, False, extra_data[LOST], {}
+    return (*await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, _caches_may_differ()), {})
 
 
 def _tracking_execute_async(original):
