@@ -1,16 +1,10 @@
-"""Faults on demand, for the failure tests only: inert unless one of the TP2_TEST_* settings below is set.
+"""Faults on demand, for the failure tests only: inert unless a TP2_TEST_* setting named below is set.
 
 With TP2_TEST_FAULT_FILE=PATH, a file at PATH holding `RANK:CALL:KIND` makes rank RANK raise at model evaluation
 CALL of a prompt (1-based; 0 = at the sampler, before the ranks meet; `tile` = at this rank's first tile of a split
 decode) and then deletes the file, so the fault fires once. KIND: `error` (a RuntimeError), `oom` (a
 torch.OutOfMemoryError worded like CUDA's), `sleep` (5 s late), `hang` (alive but making no progress until the run
 is stopped, at most 120 s: as a rank stuck in a kernel).
-
-With TP2_TEST_NUDGE_RANKS=R[,R...] those ranks move a few hundred values of every VAE decode's output up by one 8-bit
-step and write one metadata key more into their video files: nodes/same_outputs.py must find both.
-
-With TP2_TEST_BREAK_INT8_RANKS=R[,R...] those ranks' int8 GEMM returns its rows in the wrong order, so their
-numerics check (nodes/numerics_check.py) must refuse the model.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
-"""Outputs each rank computes alone, made identical on every rank before they reach an output node.
-
-    install_same_outputs()   wraps comfy.sd.VAE.decode, VAE.decode_tiled and the video file write (tp_size >= 2)
+"""Outputs each rank computes alone (wrapped: comfy.sd.VAE.decode, VAE.decode_tiled, the video file write), made
+identical on every rank before they reach an output node.
 
 A VAE decode a rank runs alone (a one-chunk video, TP2_PARALLEL_VAE=0, the audio, a tiled retry after an
 out-of-memory on one rank) equals the other ranks' only if the processes round alike, and the video encoder turns
-one last-bit difference into another MP4. So after such a decode, and after a video file is written (its encoder
-and muxer run on each rank alone), the ranks meet (run.agree_step), compare a SHA-256 of the bytes, and where one
-differs every rank takes rank 0's (tp2.same_bytes). A split video decode (nodes/vae_decode.py) is identical by
-construction. A peer that never reaches the decode or the write (its node cache served it) leaves this rank's
-output as it is, with a log line that it may differ.
+one last-bit difference into another MP4. So after such a decode, and after a video file is written, the ranks meet
+(run.agree_step), compare a SHA-256 of the bytes, and where one differs every rank takes rank 0's. A split video
+decode (nodes/vae_decode.py) is identical by construction. A peer that never reaches the decode or the write (its
+node cache served it) leaves this rank's output as it is, with a log line that it may differ.
 """
 
 from __future__ import annotations
