@@ -282,9 +282,6 @@ def install_front_door(secret: str | None) -> FrontDoor | None:
     FRONT_DOOR = FrontDoor(secret, urls)
     PromptServer.instance.app.middlewares.append(FRONT_DOOR.middleware)
     PromptServer.instance.routes.get("/tp2/ranks")(FRONT_DOOR.ranks)
-    log.info(
-        "%s front door on: %s",
-        STATE.tag,
-        "the only queue; prompts go to the followers as they start" if STATE.env.tp_rank == 0 else f"prompts only from rank 0 ({urls[0]})",
-    )
+    role = f"prompts only from rank 0 ({urls[0]})" if STATE.env.tp_rank else "the only queue; prompts go to the followers as they start"
+    log.info("%s front door on: %s", STATE.tag, role)
     return FRONT_DOOR
