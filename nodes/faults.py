@@ -1,4 +1,4 @@
-"""Faults on demand, for the failure tests only: inert unless a TP2_TEST_* setting named below is set.
+"""Faults on demand, for the failure tests only: inert unless the TP2_TEST_* setting each function names is set.
 
 With TP2_TEST_FAULT_FILE=PATH, a file at PATH holding `RANK:CALL:KIND` makes rank RANK raise at model evaluation
 CALL of a prompt (1-based; 0 = at the sampler, before the ranks meet; `tile` = at this rank's first tile of a split
