@@ -1,16 +1,10 @@
 """The capacity advice at the sampler: what tp2/capacity.py predicts this rank needs, logged before the ranks meet,
 and added to an out-of-memory error if one comes (tp2.watch.with_advice).
 
-    capacity_advice(plan, latent_shapes, device, patcher)  one log line; the advice when the prediction does not fit
-    with sampling_peak(device): ...                        logs the sampler's peak of live tensors and of the cache
-
-The need is tp2/capacity.py's prediction for this rank (its shard's weights, the sequence the latent makes, the
-model's width): with the weights resident, or, where ComfyUI's dynamic VRAM can stream them block by block, with
-only the blocks in flight. What is available is the device's free memory plus what this process already holds
-(its cached blocks, the weights dynamic VRAM can evict), less what ComfyUI is told to leave alone (--reserve-vram).
-It never refuses a prompt: its constants were fitted on H200s from a few measured lengths, so a model error would
-refuse a prompt that fits, while a real out-of-memory already stops every rank within a watcher poll, with the reason.
-On a CPU it runs only when a test sets TP2_TEST_AVAILABLE_GIB.
+What is available is the device's free memory plus what this process already holds (its cached blocks, the weights
+dynamic VRAM can evict), less ComfyUI's --reserve-vram. It never refuses a prompt: its constants were fitted on H200s
+from a few measured lengths, and a real out-of-memory already stops every rank with the reason. On a CPU it runs
+only when a test sets TP2_TEST_AVAILABLE_GIB.
 """
 
 from __future__ import annotations
@@ -28,20 +22,19 @@ from ..tp2.plan import Plan
 from ..tp2.safetensors_io import DTYPES
 from .state import STATE, log
 
-GIB = 1 << 30
-
 
 def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=None) -> str | None:
     """Log the prediction for this prompt; return what would fit when it predicts this one does not, else None.
-    `patcher`: the DiT's ModelPatcher (under ComfyUI's dynamic VRAM the weights may stream, so only the blocks in
-    flight must fit)."""
+    `patcher`: the DiT's ModelPatcher (whether its weights may stream)."""
     available = _available_gib(device)
     video = next((tuple(s) for s in latent_shapes or () if len(s) == 5), None)  # [B, C, T, H/16, W/16]
     if available is None or video is None:
         return None
     width, height, frames = video[4] * 16, video[3] * 16, capacity.pixel_frames(video[2])
     rows = capacity.tokens(width, height, frames)
-    shard, streams = _shard_gib(plan), _weights_can_stream(patcher)
+    shard = sum(math.prod(ts.local_shape) * DTYPES[ts.dtype].itemsize for ts in plan.tensors.values()) / capacity.GIB
+    # ComfyUI's dynamic VRAM (ModelPatcherDynamic) pages the weights in block by block; --highvram keeps them resident
+    streams = bool(patcher is not None and patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
     allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), settings.torch_allocator_conf())
     resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden)
     streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator)
@@ -66,18 +59,10 @@ def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=Non
     return advice
 
 
-def _weights_can_stream(patcher) -> bool:
-    """ComfyUI's dynamic VRAM (ModelPatcherDynamic) pages the DiT's weights in block by block as the forward
-    needs them, prefetching the next block (comfy.model_prefetch in H3's forward), and evicts them for activations;
-    the legacy patcher and --highvram keep them resident, which the check then counts."""
-    return bool(patcher is not None and patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
-
-
 @contextlib.contextmanager
 def sampling_peak(device: torch.device):
-    """Log the peak of this process's live tensors (torch's allocator) and of its cache over the block, the numbers
-    the capacity model is calibrated against beside nvidia-smi's (which also sees the CUDA context and dynamic
-    VRAM's weights)."""
+    """Log the peak of this process's live tensors and of torch's cache over the block (what tp2/capacity.py's
+    streamed model is calibrated against)."""
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
@@ -87,12 +72,8 @@ def sampling_peak(device: torch.device):
         if on_gpu:
             log.info(
                 "%s sampling peak: %.2f GiB of live tensors, %.2f GiB reserved by torch's allocator", STATE.tag,
-                torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB,
+                torch.cuda.max_memory_allocated(device) / capacity.GIB, torch.cuda.max_memory_reserved(device) / capacity.GIB,
             )  # fmt: skip
-
-
-def _shard_gib(plan: Plan) -> float:
-    return sum(math.prod(ts.local_shape) * DTYPES[ts.dtype].itemsize for ts in plan.tensors.values()) / GIB
 
 
 def _available_gib(device: torch.device) -> float | None:
@@ -103,4 +84,4 @@ def _available_gib(device: torch.device) -> float | None:
         return None
     free, _total = torch.cuda.mem_get_info(device)
     evictable = comfy_aimdo.model_vbar.vbars_analyze(device.index) if comfy.memory_management.aimdo_enabled else 0
-    return (free + torch.cuda.memory_reserved(device) + evictable - mm.extra_reserved_memory()) / GIB
+    return (free + torch.cuda.memory_reserved(device) + evictable - mm.extra_reserved_memory()) / capacity.GIB

@@ -1,17 +1,10 @@
-"""Faults on demand, for the failure tests only: inert unless TP2_TEST_FAULT_FILE is set.
+"""Faults on demand, for the failure tests only: inert unless the TP2_TEST_* setting each function names is set.
 
 With TP2_TEST_FAULT_FILE=PATH, a file at PATH holding `RANK:CALL:KIND` makes rank RANK raise at model evaluation
-CALL of a prompt (1-based; 0 = at the sampler, before the ranks meet; `decode` = after a VAE decode, before the
-ranks compare it; `tile` = at this rank's first tile of a split decode) and then deletes the file, so the fault fires
-once. KIND: `error` (a RuntimeError), `oom` (a torch.OutOfMemoryError worded like CUDA's), `sleep` (5 s late),
-`hang` (alive but making no progress until the run is stopped, at most 120 s: as a rank stuck in a kernel).
-
-With TP2_TEST_NUDGE_RANKS=R[,R...] those ranks move a few hundred values of every VAE decode's output up by one 8-bit
-step (what a last-bit difference does to a value next to a rounding step) and write one metadata key more into their
-video files (a container-only difference): nodes/same_outputs.py must find both and leave rank 0's bytes everywhere.
-
-With TP2_TEST_BREAK_INT8_RANKS=R[,R...] those ranks' int8 GEMM returns its rows in the wrong order (as a kernel with
-swapped tiles would), so their numerics check (nodes/numerics_check.py) must refuse the model.
+CALL of a prompt (1-based; 0 = at the sampler, before the ranks meet; `tile` = at this rank's first tile of a split
+decode) and then deletes the file, so the fault fires once. KIND: `error` (a RuntimeError), `oom` (a
+torch.OutOfMemoryError worded like CUDA's), `sleep` (5 s late), `hang` (alive but making no progress until the run
+is stopped, at most 120 s: as a rank stuck in a kernel).
 """
 
 from __future__ import annotations
@@ -23,28 +16,25 @@ import torch
 
 from ..tp2 import settings
 
-ENV_FAULT_FILE = "TP2_TEST_FAULT_FILE"
-ENV_BREAK_INT8 = "TP2_TEST_BREAK_INT8_RANKS"
-ENV_NUDGE = "TP2_TEST_NUDGE_RANKS"
 NUDGED_VALUES = 300
-_PATH = settings.value(ENV_FAULT_FILE)
+_PATH = settings.value("TP2_TEST_FAULT_FILE")
 
 
 def maybe_break_int8(gemm, rank: int):
     """`gemm` itself, or on a rank listed in TP2_TEST_BREAK_INT8_RANKS a wrong one (rows rolled by 16)."""
-    if str(rank) not in settings.value(ENV_BREAK_INT8):
+    if str(rank) not in settings.value("TP2_TEST_BREAK_INT8_RANKS"):
         return gemm
 
     def broken(*args, **kwargs):
         return gemm(*args, **kwargs).roll(16, 0)
 
-    broken.kernel_name = f"{gemm.kernel_name} (broken on purpose by {ENV_BREAK_INT8})"
+    broken.kernel_name = f"{gemm.kernel_name} (broken on purpose by TP2_TEST_BREAK_INT8_RANKS)"
     return broken
 
 
 def nudge_output(rank: int, t: torch.Tensor) -> None:
     """On a rank listed in TP2_TEST_NUDGE_RANKS: NUDGED_VALUES evenly spaced values of float tensor `t`, 1/255 up."""
-    if str(rank) not in settings.value(ENV_NUDGE) or t.dtype not in (torch.float32, torch.float64):
+    if str(rank) not in settings.value("TP2_TEST_NUDGE_RANKS") or t.dtype not in (torch.float32, torch.float64):
         return
     dense = t if t.is_contiguous() else t.movedim(-1, 1)  # VAE.decode returns a movedim of its contiguous output
     if not dense.is_contiguous():
@@ -56,14 +46,8 @@ def nudge_output(rank: int, t: torch.Tensor) -> None:
 
 def nudge_metadata(rank: int, save_kwargs: dict) -> None:
     """On a rank listed in TP2_TEST_NUDGE_RANKS: one metadata key more in a video file's save_to keyword arguments."""
-    if str(rank) in settings.value(ENV_NUDGE):
+    if str(rank) in settings.value("TP2_TEST_NUDGE_RANKS"):
         save_kwargs["metadata"] = {**(save_kwargs.get("metadata") or {}), "tp2_test_nudge": rank}
-
-
-def _hang(seconds: float, stop_reason) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not stop_reason():
-        time.sleep(0.1)
 
 
 def inject_fault(rank: int, call: int | str, stop_reason=lambda: None) -> None:
@@ -79,12 +63,13 @@ def inject_fault(rank: int, call: int | str, stop_reason=lambda: None) -> None:
     os.remove(_PATH)
     if kind == "sleep":
         time.sleep(5.0)
-        return
-    if kind == "hang":
-        _hang(120.0, stop_reason)
-        return
-    if kind == "oom":
+    elif kind == "hang":
+        deadline = time.monotonic() + 120.0
+        while time.monotonic() < deadline and not stop_reason():
+            time.sleep(0.1)
+    elif kind == "oom":
         raise torch.OutOfMemoryError(
             "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 21.48 GiB (injected by TP2_TEST_FAULT_FILE)"
         )
-    raise RuntimeError(f"injected fault at model call {call} (TP2_TEST_FAULT_FILE)")
+    else:
+        raise RuntimeError(f"injected fault at model call {call} (TP2_TEST_FAULT_FILE)")

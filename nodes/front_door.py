@@ -1,17 +1,15 @@
 """Rank 0 is the front door and holds the only queue: a prompt reaches the followers when rank 0 starts it.
 
-On by TP2_SECRET_FILE (the launcher writes a per-run secret there); without it every rank keeps its own queue and accepts
-prompts as before (submit the same prompt id to every rank). GET /tp2/status and /tp2/cluster: nodes/status_api.py.
+On by TP2_SECRET_FILE (the launcher writes a per-run secret there); without it every rank keeps its own queue
+(submit the same prompt id to every rank).
 
-    rank 0     POST /prompt queues here only (a prompt id seen before is refused). As the prompt worker starts it, `dispatch`
-               sends it to every follower with rank 0's sequence number, a run id unique to this execution and whether every rank
-               clears its node cache first. A follower that cannot take it fails the prompt at once, naming the rank, unless it
-               is down while its launcher starts it again: then the prompt (and the queue behind it) waits up to REJOIN_WAIT_S.
-               Cancel, delete and clear act on rank 0's queue alone (followers hold nothing pending); a running prompt that stops
-               tells the followers itself (prompt_lifecycle). POST /free and /history are repeated on every follower; free_memory
-               becomes a node-cache clear on all ranks before the next prompt. GET /tp2/ranks lists the ranks.
-    followers  every state-changing route (prompt, queue, interrupt, jobs cancel, free, history) refuses without the
-               secret; prompts only from rank 0's dispatcher, strictly in its order
+    rank 0     POST /prompt queues here only (a prompt id seen before is refused). As the prompt worker starts it,
+               `dispatch` sends it to every follower with rank 0's sequence number, a run id unique to this execution
+               and whether every rank clears its node cache first. A follower that cannot take it fails the prompt,
+               naming the rank, unless its launcher is starting it again: then the prompt waits up to REJOIN_WAIT_S.
+               Cancel, delete and clear act on rank 0's queue alone (followers hold nothing pending). POST /free and
+               /history are repeated on every follower; free_memory clears every rank's node cache before the next prompt.
+    followers  every state-changing route refuses without the secret; prompts only from rank 0's dispatcher, in its order
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 import os
 import time
 
@@ -28,9 +25,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from execution import SENSITIVE_EXTRA_DATA_KEYS
 
 from ..tp2 import settings
-from .state import STATE
-
-log = logging.getLogger("minimax_h3_tp2")
+from .state import STATE, log
 
 HEADER = "X-TP2-Secret"
 ENV_SECRET_FILE = "TP2_SECRET_FILE"
@@ -65,9 +60,6 @@ class FrontDoor:
         self.orders: dict[str, dict] = {}  # follower: prompt id -> rank 0's order for it (run, seq, boot, reset)
         self.last_order: tuple[str, int] | None = None  # follower: (rank 0 boot id, seq) of the last order taken
         self.rank0_boot_ran: str | None = None  # follower: rank 0's boot id at the last prompt this rank ran
-
-    def authorised(self, request: web.Request) -> bool:
-        return hmac.compare_digest(request.headers.get(HEADER, ""), self.secret)
 
     @property
     def followers(self) -> list[tuple[int, str]]:
@@ -157,37 +149,27 @@ class FrontDoor:
         except (OSError, ValueError, IndexError):
             return False
 
-    def _known_prompt_id(self, prompt_id) -> bool:
-        from server import PromptServer
-
-        queue = PromptServer.instance.prompt_queue
-        running, pending = queue.get_current_queue_volatile()
-        return prompt_id in queue.history or any(item[1] == prompt_id for item in [*running, *pending])
-
     async def _rank0(self, request: web.Request, handler):
-        route = _route(request)
+        route, body = _route(request), await _json(request)
         if route == "/prompt":
-            prompt_id = (await _json(request)).get("prompt_id")
-            if prompt_id is not None and self._known_prompt_id(prompt_id):
+            prompt_id = body.get("prompt_id")
+            if prompt_id is not None and _known_prompt_id(prompt_id):
                 why = f"prompt id {prompt_id} was queued or run before on this server: a prompt id is used once. Omit it to get a new one."
                 return _refusal("tp2_prompt_id_reused", why, 409)
             return await handler(request)
-        body = await _json(request)
         if route == "/free":
             if body.get("free_memory"):  # every rank clears its node cache before the next prompt, in step
                 STATE.session.cache_epoch(bump=True)
             body = {"unload_models": bool(body.get("unload_models"))}
-        problems = await self.forward(route, body)
-        for p in problems:
+        for p in await self.forward(route, body):
             log.warning("%s could not repeat %s on a follower: %s", STATE.tag, route, p)
         return await handler(request)
 
     # -- followers -------------------------------------------------------------------------------------
     async def _follower(self, request: web.Request, handler):
-        if not self.authorised(request):
-            front = self.rank_urls[0] if self.rank_urls else "rank 0"
+        if not hmac.compare_digest(request.headers.get(HEADER, ""), self.secret):
             why = (f"This ComfyUI is tensor-parallel rank {STATE.env.tp_rank} of {STATE.env.tp_size}, a follower: use rank 0 "
-                   f"({front}); it queues prompts and runs them on every rank.")  # fmt: skip
+                   f"({self.rank_urls[0]}); it queues prompts and runs them on every rank.")  # fmt: skip
             return _refusal("tp2_follower", why, 403)
         if _route(request) != "/prompt":
             return await handler(request)
@@ -234,8 +216,15 @@ class FrontDoor:
         return web.json_response({"tp_size": STATE.env.tp_size, "this_rank": STATE.env.tp_rank, "ranks": ranks})
 
 
+def _known_prompt_id(prompt_id) -> bool:
+    from server import PromptServer
+
+    queue = PromptServer.instance.prompt_queue
+    running, pending = queue.get_current_queue_volatile()
+    return prompt_id in queue.history or any(item[1] == prompt_id for item in [*running, *pending])
+
+
 def _well_formed(order) -> bool:
-    """An order as rank 0's dispatcher writes it: {run: str, seq: int, boot: str, reset: bool}."""
     kinds = {"run": str, "seq": int, "boot": str, "reset": bool}
     return isinstance(order, dict) and all(isinstance(order.get(k), t) for k, t in kinds.items())
 
@@ -293,9 +282,6 @@ def install_front_door(secret: str | None) -> FrontDoor | None:
     FRONT_DOOR = FrontDoor(secret, urls)
     PromptServer.instance.app.middlewares.append(FRONT_DOOR.middleware)
     PromptServer.instance.routes.get("/tp2/ranks")(FRONT_DOOR.ranks)
-    log.info(
-        "%s front door on: %s",
-        STATE.tag,
-        "the only queue; prompts go to the followers as they start" if STATE.env.tp_rank == 0 else f"prompts only from rank 0 ({urls[0]})",
-    )
+    role = f"prompts only from rank 0 ({urls[0]})" if STATE.env.tp_rank else "the only queue; prompts go to the followers as they start"
+    log.info("%s front door on: %s", STATE.tag, role)
     return FRONT_DOOR

@@ -23,9 +23,6 @@ SAMPLING = threading.local()  # .active while a TP sampler or split decode runs 
 
 
 def _deferring_update_absolute(original):
-    """ProgressBar.update_absolute that, during TP sampling, turns an interrupt into a flag for the next model
-    evaluation: all ranks must stop at the same step, and rank 0 tells them which (see _diffusion_model)."""
-
     @functools.wraps(original)
     def update_absolute(self, *args, **kwargs):
         try:
@@ -40,9 +37,6 @@ def _deferring_update_absolute(original):
 
 
 def _deferring_run_every_op(original):
-    """comfy.ops.run_every_op checks for an interrupt inside every layer; mid-forward that would leave the other
-    ranks waiting in a collective, so during TP sampling the check waits for the next model evaluation."""
-
     @functools.wraps(original)
     def run_every_op():
         if not getattr(SAMPLING, "active", False):
@@ -52,6 +46,5 @@ def _deferring_run_every_op(original):
 
 
 def install_interrupt_deferral() -> None:
-    """Interrupts during TP sampling take effect at one agreed model evaluation on every rank."""
     PATCHES.install(comfy.utils.ProgressBar, "update_absolute", _deferring_update_absolute)
     PATCHES.install(comfy.ops, "run_every_op", _deferring_run_every_op)

@@ -1,11 +1,9 @@
-"""The loader's numerics check: this rank's int8 path, as the pack resolved it here, measured against exact math.
-
-    check_int8_path(dtype)   once per device, comfy-kitchen version and kernel choice; raises NumericsError below
-                             tp2.numerics.MIN_DB with the GPU, its compute capability, the kernels and the dB
+"""The loader's numerics check: this rank's int8 path, as the pack resolved it here, measured against exact math,
+once per device, comfy-kitchen version and kernel choice; a path below tp2.numerics.MIN_DB is refused (NumericsError).
 
 The block runs through the very callables a TP forward uses: the rank's int8 GEMM (`STATE.int8_gemm`), comfy-kitchen's
 q/k norm + rope (or the pack's Triton kernel when sequence parallelism fuses it), the attention backend the model
-wrappers chose for this device, and the fused norm when it is on. The report shows in the TP2 Status node and the log.
+wrappers chose for this device, and the fused norm when it is on.
 """
 
 from __future__ import annotations
@@ -62,18 +60,17 @@ def _block_path(device: torch.device, dtype: torch.dtype, fused: bool, kitchen: 
         else:
             comfy.quant_ops.ck.rms_rope_split_half_(q[None], k[None], table, qw, kw, epsilon=eps, rot_dim=2 * table.shape[-3])
 
+    rope_name = "pack Triton" if fused and qk_norm_rope.triton is not None and device.type == "cuda" else "comfy-kitchen"
+    names = {"int8 GEMM": STATE.int8_kernel, "attention": STATE.attention, "q/k norm + rope": rope_name, "comfy-kitchen": kitchen}
     norm = None
     if fused and norm_modulate.available(device, dtype):
+        names["norm + modulation"] = "pack Triton"
 
         def norm(x, w, eps, scale1, shift):
             h = torch.empty_like(x)
             norm_modulate.norm_modulate(x, w, eps, scale1, shift, h)
             return h
 
-    rope_name = "pack Triton" if fused and qk_norm_rope.triton is not None and device.type == "cuda" else "comfy-kitchen"
-    names = {"int8 GEMM": STATE.int8_kernel, "attention": STATE.attention, "q/k norm + rope": rope_name, "comfy-kitchen": kitchen}
-    if norm is not None:
-        names["norm + modulation"] = "pack Triton"
     return BlockPath(STATE.int8_gemm, quantize_int8_convrot, rope, attention, norm, dtype, STATE.reduce_dtype, names)
 
 

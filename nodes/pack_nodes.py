@@ -1,7 +1,4 @@
-"""The pack's own nodes (V3 schema): a TP status readout, and conditioning saved to and loaded from a file.
-
-Thin: schema plus a short execute that reads `STATE` or a file.
-"""
+"""The pack's own nodes (V3 schema): a TP status readout, and conditioning saved to and loaded from a file."""
 
 from __future__ import annotations
 

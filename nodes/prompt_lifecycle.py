@@ -1,13 +1,10 @@
-"""The prompt lifecycle on every rank: each prompt is a run every rank knows by one id.
+"""The prompt lifecycle on every rank (execution.PromptExecutor.execute_async): each prompt is a run every rank knows
+by one id. Rank 0 dispatches each prompt to the followers as it starts (front door on); a rank whose prompt fails
+tells every rank at once, with its reason (tp2/watch.py), and gives up its group.
 
-    track_prompts()   wraps execution.PromptExecutor.execute_async (once)
-
-Rank 0 dispatches each prompt to the followers as it starts (front door on), with whether every rank clears its node cache
-first; a rank whose prompt fails for any reason tells every rank at once, with its reason (tp2/watch.py), and gives up its group.
-
-Node caches need not be alike. Every rank clears its node cache before a prompt when any rank restarted since its last prompt
-(boot ids in the store: a restarted rank has an empty cache) or reported a failed rendezvous or collective; anything else (e.g.
-RAM-pressure eviction on one rank) is caught at the sampler rendezvous (a bounded wait, a clear error) and cleared likewise.
+Every rank clears its node cache before a prompt when any rank restarted since its last prompt (boot ids in the
+store: a restarted rank has an empty cache) or reported a failed rendezvous or collective; anything else (e.g.
+RAM-pressure eviction on one rank) is caught at the sampler rendezvous (a bounded wait, a clear error).
 
 ComfyUI internals (execution.PromptExecutor, 0.33): for a prompt refused before it starts this writes `server.client_id`,
 `status_messages` (through `add_message`), `success` and `history_result`, as execute_async does for a node's error;
@@ -19,7 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import comfy.model_management as mm
 import execution
@@ -27,19 +24,10 @@ import execution
 from ..tp2.handshake import prompt_details
 from . import front_door
 from .patches import PATCHES
-from .queue_journal import lost_in_restart
+from .queue_journal import LOST
 from .state import STATE, Prompt, log
 
-
-@dataclass
-class _Seen:
-    """What this rank saw at its last prompt: the cache epoch and every rank's boot id."""
-
-    cache_epoch: int = 0
-    boots: list | None = None
-
-
-SEEN = _Seen()
+SEEN = SimpleNamespace(cache_epoch=0, boots=None)  # what this rank saw at its last prompt: the cache epoch, every rank's boot id
 
 
 def track_prompts() -> None:
@@ -50,18 +38,14 @@ def prompt_fingerprint(prompt: dict) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _cache_epoch(bump: bool = False) -> int | None:
-    return STATE.session.cache_epoch(bump) if STATE.session is not None else None
-
-
 def _caches_may_differ() -> bool:
     """True when, since this rank's last prompt, a rank restarted (new boot id: empty node cache) or a rank
     reported a failed rendezvous or collective (cache epoch bumped)."""
     changed = False
-    epoch = _cache_epoch()
+    epoch = STATE.session.cache_epoch()
     if epoch is not None and epoch > SEEN.cache_epoch:
         changed, SEEN.cache_epoch = True, epoch
-    boots = STATE.session.boot_ids() if STATE.session is not None else None
+    boots = STATE.session.boot_ids()
     if boots is not None:
         # a restart is a known id replaced by another; a first registration (None -> id) is not
         seen = SEEN.boots or [None] * len(boots)
@@ -74,16 +58,14 @@ def _caches_may_differ() -> bool:
 async def _run_id(prompt, prompt_id, extra_data, execute_outputs) -> tuple[str, bool, str | None, dict]:
     """(run id, whether to clear the node cache, why the ranks are unavailable or None, boot ids known from rank 0)."""
     door = front_door.FRONT_DOOR
-    if door is not None and STATE.env.tp_rank == 0:
-        lost = lost_in_restart(extra_data)
-        if lost is not None:  # never handed to the followers: it fails here, with the reason
-            return prompt_id, False, lost, {}
-        run, reset, refused = await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, _caches_may_differ())
-        return run, reset, refused, {}
-    if door is not None:
+    if door is None:  # every rank was given the prompt under one id
+        return prompt_id, _caches_may_differ(), None, {}
+    if STATE.env.tp_rank != 0:
         order = door.take_order(prompt_id) or {"run": prompt_id, "reset": _caches_may_differ()}
         return order["run"], order["reset"], None, ({0: order["boot"]} if "boot" in order else {})
-    return prompt_id, _caches_may_differ(), None, {}  # no front door: every rank was given the prompt under one id
+    if extra_data.get(LOST) is not None:  # never handed to the followers: it fails here, with the reason
+        return prompt_id, False, extra_data[LOST], {}
+    return (*await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, _caches_may_differ()), {})
 
 
 def _tracking_execute_async(original):
@@ -116,7 +98,7 @@ def _tracking_execute_async(original):
                     session.stop_run(f"rank {STATE.env.tp_rank} stopped the prompt: {failure}")
                 else:
                     session.abandon_group()
-                _cache_epoch(bump=True)
+                session.cache_epoch(bump=True)
             session.end_run()
             STATE.prompt = Prompt(fingerprint=STATE.prompt.fingerprint, model_calls=STATE.prompt.model_calls)
 
@@ -143,14 +125,7 @@ def _fail_before_start(executor, prompt, prompt_id, extra_data, outputs, why: st
     if why is None:
         executor.add_message("execution_interrupted", where, broadcast=True)
     else:
-        error = {
-            **where,
-            "exception_message": why,
-            "exception_type": "TP2Error",
-            "traceback": [],
-            "current_inputs": {},
-            "current_outputs": [],
-        }
+        error = dict(where, exception_message=why, exception_type="TP2Error", traceback=[], current_inputs={}, current_outputs=[])
         executor.add_message("execution_error", error, broadcast=False)
     executor.success = False
     executor.history_result = {"outputs": {}, "meta": {}}

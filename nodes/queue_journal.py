@@ -1,14 +1,10 @@
 """Rank 0's queue kept in the run directory, so a rank 0 that ends and is started again loses no prompt.
 
-    install_queue_journal()   rank 0 under the launcher (TP2_SECRET_FILE names the run directory): after every change
-                              of ComfyUI's PromptQueue (put, get, task_done, wipe, delete) its running and pending
-                              prompts are written to RUN_DIR/rank0.queue.json; at start, a journal left there is read
-                              back and every prompt in it is queued again, in its order
-    lost_in_restart(extra)    why a prompt queued again must fail at once (it was running when rank 0 ended), or None
-
-The prompt that was running is failed at start with that reason, not run again: it may be what ended the process.
-API keys (ComfyUI's sensitive extra data) are never written, so a prompt queued again runs without them. The
-launcher removes the journal at a fresh start: `stop` ends the queue, as ComfyUI's own restart does.
+Rank 0 under the launcher (TP2_SECRET_FILE names the run directory) writes its running and pending prompts to
+RUN_DIR/rank0.queue.json after every change of ComfyUI's PromptQueue, and at start queues a journal left there
+again, in its order. The prompt that was running is failed at start (extra_data[LOST] says why), not run again: it
+may be what ended the process. API keys (ComfyUI's sensitive extra data) are never written. The launcher removes
+the journal at a fresh start: `stop` ends the queue, as ComfyUI's own restart does.
 """
 
 from __future__ import annotations
@@ -38,10 +34,6 @@ def install_queue_journal() -> None:
     for name in WATCHED:
         PATCHES.install(type(queue), name, functools.partial(_journaled, path))
     _write(queue, path)
-
-
-def lost_in_restart(extra_data: dict) -> str | None:
-    return extra_data.get(LOST)
 
 
 def _journaled(path: str, original):

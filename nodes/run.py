@@ -1,15 +1,7 @@
-"""The steps of a run (one prompt on every rank): the rendezvous every TP step starts with, and leaving a run.
+"""The steps of a run (one prompt on every rank): the rendezvous each TP step starts with, and leaving a run.
 
-    step_key(kind)           the rendezvous key of this prompt's next step of a kind: '<run>/vae-decode2'
-    agree_step(key, fields)  every rank agrees on `fields` before any collective; returns the process group; the step's
-                             progress is told from then on (mark_progress)
-    mark_progress()          a unit of the step starts, or this rank's part of it is done (tp2/progress.py)
-    in_step()                a TP step every rank runs together: interrupts wait for its end, a failure is told
-    leave_run(e)             this rank's part when a TP step raised `e`
-    tensor_digest(t)         the short content hash ranks compare
-
-The sampler (nodes/model_wrappers.py), the split decode (vae_decode.py) and the split encode (text_encoder.py)
-are the steps; each counts the same on every rank, so their keys match.
+The sampler (nodes/model_wrappers.py), the split decode (vae_decode.py) and the split encode (text_encoder.py) are
+the steps; each counts the same on every rank, so their keys match.
 """
 
 from __future__ import annotations
@@ -49,6 +41,7 @@ def agree_step(key: str, fields: dict[str, str]):
 
 
 def mark_progress() -> None:
+    """A unit of the step starts, or this rank's part of it is done (tp2/progress.py)."""
     STATE.session.watcher.progress.mark()
 
 

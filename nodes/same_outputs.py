@@ -1,16 +1,12 @@
-"""Outputs each rank computes alone, made identical on every rank before they reach an output node.
-
-    install_same_outputs()   wraps comfy.sd.VAE.decode, VAE.decode_tiled and the video file write (tp_size >= 2)
+"""Outputs each rank computes alone (wrapped: comfy.sd.VAE.decode, VAE.decode_tiled, the video file write), made
+identical on every rank before they reach an output node.
 
 A VAE decode a rank runs alone (a one-chunk video, TP2_PARALLEL_VAE=0, the audio, a tiled retry after an
 out-of-memory on one rank) equals the other ranks' only if the processes round alike, and the video encoder turns
-one last-bit difference into another MP4. So after such a decode the ranks meet (run.agree_step: the prompt, the
-latent, the output's shape and dtype), compare a SHA-256 of its bytes, and where one differs every rank takes rank
-0's (tp2.same_bytes.same_everywhere), with a log line naming the stage; usually only the digests travel. A split
-video decode (nodes/vae_decode.py) is identical by construction. The encoder and muxer also run on each rank
-alone, so after a video file is written (VideoFromComponents.save_to, what SaveVideo calls) the ranks compare its
-SHA-256 and a rank whose file differs writes rank 0's bytes over it. A peer that never reaches the decode or the
-write (its node cache served it) leaves this rank's output as it is, with a log line that it may differ.
+one last-bit difference into another MP4. So after such a decode, and after a video file is written, the ranks meet
+(run.agree_step), compare a SHA-256 of the bytes, and where one differs every rank takes rank 0's. A split video
+decode (nodes/vae_decode.py) is identical by construction. A peer that never reaches the decode or the write (its
+node cache served it) leaves this rank's output as it is, with a log line that it may differ.
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from comfy_api.latest import InputImpl
 from ..tp2 import __version__
 from ..tp2.errors import PeerLostError
 from ..tp2.same_bytes import same_blob_everywhere, same_everywhere
-from .faults import inject_fault, nudge_metadata, nudge_output
+from .faults import nudge_metadata, nudge_output
 from .patches import PATCHES
 from .run import agree_step, in_step, step_key, tensor_digest
 from .state import STATE, log
@@ -44,9 +40,8 @@ def _hooked(how: str, original):
     def decode(self, samples, *args, **kwargs):
         split_before = STATE.prompt.split_decodes
         out = original(self, samples, *args, **kwargs)
-        if STATE.prompt.split_decodes > split_before:  # every tile came from the ranks' one schedule: identical
-            return out
-        if STATE.prompt.alone:  # a peer already missed a step of this prompt (logged there)
+        # split: every tile came from the ranks' one schedule, identical; alone: a peer missed a step (logged there)
+        if STATE.prompt.split_decodes > split_before or STATE.prompt.alone:
             return out
         nudge_output(STATE.env.tp_rank, out)  # tests only (TP2_TEST_NUDGE_RANKS); inert by default
         _make_same(f"{type(self.first_stage_model).__name__} {how}", samples, out)
@@ -56,7 +51,6 @@ def _hooked(how: str, original):
 
 
 def _make_same(stage: str, samples, out) -> None:
-    inject_fault(STATE.env.tp_rank, "decode")  # tests only (TP2_TEST_FAULT_FILE); inert by default
     fields = {"latent": f"{tuple(samples.shape)}:{tensor_digest(samples)}", "output": f"{tuple(out.shape)} {out.dtype}"}
     group = _meet("decoded", stage, fields, f"{stage} output")
     if group is None:
@@ -64,13 +58,7 @@ def _make_same(stage: str, samples, out) -> None:
     t0 = time.monotonic()
     with in_step():
         differ = same_everywhere(out, group)
-    if differ:
-        log.warning(
-            "%s %s: rank(s) %s decoded other bytes than rank 0; every rank now has rank 0's output (%.2f s)",
-            STATE.tag, stage, ", ".join(map(str, differ)), time.monotonic() - t0,
-        )  # fmt: skip
-    else:
-        log.info("%s %s: the same bytes on every rank (checked in %.2f s)", STATE.tag, stage, time.monotonic() - t0)
+    _log_compared(stage, differ, t0, "decoded", "output")
 
 
 def _saved(original):
@@ -98,13 +86,7 @@ def _make_file_same(path: str) -> None:
             with open(path + ".tp2-part", "wb") as f:
                 f.write(blob)
             os.replace(path + ".tp2-part", path)
-    if differ:
-        log.warning(
-            "%s video file: rank(s) %s wrote other bytes than rank 0; every rank now has rank 0's file (%.2f s)",
-            STATE.tag, ", ".join(map(str, differ)), time.monotonic() - t0,
-        )  # fmt: skip
-    else:
-        log.info("%s video file: the same bytes on every rank (checked in %.2f s)", STATE.tag, time.monotonic() - t0)
+    _log_compared("video file", differ, t0, "wrote", "file")
 
 
 def _meet(kind: str, stage: str, fields: dict[str, str], what: str):
@@ -117,3 +99,13 @@ def _meet(kind: str, stage: str, fields: dict[str, str], what: str):
         log.warning("%s %s: this rank's %s is kept, and may differ from the other ranks'", STATE.tag, e, what)
         STATE.prompt.alone = True
         return None
+
+
+def _log_compared(stage: str, differ: list[int], t0: float, verb: str, what: str) -> None:
+    if differ:
+        log.warning(
+            "%s %s: rank(s) %s %s other bytes than rank 0; every rank now has rank 0's %s (%.2f s)",
+            STATE.tag, stage, ", ".join(map(str, differ)), verb, what, time.monotonic() - t0,
+        )  # fmt: skip
+    else:
+        log.info("%s %s: the same bytes on every rank (checked in %.2f s)", STATE.tag, stage, time.monotonic() - t0)

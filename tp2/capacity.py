@@ -1,17 +1,15 @@
 """How much GPU memory one rank needs to sample an H3 video, and the longest video that fits: a model calibrated on
 measurements (MEASURED, MEASURED_STREAMED), for the advice logged at every sampler.
 
-    tokens(width, height, frames)                   the packed sequence length the DiT samples
-    predict_peak_gib(tokens, tp, streamed=False)    one rank's peak: weights resident (--highvram), or streamed by dynamic VRAM
-    longest_frames(width, height, gpu_gib, tp)      the longest length on H3's 17k+5 grid under `gpu_gib`
-    python -m tp2.capacity --gpu-mem 22 --tp-size 2    the table of longest lengths per resolution (imports no `comfy`)
+`python -m tp2.capacity --gpu-mem 22 --tp-size 2` prints the longest lengths per resolution (imports no `comfy`).
 
-Resident: peak = weights / tp + FIXED_GIB + tokens x (SHARED + SPLIT / tp), least squares on peaks measured with all weights
-resident (nvidia-smi, int8 ConvRot DiT; docs/PERFORMANCE.md); its TP2 points predate the chunked MLP, so at TP2 it errs
-towards more. Streamed: peak = CONTEXT_GIB + STREAMED_BLOCKS / BLOCKS of the weights (the block computing and the next) +
-torch's pool = live x POOL_OVER_LIVE[allocator]; live bytes per row follow the activation accounting (SHARED_ROW_BYTES held
-whole, SPLIT_ROW_BYTES / tp at the attention's peak), scaled to one measured TP2 length (others unmeasured). --lean-memory is
-the native allocator without expandable segments (dynamic VRAM frees weights only for cudaMalloc/cudaMallocAsync calls).
+Resident (--highvram): peak = weights / tp + FIXED_GIB + tokens x (SHARED + SPLIT / tp), least squares on peaks
+measured with all weights resident (nvidia-smi, int8 ConvRot DiT; docs/PERFORMANCE.md); its TP2 points predate the
+chunked MLP, so at TP2 it errs towards more. Streamed (dynamic VRAM): peak = CONTEXT_GIB + STREAMED_BLOCKS / BLOCKS of
+the weights (the block computing and the next) + torch's pool = live x POOL_OVER_LIVE[allocator]; live bytes per row
+follow the activation accounting (SHARED_ROW_BYTES held whole, SPLIT_ROW_BYTES / tp at the attention's peak), scaled to
+one measured TP2 length (others unmeasured). --lean-memory is the native allocator without expandable segments
+(dynamic VRAM frees weights only for cudaMalloc/cudaMallocAsync calls).
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ H3_HIDDEN = 5376
 BLOCKS = 50  # H3's DiT blocks, nearly all of its weights
 STREAMED_BLOCKS = 2  # streamed: the block computing and the next one, copied in beside it (comfy.model_prefetch)
 GIB = 1 << 30
+ASYNC = "cudaMallocAsync"  # ComfyUI's default CUDA allocator
 # resident: calibrated constants (see the module docstring and tests/unit/test_capacity.py for the fit's residuals)
 FIXED_GIB = {1: 0.72, 2: 1.96}  # CUDA context, ComfyUI's and the pack's fixed buffers, per tp (more with the pack)
 SHARED_PER_TOKEN_GIB = 5.61e-5  # activations every rank holds whole (gathered inputs, the stream at the ends)
@@ -84,7 +83,7 @@ def allocator_of(backend: str, alloc_conf: str) -> str:
     """torch's CUDA allocator as POOL_OVER_LIVE names it, from torch.cuda.get_allocator_backend() and
     PYTORCH_CUDA_ALLOC_CONF: ComfyUI's default cudaMallocAsync, the native one (the launcher's --lean-memory), or the
     native one with expandable segments."""
-    if backend == "cudaMallocAsync":
+    if backend == ASYNC:
         return backend
     return "expandable" if "expandable_segments:true" in alloc_conf.replace(" ", "").lower() else "native"
 
@@ -101,21 +100,21 @@ def predict_peak_gib(
     rank_weights_gib: float | None = None,
     hidden: int = H3_HIDDEN,
     streamed: bool = False,
-    allocator: str = "cudaMallocAsync",
+    allocator: str = ASYNC,
 ) -> float:
     """One rank's peak: its weights (the released DiT's share unless given), the fixed buffers and the activations,
     which scale with the model's width (`hidden`; the released H3 is 5376 wide). `streamed`: the least it runs with
     under dynamic VRAM (only the blocks in flight resident), with torch's pool as `allocator` holds it."""
     weights = WEIGHTS_GIB / tp_size if rank_weights_gib is None else rank_weights_gib
     if streamed:
-        pool = live_gib(n_tokens, tp_size, hidden) * POOL_OVER_LIVE.get(allocator, POOL_OVER_LIVE["cudaMallocAsync"])
+        pool = live_gib(n_tokens, tp_size, hidden) * POOL_OVER_LIVE.get(allocator, POOL_OVER_LIVE[ASYNC])
         return CONTEXT_GIB + weights * STREAMED_BLOCKS / BLOCKS + pool
     per_token = (SHARED_PER_TOKEN_GIB + SPLIT_PER_TOKEN_GIB / tp_size) * hidden / H3_HIDDEN
     return weights + FIXED_GIB.get(tp_size, FIXED_GIB[2]) + n_tokens * per_token
 
 
 def longest_frames(
-    width: int, height: int, gpu_gib: float, tp_size: int, up_to: int = 3600, streamed: bool = False, allocator: str = "cudaMallocAsync"
+    width: int, height: int, gpu_gib: float, tp_size: int, up_to: int = 3600, streamed: bool = False, allocator: str = ASYNC
 ) -> int | None:
     """The longest length on the 17k+5 grid whose predicted peak is at most `gpu_gib` (None: not even 5 frames)."""
     best = None
@@ -126,20 +125,14 @@ def longest_frames(
     return best
 
 
-def advice(
-    width: int, height: int, frames: int, tp_size: int, available_gib: float, streamed: bool = False, allocator: str = "cudaMallocAsync"
-) -> str:
+def advice(width: int, height: int, frames: int, tp_size: int, available_gib: float, streamed: bool = False, allocator: str = ASYNC) -> str:
     """What would fit instead: the longest length at this resolution, the smallest tp_size for this length, and (where
     it is what stops the prompt) the leaner allocator."""
     how = dict(streamed=streamed, allocator=allocator)
     fit = longest_frames(width, height, available_gib, tp_size, **how)
     parts = [f"at {width}x{height} up to {fit} frames fit" if fit else f"not even 5 frames fit at {width}x{height}"]
     n = tokens(width, height, frames)
-    if (
-        streamed
-        and allocator == "cudaMallocAsync"
-        and (lean := predict_peak_gib(n, tp_size, streamed=True, allocator=LEAN_ALLOCATOR)) <= available_gib
-    ):
+    if streamed and allocator == ASYNC and (lean := predict_peak_gib(n, tp_size, streamed=True, allocator=LEAN_ALLOCATOR)) <= available_gib:
         parts.append(f"or start the ranks with --lean-memory (~{lean:.1f} GiB per rank)")
     for bigger in (2, 4):  # the sizes the int8 release splits into (python -m tp2.inspect)
         need = predict_peak_gib(n, bigger, **how)
@@ -150,7 +143,7 @@ def advice(
 
 
 def table(gpu_gib: float, tp_size: int) -> str:
-    modes = (("resident (--highvram)", False, "cudaMallocAsync"), ("streamed (dynamic VRAM)", True, "cudaMallocAsync"),
+    modes = (("resident (--highvram)", False, ASYNC), ("streamed (dynamic VRAM)", True, ASYNC),
              ("streamed, --lean-memory", True, LEAN_ALLOCATOR))  # fmt: skip
     lines = [f"longest H3 video per rank on {gpu_gib:g} GiB at tp_size {tp_size} (frames, seconds at 24 fps, predicted peak GiB): "
              "the DiT's weights resident, streamed block by block by ComfyUI's dynamic VRAM (its default on NVIDIA), and "

@@ -1,17 +1,11 @@
 """The GPU numerics check: one small H3-shaped block through this rank's own kernels against exact math.
 
-A kernel that runs is not a kernel that is right: some comfy-kitchen builds give noise or tiled garbage on some GPUs (int8
-ConvRot on a 3090, SM75 T4s). Before the first H3 model on a device is used, one block with random weights (fixed seed)
-runs twice on that device:
-
-    the rank's path   int8 ConvRot weights, this rank's column-parallel slices and row-parallel K slices for
-                      every rank of the TP set (partial sums in the reduce dtype, summed as the all-reduce sums),
-                      the q/k norm + rope kernel, the attention backend and the norm kernel the rank will use
-    the reference     the same block in fp32 with the unquantised weights and plain torch ops
-
-and the signal-to-quantisation-noise ratio (dB) of each part and of the block's update is compared with MIN_DB, set well
-below a healthy path and far above a broken one (tests/unit/test_numerics.py, tests/gpu/test_numerics_check_gpu.py). The
-kernels are handed in (`BlockPath`), so this module depends on torch only and never imports `comfy`.
+Some comfy-kitchen builds give noise or tiled garbage on some GPUs (int8 ConvRot on a 3090, SM75 T4s). Before the
+first H3 model on a device is used, one block with random weights (fixed seed) runs on that device through the rank's
+path (int8 ConvRot weights, every rank's column- and row-parallel slices with partial sums in the reduce dtype, as the
+all-reduce sums them, and the rope, attention and norm kernels the rank will use) and in fp32 with plain torch ops.
+The signal-to-quantisation-noise ratio (dB) of each part and of the block's update is compared with MIN_DB, set well
+below a healthy path and far above a broken one. The kernels are handed in (`BlockPath`): this never imports `comfy`.
 """
 
 from __future__ import annotations
@@ -224,17 +218,19 @@ class _SimulatedRanks:
         return total
 
 
-def _k_slice(name: str, rank: int, tp_size: int) -> slice:
+def _k_slice(name: str, rank: int) -> slice:
     k = LOCAL_HEADS * HEAD_DIM if name == "out" else LOCAL_FFN
     return slice(rank * k, (rank + 1) * k)
+
+
+def _norm_modulate(x, w, eps, scale1, shift):
+    return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
 
 
 class _ReferenceOps(_SimulatedRanks):
     """fp32 math on the unquantised weights, plain torch ops."""
 
-    @staticmethod
-    def norm_modulate(x, w, eps, scale1, shift):
-        return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
+    norm_modulate = staticmethod(_norm_modulate)
 
     def column(self, name, h, rank):
         return F.linear(h, torch.cat([self.w[name][r] for r in _rank_rows(name, rank, self.tp_size)]))
@@ -243,7 +239,7 @@ class _ReferenceOps(_SimulatedRanks):
         if input_act == "swiglu":
             gate, up = a.chunk(2, dim=-1)
             a = F.silu(gate) * up
-        return F.linear(a, self.w[name][:, _k_slice(name, rank, self.tp_size)])
+        return F.linear(a, self.w[name][:, _k_slice(name, rank)])
 
     @staticmethod
     def qk_norm_rope(q, k, table, qw, kw, eps):
@@ -265,11 +261,7 @@ class _PathOps(_SimulatedRanks):
     def __init__(self, path: BlockPath, w: dict[str, torch.Tensor], table: torch.Tensor, tp_size: int):
         super().__init__(w, table, tp_size)
         self.p, self.q8 = path, {n: path.quantize_weight(t, 256) for n, t in w.items() if n != "norm"}
-
-    def norm_modulate(self, x, w, eps, scale1, shift):
-        if self.p.norm_modulate is None:
-            return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
-        return self.p.norm_modulate(x, w, eps, scale1, shift)
+        self.norm_modulate, self.attention = path.norm_modulate or _norm_modulate, path.attention
 
     def column(self, name, h, rank):
         q, s = self.q8[name]
@@ -280,11 +272,8 @@ class _PathOps(_SimulatedRanks):
         """This rank's K slice of an int8 row-parallel weight (per-row scales kept; the K slices are whole ConvRot
         groups), its partial sum in the reduce dtype, through the core's own local GEMM (tp2.layers.local_linear)."""
         q, s = self.q8[name]
-        weight = Int8Weight(q[:, _k_slice(name, rank, self.tp_size)].contiguous(), s, 256)
+        weight = Int8Weight(q[:, _k_slice(name, rank)].contiguous(), s, 256)
         return local_linear(a, weight, None, self.p.reduce_dtype, self.p.gemm, input_act)
 
     def qk_norm_rope(self, q, k, table, qw, kw, eps):
         self.p.qk_norm_rope(q, k, table.to(q.dtype), qw, kw, eps)
-
-    def attention(self, q, k, v, heads):
-        return self.p.attention(q, k, v, heads)
