@@ -1,16 +1,12 @@
-"""TP process groups and the collectives the pack uses, each with a one-line contract and a bounded wait.
+"""TP process groups and the collectives the pack uses, each with a bounded wait.
 
-Three layers, each talking only to the one below (as in vLLM): `TPGroup` (group state, from env), the
-collective functions here, and the parallel layers in `layers.py`. Every collective runs under the group's
-timeout; a peer that died or never came surfaces as `PeerLostError` on the surviving rank.
+Every collective runs under the group's timeout; a peer that died or never came surfaces as `PeerLostError` on the
+surviving rank. A group may carry `stop_check` (the session's watcher): every wait on a CPU-side (gloo) collective
+polls it, so a peer that stopped the run (its reason) or went silent ends the wait within a poll with
+`PromptAbortedError(reason)`, not at the timeout. NCCL collectives are queued on the GPU stream, where the host does
+not wait; for them the watcher aborts the communicator (tp2/session.py).
 
-A group may carry `stop_check` (the session's watcher): then every wait on a CPU-side (gloo) collective polls it,
-and a peer that stopped the run (its reason) or went silent ends the wait within a poll with
-`PromptAbortedError(reason)`, instead of at the timeout. NCCL collectives are queued on the GPU stream, where
-the host does not wait; for them the watcher aborts the communicator (see tp2/session.py).
-
-Env: TP2_RANK, TP2_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TP2_TIMEOUT_S (default 300).
-Imports torch only; never `comfy`.
+Env: TP2_RANK, TP2_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TP2_TIMEOUT_S (default 300). Imports torch only; never `comfy`.
 """
 
 from __future__ import annotations
@@ -32,12 +28,10 @@ from .settings import TPEnv
 
 log = logging.getLogger(__name__)
 
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def reduce_dtype_from_env(environ=None) -> torch.dtype:
     """The dtype row-parallel partial sums are reduced in: fp32 (default, no extra rounding) or bf16 (half the bytes)."""
-    return REDUCE_DTYPES[settings.value("TP2_REDUCE_DTYPE", environ)]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[settings.value("TP2_REDUCE_DTYPE", environ)]
 
 
 @dataclass
@@ -62,11 +56,8 @@ def init_tp_group(
     env: TPEnv, device: torch.device | None = None, store: dist.Store | None = None, stop_check=None, loss_check=None
 ) -> TPGroup:
     """Join the TP world (NCCL on CUDA, gloo on CPU, or gloo on CUDA for the benchmarks' one-GPU mode,
-    TP2_BENCH_GLOO_ON_CUDA); a peer that never arrives is an error after the timeout.
-
-    With `store`, the group forms over it (a session's generation-prefixed store); otherwise over
-    MASTER_ADDR:MASTER_PORT.
-    """
+    TP2_BENCH_GLOO_ON_CUDA) over `store` (a session's generation-prefixed store), else over MASTER_ADDR:MASTER_PORT;
+    a peer that never arrives is an error after the timeout."""
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
     backend = "nccl" if device.type == "cuda" and not settings.value("TP2_BENCH_GLOO_ON_CUDA") else "gloo"
     timeout = timedelta(seconds=env.timeout_s)
@@ -100,9 +91,8 @@ def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbort
                 return PromptAbortedError(why)
             time.sleep(0.05)
     gone = tp.loss_check() if tp.loss_check is not None else None
-    if gone:
-        return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {gone}")
-    return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {_what_happened(tp, e)} ({type(e).__name__}: {e})")
+    told = gone or f"{_what_happened(tp, e)} ({type(e).__name__}: {e})"
+    return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {told}")
 
 
 ENDED = ("closed", "reset by peer", "refused", "broken pipe", "end of file")  # words of a connection whose process ended
@@ -120,10 +110,9 @@ def _what_happened(tp: TPGroup, e: BaseException) -> str:
 
 
 def wait(work, tp: TPGroup, what: str | Callable[[], str], host_side: bool) -> None:
-    """Wait for `work`; a host-side (gloo) wait polls the group's `stop_check` so a peer's stop ends it at once.
-
-    A GPU (NCCL) work only makes the current stream wait, as before. `what` names the collective in an error (a
-    callable is called only then: the hot path formats nothing)."""
+    """Wait for `work`; a host-side (gloo) wait polls the group's `stop_check` so a peer's stop ends it at once (a
+    GPU one only makes the current stream wait). `what` names the collective in an error (a callable is called only
+    then: the hot path formats nothing)."""
     try:
         if not host_side or tp.stop_check is None:
             work.wait()
@@ -140,8 +129,12 @@ def wait(work, tp: TPGroup, what: str | Callable[[], str], host_side: bool) -> N
         raise _lost(tp, what() if callable(what) else what, e) from e
 
 
-def _host_side(tp: TPGroup) -> bool:
-    return tp.backend == "gloo"
+def _start(tp: TPGroup, what: str | Callable[[], str], start: Callable):
+    """`start()`'s work (an async collective); a collective that cannot even start is the loss of a peer."""
+    try:
+        return start()
+    except (RuntimeError, dist.DistError) as e:
+        raise _lost(tp, what() if callable(what) else what, e) from e
 
 
 def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -152,11 +145,8 @@ def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     def what() -> str:
         return f"all_reduce of {tuple(t.shape)} {t.dtype}"
 
-    try:
-        work = dist.all_reduce(t, group=tp.group, async_op=True)
-    except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, what(), e) from e
-    wait(work, tp, what, _host_side(tp))
+    work = _start(tp, what, lambda: dist.all_reduce(t, group=tp.group, async_op=True))
+    wait(work, tp, what, tp.backend == "gloo")
     return t
 
 
@@ -168,27 +158,23 @@ class Pending:
 
     def result(self) -> torch.Tensor:
         if self._work is not None:
-            wait(self._work, self._tp, self._what, _host_side(self._tp))
+            wait(self._work, self._tp, self._what, self._tp.backend == "gloo")
         return self._finish()
 
 
 def start_reduce_scatter_rows(t: torch.Tensor, tp: TPGroup, out: torch.Tensor | None = None) -> Pending:
     """Sequence parallelism's reduce, started: sum `t` [S, ...] over ranks, this rank keeps S/tp_size rows (into
-    `out`, a contiguous [S/tp_size, ...] tensor or view, when given).
-
-    Moves half the bytes of an all-reduce per rank. S must be a multiple of tp_size (callers pad). gloo has no
-    reduce-scatter: there it is an all-reduce and a narrow, with the same sums."""
+    `out`, a contiguous [S/tp_size, ...] tensor or view, when given). S must be a multiple of tp_size (callers pad).
+    gloo has no reduce-scatter: there it is an all-reduce and a narrow, with the same sums."""
     what = f"reduce_scatter of {tuple(t.shape)} {t.dtype}"
     if tp.tp_size == 1:
         return Pending(None, lambda: t if out is None else out.copy_(t), tp, what)
     n = t.shape[0] // tp.tp_size
-    try:
-        if tp.backend == "nccl":
-            out = torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device) if out is None else out
-            return Pending(dist.reduce_scatter_tensor(out, t.contiguous(), group=tp.group, async_op=True), lambda: out, tp, what)
-        work = dist.all_reduce(t, group=tp.group, async_op=True)
-    except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, what, e) from e
+    if tp.backend == "nccl":
+        out = torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device) if out is None else out
+        work = _start(tp, what, lambda: dist.reduce_scatter_tensor(out, t.contiguous(), group=tp.group, async_op=True))
+        return Pending(work, lambda: out, tp, what)
+    work = _start(tp, what, lambda: dist.all_reduce(t, group=tp.group, async_op=True))
 
     def finish() -> torch.Tensor:
         mine = t.narrow(0, tp.tp_rank * n, n)
@@ -207,33 +193,16 @@ def start_all_gather_rows(t: torch.Tensor, tp: TPGroup, out: torch.Tensor | None
         out = torch.empty((t.shape[0] * tp.tp_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     elif not out.is_contiguous() or out.shape[0] != t.shape[0] * tp.tp_size:
         raise ValueError(f"all_gather into {tuple(out.shape)} (contiguous: {out.is_contiguous()}) for rows {tuple(t.shape)}")
-    try:
-        if tp.backend == "nccl":
-            work = dist.all_gather_into_tensor(out, t.contiguous(), group=tp.group, async_op=True)
-        else:
-            work = dist.all_gather(list(out.chunk(tp.tp_size)), t.contiguous(), group=tp.group, async_op=True)
-    except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, what, e) from e
+    if tp.backend == "nccl":
+        work = _start(tp, what, lambda: dist.all_gather_into_tensor(out, t.contiguous(), group=tp.group, async_op=True))
+    else:
+        work = _start(tp, what, lambda: dist.all_gather(list(out.chunk(tp.tp_size)), t.contiguous(), group=tp.group, async_op=True))
     return Pending(work, lambda: out, tp, what)
-
-
-def reduce_scatter_rows(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """`start_reduce_scatter_rows(t, tp).result()`."""
-    return start_reduce_scatter_rows(t, tp).result()
-
-
-def all_gather_rows(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """`start_all_gather_rows(t, tp).result()`."""
-    return start_all_gather_rows(t, tp).result()
 
 
 def _cpu(op, tp: TPGroup, what: str, *args, **kwargs) -> None:
     """One collective on the CPU group, waited for with the stop check."""
-    try:
-        work = op(*args, group=tp.cpu_group, async_op=True, **kwargs)
-    except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, what, e) from e
-    wait(work, tp, what, host_side=True)
+    wait(_start(tp, what, lambda: op(*args, group=tp.cpu_group, async_op=True, **kwargs)), tp, what, host_side=True)
 
 
 def broadcast_object(obj: object, tp: TPGroup, src: int = 0) -> object:
@@ -252,36 +221,25 @@ def all_gather_object(obj: object, tp: TPGroup) -> list:
     """Every rank's picklable object, in rank order (over the CPU group)."""
     if tp.tp_size == 1:
         return [obj]
-    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    data = pickle.dumps(obj)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(tp.tp_size)]
-    _cpu(dist.all_gather, tp, "all_gather of object sizes", sizes, torch.tensor([mine.numel()], dtype=torch.int64))
+    _cpu(dist.all_gather, tp, "all_gather of object sizes", sizes, torch.tensor([len(data)], dtype=torch.int64))
     longest = int(max(s.item() for s in sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: mine.numel()] = mine
+    padded = torch.frombuffer(bytearray(data.ljust(longest, b"\0")), dtype=torch.uint8)
     blobs = [torch.empty(longest, dtype=torch.uint8) for _ in range(tp.tp_size)]
     _cpu(dist.all_gather, tp, f"all_gather of objects ({longest} bytes)", blobs, padded)
     return [pickle.loads(b[: int(n.item())].numpy().tobytes()) for b, n in zip(blobs, sizes)]
 
 
-def _flatten(obj, tensors: list[torch.Tensor]):
+def _map_tensors(obj, fn: Callable[[torch.Tensor], object]):
+    """`obj` with every tensor inside its dicts, lists and tuples replaced by `fn(tensor)`, in a fixed order."""
     if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return ("__tensor__", len(tensors) - 1, tuple(obj.shape), obj.dtype)
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: _flatten(v, tensors) for k, v in obj.items()}
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_flatten(v, tensors) for v in obj)
+        return type(obj)(_map_tensors(v, fn) for v in obj)
     return obj
-
-
-def _unflatten(skel, tensors: list[torch.Tensor]):
-    if isinstance(skel, tuple) and len(skel) == 4 and skel[0] == "__tensor__":
-        return tensors[skel[1]]
-    if isinstance(skel, dict):
-        return {k: _unflatten(v, tensors) for k, v in skel.items()}
-    if isinstance(skel, (list, tuple)):
-        return type(skel)(_unflatten(v, tensors) for v in skel)
-    return skel
 
 
 def carries_tensors(value: object) -> bool:
@@ -296,38 +254,24 @@ def carries_tensors(value: object) -> bool:
 
 
 def broadcast_tree(obj: object, tp: TPGroup, src: int = 0) -> object:
-    """Rank `src`'s nested dict/list/tuple of tensors and plain values, identical on every rank.
-
-    The structure, shapes and dtypes go over the CPU group; tensors go over the tensor group on `tp.device`.
-    Contract: forward: broadcast from `src`; other ranks' inputs are ignored (pass None).
-    """
+    """Rank `src`'s nested dict/list/tuple of tensors and plain values on every rank (the others pass None): the
+    structure, shapes and dtypes go over the CPU group, the tensors over the tensor group on `tp.device`."""
     if tp.tp_size == 1:
         return obj
     tensors: list[torch.Tensor] = []
-    skel = _flatten(obj, tensors) if tp.tp_rank == src else None
-    skel = broadcast_object(skel, tp, src)
-    if tp.tp_rank != src:
-        metas: list = []
-        _collect_meta(skel, metas)
-        tensors = [torch.empty(shape, dtype=dtype, device=tp.device) for shape, dtype in metas]
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        tensors.append(t)
+        return t
+
+    shapes = _map_tensors(obj, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")) if tp.tp_rank == src else None
+    shapes = broadcast_object(shapes, tp, src)
+    if tp.tp_rank == src:
+        tree = _map_tensors(obj, lambda t: keep(t.to(tp.device).contiguous()))
     else:
-        tensors = [t.to(tp.device).contiguous() for t in tensors]
+        tree = _map_tensors(shapes, lambda m: keep(torch.empty(m.shape, dtype=m.dtype, device=tp.device)))
     what = f"broadcast of {len(tensors)} tensors"
-    try:
-        works = [dist.broadcast(t, src=src, group=tp.group, async_op=True) for t in tensors]
-    except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, what, e) from e
+    works = [_start(tp, what, lambda t=t: dist.broadcast(t, src=src, group=tp.group, async_op=True)) for t in tensors]
     for work in works:
-        wait(work, tp, what, _host_side(tp))
-    return _unflatten(skel, tensors)
-
-
-def _collect_meta(skel, out: list) -> None:
-    if isinstance(skel, tuple) and len(skel) == 4 and skel[0] == "__tensor__":
-        out.append((skel[2], skel[3]))
-    elif isinstance(skel, dict):
-        for v in skel.values():
-            _collect_meta(v, out)
-    elif isinstance(skel, (list, tuple)):
-        for v in skel:
-            _collect_meta(v, out)
+        wait(work, tp, what, tp.backend == "gloo")
+    return tree

@@ -1,7 +1,5 @@
-"""The pack's exceptions. Every message says what failed, on which object, with the numbers, and what to do.
-
-Imports nothing from the pack or from `comfy`. Each class reports its module as `minimax_h3_tp2` (see the end).
-"""
+"""The pack's exceptions: every message says what failed, on which object, with the numbers, and what to do.
+Imports nothing from the pack or from `comfy`. Each class reports its module as `minimax_h3_tp2` (see the end)."""
 
 
 class TP2Error(Exception):

@@ -16,28 +16,23 @@ from .errors import RankMismatchError
 
 def model_fingerprint(plan_fingerprint: str, checkpoint_fingerprint: str, tp_size: int) -> dict[str, str]:
     """The fields ranks must share before they load and run a model."""
-    return {
-        "pack_version": __version__,
-        "plan": plan_fingerprint,
-        "checkpoint": checkpoint_fingerprint,
-        "tp_size": str(tp_size),
-    }
+    return {"pack_version": __version__, "plan": plan_fingerprint, "checkpoint": checkpoint_fingerprint, "tp_size": str(tp_size)}
 
 
 DETAIL = "detail:"  # a field `<skip_prefix>detail:<key>` holds JSON {label: short value} explaining field <key>
 
 
 def compare_fields(everyone: list[dict[str, str]], tag: str, what: str, skip_prefix: str = "\0") -> None:
-    """Raise RankMismatchError naming every field whose value differs between ranks (ranks in list order).
-
-    A differing field that comes with details (`<skip_prefix>detail:<field>`, e.g. the prompt's nodes and inputs)
-    is explained by the labels whose values differ: "node 5 (KSampler) input 'seed' (rank 0: 1, rank 1: 2)"."""
+    """Raise RankMismatchError naming every field whose value differs between ranks (ranks in list order). A differing
+    field that comes with details (`<skip_prefix>detail:<field>`, e.g. the prompt's nodes and inputs) is explained by
+    the labels whose values differ: "node 5 (KSampler) input 'seed' (rank 0: 1, rank 1: 2)"."""
     diffs = []
-    for key in sorted({k for f in everyone for k in f if not k.startswith(skip_prefix)}):
-        values = [f.get(key, "<missing>") for f in everyone]
-        if len(set(values)) > 1:
-            diffs.append(f"'{key}' (" + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) + ")")
-            diffs.extend(_explain([f.get(f"{skip_prefix}{DETAIL}{key}") for f in everyone]))
+    for key, told in _differences(everyone, "'{}'", lambda k: not k.startswith(skip_prefix)):
+        diffs.append(told)
+        details = [f.get(f"{skip_prefix}{DETAIL}{key}") for f in everyone]
+        if None not in details:
+            labels = [t for _, t in _differences([json.loads(d) for d in details])]
+            diffs.extend(labels[:6] + ([f"and {len(labels) - 6} more"] if len(labels) > 6 else []))
     if diffs:
         raise RankMismatchError(
             f"{tag} ranks disagree on the {what}: {'; '.join(diffs)}. Every rank must run the same pack version, "
@@ -45,18 +40,14 @@ def compare_fields(everyone: list[dict[str, str]], tag: str, what: str, skip_pre
         )
 
 
-def _explain(details: list[str | None], most: int = 6) -> list[str]:
-    """The labels whose values differ between ranks' details (at most `most`, then how many more)."""
-    if any(d is None for d in details):
-        return []
-    maps = [json.loads(d) for d in details]
-    labels = sorted({k for m in maps for k in m})
+def _differences(maps: list[dict], name: str = "{}", compared=lambda key: True) -> list[tuple[str, str]]:
+    """(key, "<name> (rank 0: a, rank 1: b)") for each `compared` key whose value differs between the ranks' maps."""
     out = []
-    for label in labels:
-        values = [m.get(label, "<missing>") for m in maps]
+    for key in sorted({k for m in maps for k in m if compared(k)}):
+        values = [m.get(key, "<missing>") for m in maps]
         if len(set(values)) > 1:
-            out.append(f"{label} (" + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) + ")")
-    return out[:most] + ([f"and {len(out) - most} more"] if len(out) > most else [])
+            out.append((key, name.format(key) + " (" + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) + ")"))
+    return out
 
 
 def short_value(value, width: int = 40) -> str:

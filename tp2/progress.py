@@ -1,13 +1,11 @@
 """Progress inside a step every rank runs in lockstep: a rank alive but stuck there is named after the step's progress timeout.
 
-A heartbeat proves that a process lives, not that it gets on. A lockstep step (the split decode, sampling) is a series of units
-every rank goes through together (a round of tile decodes, a model evaluation); each rank `mark`s each unit's start, and the
-end of its own part of it, right before the collectives that need every rank's part. Its heartbeat carries "<step>#<marks>".
-A rank ahead of a peer in the same step waits for that peer; once it has waited longer than the step's progress timeout
-(STUCK_FACTOR times the longest span between two of its own marks in the step, at least STUCK_FLOOR_S), the peer is stuck:
-it did not do in that time what took this rank a quarter of it. The span before a step's first mark is not timed (a model's
-move to the device happens there, which a peer may take longer over). A peer stuck before the first mark, or between steps,
-is left to the collective's own timeout (TP2_TIMEOUT_S). Imports nothing.
+A lockstep step (the split decode, sampling) is a series of units every rank goes through together; each rank `mark`s
+each unit's start, and the end of its own part of it, right before the collectives that need every rank's part, and its
+heartbeat carries "<step>#<marks>". A rank ahead of a peer in the same step that has waited longer than the step's
+progress timeout (STUCK_FACTOR times the longest span between two of its own marks in the step, at least STUCK_FLOOR_S)
+names the peer stuck. The span before a step's first mark (a model's move to the device) is not timed; a peer stuck
+there, or between steps, is left to the collective's own timeout (TP2_TIMEOUT_S). Imports nothing.
 """
 
 from __future__ import annotations

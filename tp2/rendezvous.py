@@ -29,16 +29,10 @@ PRIVATE = "_tp2_"  # field-name prefix for the session's own bookkeeping (not co
 
 class Rendezvous:
     def rendezvous(self, key: str, fields: dict[str, str], timeout_s: float, abort=None) -> list[dict[str, str]]:
-        """Publish `fields` under `key` and wait for every rank's; compare them.
-
-        A peer that is executing this run is waited for as long as it is alive; one that has not started the run
-        within `timeout_s`, or finished it without reaching `key` (its node cache served the step), is a
-        PeerLostError naming it. A stop of the run by any rank (or this rank's `abort()` returning a reason) is a
-        PromptAbortedError with that reason. Whether the ranks go on is one verdict in the store, written by the first
-        rank to decide and obeyed by all, so a stop near the arrival never stops one rank and lets another go on.
-        RankMismatchError names the fields that differ (every rank sees every rank's fields, so every rank raises the
-        same). The keys are deleted by the last rank to read them.
-        """
+        """Publish `fields` under `key`, wait for every rank's and compare them (RankMismatchError on every rank);
+        every rank's fields, in rank order. A peer executing this run is waited for while it lives; one that has not
+        started the run within `timeout_s`, or finished it without reaching `key` (its node cache served the step),
+        is a PeerLostError naming it. A stop of the run by any rank (or `abort()` here) is a PromptAbortedError with its reason."""
         run = self.watcher.run
         base = f"tp2/rv/{key}"
         keys = [f"{base}/rank{r}" for r in range(self.env.tp_size)]

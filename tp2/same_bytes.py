@@ -1,10 +1,5 @@
-"""Tensors made byte-identical on every rank: a digest of a tensor's bytes, compared over the CPU group, and rank
-src's bytes sent only where one differs (nodes/same_outputs.py uses it for what ranks compute alone).
-
-    bytes_digest(t)                    SHA-256 of a tensor's bytes in memory order (threads, no copy where dense)
-    same_everywhere(t, tp, src=0)      t equal to rank src's on every rank, in place; the ranks that differed
-    same_blob_everywhere(blob, tp)     the same for bytes of any length (a written file): rank src's bytes
-
+"""Tensors (and blobs) made byte-identical on every rank: a digest of the bytes, compared over the CPU group, and
+rank src's bytes sent only where one differs (nodes/same_outputs.py uses it for what ranks compute alone).
 Imports nothing from `comfy`.
 """
 
@@ -39,11 +34,8 @@ def _dense(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def same_everywhere(t: torch.Tensor, tp: TPGroup, src: int = 0, piece_bytes: int = 256 << 20) -> list[int]:
-    """Make `t` equal on every rank to rank `src`'s, bit for bit, in place.
-
-    Contract: every rank's `bytes_digest(t)` goes over the CPU group; only where one differs does rank src's tensor
-    travel (broadcast in pieces of at most `piece_bytes`, written into `t`). Returns the ranks whose tensor differed
-    from src's (empty: nothing moved)."""
+    """Make `t` equal on every rank to rank `src`'s, bit for bit, in place; the ranks whose tensor differed from src's.
+    Only the digests travel, unless one differs: then src's tensor, broadcast in pieces of at most `piece_bytes`."""
     if tp.tp_size == 1:
         return []
     differ = _differing(bytes_digest(t), tp, src)

@@ -1,14 +1,14 @@
 """A long-lived TP rank: agreement over a store that outlives process groups, and groups made by generation.
 
-ComfyUI servers run for days: a peer restarts, a prompt reaches one rank only, one rank's node cache serves a sampler the
-other runs. A timed-out or broken process group is unusable, so ranks agree over a TCPStore (hosted by rank 0, bounded
-polling, nothing left half-done); the tensor process group is (re)made, under a new generation, once every rank agreed.
+A peer restarts, a prompt reaches one rank only, one rank's node cache serves a sampler the other runs; a timed-out or
+broken process group is unusable. So ranks agree over a TCPStore (hosted by rank 0, bounded polling, nothing left
+half-done), and the tensor process group is (re)made, under a new generation, once every rank agreed.
 
     session.begin_run(run) / end_run()   the run (one prompt) this rank executes; its watcher (tp2/watch.py) says when a
                                          peer stopped it or went silent
     session.agree(key, fields)           a TPGroup for collectives, or PeerLostError / RankMismatchError / PromptAbortedError
     session.stop_run(reason)             every rank is told (a watcher ends any wait within a poll); this rank gives up its group
-    session.mark_broken()                after a failed collective: the next agreement makes a fresh group
+    session.abandon_group()              after a peer's stop or loss: the next agreement makes a fresh group
 
 Under NCCL the pack aborts communicators itself (TORCH_NCCL_ASYNC_ERROR_HANDLING=0: PyTorch's watchdog must not end a
 process because a peer failed; see `tp2.settings.set_for_libraries`). Imports torch only; never `comfy`.
@@ -59,8 +59,6 @@ def watcher_aborts_communicator(backend: str) -> bool:
 
 log = logging.getLogger(__name__)
 
-_EPOCH = "tp2/cache_epoch"
-
 
 def detail_key(field: str) -> str:
     """The rendezvous field that explains `field` when ranks differ on it (JSON {label: value}; not compared itself)."""
@@ -89,28 +87,23 @@ class TPSession(Rendezvous):
     def tag(self) -> str:
         return f"[tp2 r{self.env.tp_rank}/{self.env.tp_size}]"
 
-    # -- the store -------------------------------------------------------------------------------------
     def _connect(self, timeout_s: float) -> dist.Store:
-        if self._store is None or self._stale:
-            self._stale = False
-            master = self.env.tp_rank == 0
-            try:
-                if master and self._listener is None:
-                    self._listener = listening_socket(self.env.master_addr, self.env.master_port)
-                self._store = dist.TCPStore(
-                    self.env.master_addr,
-                    self.env.master_port,
-                    is_master=master,
-                    wait_for_workers=False,
-                    timeout=timedelta(seconds=timeout_s),
-                    **({"master_listen_fd": self._listener.fileno()} if master else {}),
-                )
-            except (RuntimeError, dist.DistError, OSError) as e:
-                who = "open" if master else "reach rank 0's"
-                raise PeerLostError(
-                    f"{self.tag} cannot {who} TP store at {self.env.master_addr}:{self.env.master_port} within "
-                    f"{timeout_s:.0f} s ({e}). Start rank 0 (or free that port) and check MASTER_ADDR/MASTER_PORT."
-                ) from e
+        if self._store is not None and not self._stale:
+            return self._store
+        self._stale = False
+        master = self.env.tp_rank == 0
+        try:
+            if master and self._listener is None:
+                self._listener = listening_socket(self.env.master_addr, self.env.master_port)
+            listen = {"master_listen_fd": self._listener.fileno()} if master else {}
+            self._store = dist.TCPStore(self.env.master_addr, self.env.master_port, is_master=master, wait_for_workers=False,
+                                        timeout=timedelta(seconds=timeout_s), **listen)  # fmt: skip
+        except (RuntimeError, dist.DistError, OSError) as e:
+            who = "open" if master else "reach rank 0's"
+            raise PeerLostError(
+                f"{self.tag} cannot {who} TP store at {self.env.master_addr}:{self.env.master_port} within "
+                f"{timeout_s:.0f} s ({e}). Start rank 0 (or free that port) and check MASTER_ADDR/MASTER_PORT."
+            ) from e
         return self._store
 
     def _store_op(self, timeout_s: float, fn):
@@ -123,8 +116,6 @@ class TPSession(Rendezvous):
             self._store = None
             return fn(self._connect(timeout_s))
 
-    # -- agreement -------------------------------------------------------------------------------------
-    # -- runs ------------------------------------------------------------------------------------------
     def begin_run(self, run: str, boots: dict[int, str] | None = None) -> None:
         """This rank starts executing run `run` (one prompt; rank 0 names it, unique per execution)."""
         self.watcher.begin(run, boots)
@@ -152,12 +143,10 @@ class TPSession(Rendezvous):
         self._retire_group()
 
     def _retire_group(self) -> None:
-        """Deregister the current group and keep it alive until its collectives can no longer be pending.
-
-        A collective this rank gave up on may still be waiting in the group's threads (gloo has no abort), and
-        destroying the group joins them: if the last reference went away at a random point (garbage collection,
-        with the interpreter lock held), that join would freeze this process for up to TP2_TIMEOUT_S. Retired
-        groups are released once that much time has passed, when their waits are over."""
+        """Deregister the current group and keep it alive until its collectives can no longer be pending: a
+        collective given up on may still wait in the group's threads (gloo has no abort), and destroying the group
+        joins them, which at a random point (garbage collection, interpreter lock held) would freeze this process
+        for up to TP2_TIMEOUT_S. Retired groups are released once that much time has passed."""
         now = time.monotonic()
         keep = [(t, pgs) for t, pgs in self._retired if now - t < self.env.timeout_s + 10]
         if self.group is not None:
@@ -234,7 +223,7 @@ class TPSession(Rendezvous):
         if self._store is None or self.watcher.store_problem() is not None:
             return None
         try:
-            epoch = self._store_op(5.0, lambda s: signed_counter(s, _EPOCH, self.watcher.secret, bump, self._epoch_seen))
+            epoch = self._store_op(5.0, lambda s: signed_counter(s, "tp2/cache_epoch", self.watcher.secret, bump, self._epoch_seen))
         except (RuntimeError, dist.DistError, PeerLostError):
             return None
         if epoch is None:
@@ -242,21 +231,9 @@ class TPSession(Rendezvous):
         self._epoch_seen = max(self._epoch_seen, epoch or 0)
         return epoch
 
-    def mark_broken(self) -> None:
-        """A collective failed (peer died or timed out): the next `agree` builds a new group."""
-        self.healthy = False
-
     def start_watching(self) -> None:
         """Start the watcher thread (after this rank's store is up: rank 0 hosts it)."""
         self.watcher.start()
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self.group, self.healthy, self._store = None, False, None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
 
 
 def _abort_nccl() -> None:

@@ -75,7 +75,7 @@ class Watcher:
         self.peer_urls = peer_urls or []  # every rank's HTTP address (TP2_RANK_URLS): a port that refuses = gone
         self.on_stop: Callable[[str], None] | None = None  # called once per run, from the watcher thread
         self._lock = threading.Lock()
-        self._run: str | None = None
+        self.run: str | None = None  # the run being watched (rank 0 names it, unique per execution)
         self._stop: str | None = None
         self._beats = 0
         self._seen: dict[int, tuple[str, float]] = {}  # peer -> (last heartbeat value, when it last changed)
@@ -95,29 +95,23 @@ class Watcher:
 
     def begin(self, run: str, boots: dict[int, str] | None = None) -> None:
         """Start watching run `run`; `boots` are peers' boot ids known to be part of it (rank 0's, from its order).
-        Other peers' are taken from their first heartbeat read during the run: a change after that is a restart.
-        This rank's keys of the run before the previous one are deleted (a late peer may still read the previous
-        run's): the store does not grow with the prompts."""
+        Other peers' are taken from their first heartbeat read during the run: a change after that is a restart."""
         with self._lock:
-            self._run, self._stop = run, None
+            self.run, self._stop = run, None
             self._boots = dict(boots or {})
         self.progress.end()
-        self._set(f"tp2/run/{run}/state/rank{self.rank}", "started")
+        self._store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "started"), warn=True)
         self._runs.append(run)
         if len(self._runs) > KEPT_RUNS:
             old = self._runs.pop(0)
-            self._delete(f"tp2/run/{old}/state/rank{self.rank}", f"tp2/run/{old}/stop")
+            self._store_call(lambda s: [s.delete_key(k) for k in (f"tp2/run/{old}/state/rank{self.rank}", f"tp2/run/{old}/stop")])
 
     def end(self) -> None:
         with self._lock:
-            run, self._run = self._run, None
+            run, self.run = self.run, None
         self.progress.end()
         if run is not None and self.store_problem() is None:
-            self._set(f"tp2/run/{run}/state/rank{self.rank}", "done")
-
-    @property
-    def run(self) -> str | None:
-        return self._run
+            self._store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "done"), warn=True)
 
     def stop_reason(self) -> str | None:
         """Why the current run must stop on this rank (a peer's notice, a silent or restarted peer), else None."""
@@ -125,7 +119,7 @@ class Watcher:
 
     def publish_stop(self, reason: str) -> None:
         """Tell every rank that this rank stopped the current run, and why (the first notice of a run wins)."""
-        run = self._run
+        run = self.run
         if run is None:
             return
         with self._lock:
@@ -137,8 +131,7 @@ class Watcher:
             notice["mac"] = sign(self.secret, run, self.rank, reason)
         key = f"tp2/run/{run}/stop"
         try:
-            store = self._client()
-            store.compare_set(key, "", json.dumps(notice))  # only when no rank wrote one first
+            self._client().compare_set(key, "", json.dumps(notice))  # only when no rank wrote one first
         except (RuntimeError, dist.DistError) as e:
             log.warning("[tp2 r%d/%d] could not publish why the run stopped (%s): %s", self.rank, self.size, e, reason)
 
@@ -192,8 +185,9 @@ class Watcher:
             beat = f"{self.boot_id}:{self._beats}:{self.progress.token()}"
             store.set(f"tp2/hb/rank{self.rank}", signed(self.secret, f"tp2/hb/rank{self.rank}", beat))
             store.set(f"tp2/boot/rank{self.rank}", self.boot_id)
-            beats = store.multi_get([f"tp2/hb/rank{r}" for r in range(self.size)]) if self._all_beating(store) else None
-            run = self._run
+            hb = [f"tp2/hb/rank{r}" for r in range(self.size)]
+            beats = store.multi_get(hb) if store.check(hb) else None
+            run = self.run
             raw = store.get(f"tp2/run/{run}/stop") if run is not None and store.check([f"tp2/run/{run}/stop"]) else None
             self._store_failures = 0
         except (RuntimeError, dist.DistError) as e:
@@ -227,8 +221,7 @@ class Watcher:
         boot = value.split(":")[0]
         if run is None:
             return
-        self._boots.setdefault(r, boot)
-        if self._boots[r] != boot:
+        if self._boots.setdefault(r, boot) != boot:
             self._decide(f"rank {r} restarted during the prompt (it died and came back): queue the prompt again", publish=True)
         quiet = now - self._seen[r][1]
         if quiet > PROBE_AFTER_S and self._process_gone(r):
@@ -256,17 +249,14 @@ class Watcher:
         except OSError:  # unreachable or slow: not proof that the process ended
             return False
 
-    def _all_beating(self, store) -> bool:
-        return store.check([f"tp2/hb/rank{r}" for r in range(self.size)])
-
     def _decide(self, reason: str, publish: bool = False) -> None:
         """The current run stops on this rank for `reason` (once per run); `publish`: tell the other ranks too (a
         silent or restarted peer did not, and finds out when it comes back)."""
         with self._lock:
-            if self._run is None or self._stop is not None:
+            if self.run is None or self._stop is not None:
                 return
             self._stop = reason
-        log.warning("[tp2 r%d/%d] stopping run %s: %s", self.rank, self.size, self._run, reason)
+        log.warning("[tp2 r%d/%d] stopping run %s: %s", self.rank, self.size, self.run, reason)
         if publish:
             self.publish_stop(reason)
         if self.on_stop is not None:
@@ -285,25 +275,15 @@ class Watcher:
             self._clients.store = store
         return store
 
-    def _set(self, key: str, value: str) -> None:
+    def _store_call(self, fn: Callable[[dist.Store], object], warn: bool = False):
+        """`fn(store)` over this thread's connection; None when the store does not answer (the connection is dropped)."""
         try:
-            self._client().set(key, value)
+            return fn(self._client())
         except (RuntimeError, dist.DistError) as e:
             self._clients.store = None
-            log.warning("[tp2 r%d/%d] rank store unreachable (%s)", self.rank, self.size, e)
-
-    def _delete(self, *keys: str) -> None:
-        try:
-            store = self._client()
-            for key in keys:
-                store.delete_key(key)
-        except (RuntimeError, dist.DistError):
-            self._clients.store = None
+            if warn:
+                log.warning("[tp2 r%d/%d] rank store unreachable (%s)", self.rank, self.size, e)
+            return None
 
     def _get(self, key: str) -> str | None:
-        try:
-            store = self._client()
-            return store.get(key).decode() if store.check([key]) else None
-        except (RuntimeError, dist.DistError):
-            self._clients.store = None
-            return None
+        return self._store_call(lambda s: s.get(key).decode() if s.check([key]) else None)

@@ -60,13 +60,13 @@ def test_broadcast_tree_and_all_reduce():
 
 
 def _sequence_parallel_worker(tp_rank, tp_size):
-    from tp2.collectives import all_gather_rows, all_reduce, reduce_scatter_rows, start_all_gather_rows, start_reduce_scatter_rows
+    from tp2.collectives import all_reduce, start_all_gather_rows, start_reduce_scatter_rows
 
     tp = _join()
     g = torch.Generator().manual_seed(tp_rank)
     partial = torch.randn(4 * tp_size, 3, generator=g)  # this rank's partial sums of a [4 * tp_size, 3] output
-    mine = reduce_scatter_rows(partial.clone(), tp)
-    whole = all_gather_rows(mine, tp)
+    mine = start_reduce_scatter_rows(partial.clone(), tp).result()
+    whole = start_all_gather_rows(mine, tp).result()
     # several in flight at once, waited in order (the pipelined MLP's pattern)
     pending = [start_all_gather_rows(mine[:2].clone(), tp), start_all_gather_rows(mine[2:].clone(), tp)]
     pending.append(start_reduce_scatter_rows(partial.clone(), tp))

@@ -60,15 +60,15 @@ def test_nccl_tp2_block_matches_one_gpu(tiny_int8, reduce_dtype):
 
 
 def _sequence_parallel_worker(tp_rank, tp_size, dtype):
-    from tp2.collectives import all_gather_rows, all_reduce, init_tp_group, reduce_scatter_rows
+    from tp2.collectives import all_reduce, init_tp_group, start_all_gather_rows, start_reduce_scatter_rows
     from tp2.settings import read_tp_env
 
     torch.cuda.set_device(tp_rank)
     tp = init_tp_group(read_tp_env(), torch.device("cuda", tp_rank))
     g = torch.Generator().manual_seed(tp_rank)
     partial = torch.randn(14880, 512, generator=g).to("cuda", dtype)  # an H3-length sequence of partial sums
-    mine = reduce_scatter_rows(partial.clone(), tp)
-    return mine.cpu(), all_gather_rows(mine, tp).cpu(), all_reduce(partial.clone(), tp).cpu()
+    mine = start_reduce_scatter_rows(partial.clone(), tp).result()
+    return mine.cpu(), start_all_gather_rows(mine, tp).result().cpu(), all_reduce(partial.clone(), tp).cpu()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
