@@ -43,20 +43,15 @@ def is_h3_file(path: str) -> bool:
         return True
     except UnknownPrefixError:
         raise  # H3, but not where we can split it: refused, never run whole on every rank
-    except PlanError:
-        return False
-    except Exception:  # noqa: BLE001 - unreadable files are ComfyUI's to report, not ours
+    except Exception:  # noqa: BLE001 - not H3 (PlanError), or unreadable: ComfyUI's to load or report
         return False
 
 
 def rank_cache_args() -> tuple[str | None, object, bool]:
     """(cache dir, file reader, whether to cut a missing file) for tp2.rank_cache; the cache dir is None when the rank
-    cache is off. At tp_size 1 the file is mapped whole by the reader (nothing to cut).
-
-    TP2_RANK_CACHE=auto uses the files already there (python -m tp2.rank_cache cuts them ahead of time) and cuts
-    missing ones when ComfyUI runs with dynamic VRAM, which keeps a pinned host copy of every weight and fills it
-    straight from the file only for weights mapped from one (tp2/rank_cache.py says why). The reader is ComfyUI's
-    own, so the cached slices are mapped exactly as a whole checkpoint would be."""
+    cache is off. TP2_RANK_CACHE=auto uses the files already there and cuts missing ones only when ComfyUI runs with
+    dynamic VRAM (tp2/rank_cache.py says why). The reader is ComfyUI's own, so the cached slices are mapped exactly
+    as a whole checkpoint would be."""
     mode = settings.value("TP2_RANK_CACHE")
     cut = mode == "on" or (mode == "auto" and comfy.memory_management.aimdo_enabled)
     read_all = lambda path: comfy.utils.load_torch_file(path, safe_load=True)  # noqa: E731
@@ -100,14 +95,7 @@ def _load_h3(unet_path, model_options, disable_dynamic):
     STATE.models.append(
         LoadedModel(os.path.basename(unet_path), plan.summary(), plan.fingerprint(), source_fp, shard.origin, secs, changes_of(dm))
     )
-    log.info(
-        "%s loaded %s%s in %.1f s: %s",
-        STATE.tag,
-        os.path.basename(unet_path),
-        f" ({shard.origin})",
-        secs,
-        plan.summary(),
-    )
+    log.info("%s loaded %s (%s) in %.1f s: %s", STATE.tag, os.path.basename(unet_path), shard.origin, secs, plan.summary())
     return patcher
 
 

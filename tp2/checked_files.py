@@ -1,10 +1,6 @@
 """Which rank-cache files were checked whole against their digests, remembered per machine
 (TP2_CACHE_DIR/verified_rank_files.json) by real path, size, mtime and digests, so a file is read twice only when
 one of those changed. A file damaged in place with its size and mtime unchanged is not caught after its first check.
-
-    verified_before(path, digests)     whether this file, as it is now, was checked whole before
-    remember_verified(path, digests)   record it (an exclusive lock: ranks of one machine record at once safely)
-
 Imports nothing from `comfy`.
 """
 

@@ -31,9 +31,6 @@ class CheckpointLayout:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.tensors[name][1]
 
-    def dtype(self, name: str) -> str:
-        return self.tensors[name][0]
-
     @classmethod
     def from_file(cls, path: str) -> CheckpointLayout:
         """Read the header and the `.comfy_quant` markers (a few dozen bytes each); no weights are read."""
@@ -51,14 +48,6 @@ class CheckpointLayout:
     def from_json(cls, doc: dict) -> CheckpointLayout:
         tensors = {n: (d, tuple(s)) for n, (d, s) in doc["tensors"].items()}
         return cls(tensors, dict(doc.get("metadata", {})), dict(doc.get("quant", {})), doc.get("source", "<json>"))
-
-    def to_json(self) -> dict:
-        return {
-            "source": self.source,
-            "metadata": self.metadata,
-            "quant": self.quant,
-            "tensors": {n: [d, list(s)] for n, (d, s) in sorted(self.tensors.items())},
-        }
 
 
 def _parse_quant_json(raw: bytes | str, where: str, path: str) -> dict:

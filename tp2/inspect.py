@@ -26,14 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = [
-        {
-            "name": t.name,
-            "style": t.layer_style,
-            "kind": t.kind,
-            "dtype": t.dtype,
-            "full_shape": list(t.full_shape),
-            "local_shape": list(t.local_shape),
-        }
+        dict(name=t.name, style=t.layer_style, kind=t.kind, dtype=t.dtype, full_shape=list(t.full_shape), local_shape=list(t.local_shape))
         for t in plan.tensors.values()
     ]
     if args.json:

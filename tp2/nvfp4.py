@@ -34,6 +34,12 @@ def _roundup(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
+def nvfp4_logical_shape(stored: tuple[int, ...]) -> tuple[int, int]:
+    """An nvfp4 weight's [n, k] from its stored uint8 [n, k / 2] (two codes per byte; the pack's plan takes H3's
+    linears, whose n and k are multiples of 16, so nothing is padded)."""
+    return stored[0], 2 * stored[1]
+
+
 def _splits(n: int, k: int, dim: int, tp_size: int) -> bool:
     if dim == 0:
         return n % tp_size == 0
@@ -139,12 +145,11 @@ def slice_nvfp4(
 ) -> dict[str, torch.Tensor]:
     """This rank's tensors of ONE nvfp4 linear, keyed by suffix: dim 0 (colwise) cuts the output rows, dim 1
     (rowwise) the input columns and pre_quant_scale; the scalars and comfy_quant stay whole. The result is what a
-    ComfyUI file for the local layer would store (weight rows padded to 16, scales re-swizzled), so ComfyUI's loader
-    builds a [local_n, local_k] layer whose dequantised weight is exactly that slice of the full one.
-    `shape` is the logical [n, k]; by default the stored weight's (padding included)."""
+    ComfyUI file for the local layer would store (weight rows padded to 16, scales re-swizzled). `shape` is the
+    logical [n, k]; by default the stored weight's (padding included)."""
     weight = tensors.get("weight")
     if shape is None and weight is not None:
-        shape = (weight.shape[0], weight.shape[1] * 2)
+        shape = nvfp4_logical_shape(weight.shape)
     n, k = shape or (0, 0)
     _check_tensors(tensors, n, k)
     out = dict(tensors)

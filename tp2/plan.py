@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from .checkpoint import CheckpointLayout, convrot_group
@@ -22,7 +23,6 @@ ROWWISE = "rowwise"  # Y = sum_r X_r A_r, A split by input columns; all-reduce(s
 ROWWISE_SPLIT_INPUT = "rowwise_split_input"  # rowwise whose input is replicated: each rank slices it first
 REPLICATE = "replicate"
 
-LINEAR_STYLES = (COLWISE, COLWISE_PACKED, ROWWISE, ROWWISE_SPLIT_INPUT, REPLICATE)
 ROW_PARALLEL = (ROWWISE, ROWWISE_SPLIT_INPUT)
 
 # How one tensor of a rank file relates to the full tensor.
@@ -33,6 +33,7 @@ RANK0 = "rank0"  # a row-parallel bias: rank 0 holds it, other ranks hold zeros,
 # Megatron-style plan of the H3 DiT, by module-name pattern ("*" is a block index) -> (style, packed parts).
 # Attention and MLP are split column-then-row, so each block needs two all-reduces and nothing else.
 # `adaln_proj.linear` of the DiT blocks is resolved by checkpoint form (ADALN_STYLE).
+ADALN = "blocks.*.adaln_proj.linear"
 H3_TP_PLAN: dict[str, tuple[str, int]] = {
     "blocks.*.attn.qkv_proj": (COLWISE_PACKED, 3),  # [q|k|v]: each rank takes its heads from each part
     "blocks.*.attn.out_proj": (ROWWISE, 1),
@@ -42,7 +43,7 @@ H3_TP_PLAN: dict[str, tuple[str, int]] = {
     "token_refiner.blocks.*.attn.out_proj": (ROWWISE, 1),
     "token_refiner.blocks.*.mlp.fc1": (COLWISE_PACKED, 2),
     "token_refiner.blocks.*.mlp.fc2": (ROWWISE, 1),
-    "blocks.*.adaln_proj.linear": (REPLICATE, 1),  # placeholder, resolved by form
+    ADALN: (REPLICATE, 1),  # placeholder, resolved by form
 }
 # the full form's adaln is ~260 M params per block at full size: halve it per rank; the curve form's is ~1 M
 ADALN_STYLE = {"curve": REPLICATE, "full": ROWWISE_SPLIT_INPUT}
@@ -76,12 +77,19 @@ KNOWN_SUFFIXES = ("weight", "bias", "weight_scale", "comfy_quant")
 SUPPORTED_QUANT_FORMATS = ("int8_tensorwise",)
 
 
-def _compile(pattern: str) -> re.Pattern:
+def compile_pattern(pattern: str) -> re.Pattern:
+    """A module-name pattern ("*" is a block index) as a regex matching whole names."""
     return re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
 
 
-_LINEAR_RULES = [(_compile(p), p, style) for p, style in H3_TP_PLAN.items()]
-_REPLICATED_RULES = [_compile(p) for p in H3_REPLICATED]
+def plan_fingerprint(tp_size: int, rows: list[list]) -> str:
+    """The short hash a plan is known by (rank-cache file names, the ranks' handshake): one row per tensor."""
+    doc = {"tp_size": tp_size, "tensors": sorted(rows)}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_LINEAR_RULES = [(compile_pattern(p), p, style) for p, style in H3_TP_PLAN.items()]
+_REPLICATED_RULES = [compile_pattern(p) for p in H3_REPLICATED]
 
 
 @dataclass(frozen=True)
@@ -123,17 +131,11 @@ class Plan:
         return self.ffn // self.tp_size
 
     def fingerprint(self) -> str:
-        doc = {
-            "tp_size": self.tp_size,
-            "tensors": sorted([t.name, t.kind, t.dim, t.parts, list(t.full_shape), t.dtype] for t in self.tensors.values()),
-        }
-        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+        rows = [[t.name, t.kind, t.dim, t.parts, list(t.full_shape), t.dtype] for t in self.tensors.values()]
+        return plan_fingerprint(self.tp_size, rows)
 
     def summary(self) -> str:
-        counts: dict[str, int] = {}
-        for style in self.linears.values():
-            counts[style] = counts.get(style, 0) + 1
-        styles = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        styles = ", ".join(f"{n} {s}" for s, n in sorted(Counter(self.linears.values()).items()))
         return (
             f"H3 tp_size={self.tp_size}: {self.num_layers} blocks + {self.refiner_layers} refiner, "
             f"heads {self.heads}->{self.local_heads}/rank, ffn {self.ffn}->{self.local_ffn}/rank, "
@@ -164,13 +166,10 @@ def _join_or(values: list[int]) -> str:
 
 
 def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
-    hits = [(p, style) for rx, p, style in _LINEAR_RULES if rx.match(module)]
-    if len(hits) > 1:
-        raise PlanError(f"Internal plan error: '{module}' matches {len(hits)} patterns ({[h[0] for h in hits]}).")
-    if not hits:
-        return None
-    pattern, style = hits[0]
-    return (adaln_style, 1) if pattern == "blocks.*.adaln_proj.linear" else style
+    for rx, pattern, style in _LINEAR_RULES:
+        if rx.match(module):
+            return (adaln_style, 1) if pattern == ADALN else style
+    return None
 
 
 def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[Plan | None, list[str]]:
@@ -210,10 +209,8 @@ def _place(src, prefix, adaln, dims: H3Shape, tp_size, name, dtype, full) -> tup
         return None, None, [unplanned]
     style, parts = style or (REPLICATE, 1)
     problems = _check_block_shape(key, module, full, dims, src)
-    shard, problem = _tensor_shard(name, suffix, dtype, full, style, parts, tp_size)
-    if problem:
-        problems.append(problem.replace("{name}", module))
-    return shard, style if suffix == "weight" and len(full) == 2 else None, problems
+    shard, problem = _tensor_shard(name, module, suffix, dtype, full, style, parts, tp_size)
+    return shard, style if suffix == "weight" and len(full) == 2 else None, problems + ([problem] if problem else [])
 
 
 def _unplanned(key: str, module: str, suffix: str, style, src: str) -> str | None:
@@ -246,41 +243,35 @@ def _check_block_shape(key, module, full, dims: H3Shape, src) -> list[str]:
     return []
 
 
-def _tensor_shard(name, suffix, dtype, full, style, parts, tp_size) -> tuple[TensorShard | None, str | None]:
-    def split(dim: int) -> tuple[TensorShard | None, str | None]:
-        if len(full) <= dim or full[dim] % (parts * tp_size):
-            n = full[dim] if len(full) > dim else None
-            what = f"{parts} packed parts x " if parts > 1 else ""
-            return None, (
-                f"Cannot split '{{name}}' ({suffix}, shape {list(full)}) dim {dim} of size {n} into "
-                f"{what}tp_size={tp_size} slices: not divisible."
-            )
-        local = list(full)
-        local[dim] //= tp_size
-        return TensorShard(name, SPLIT, dim, parts, full, tuple(local), dtype, style), None
-
+def _tensor_shard(name, module, suffix, dtype, full, style, parts, tp_size) -> tuple[TensorShard | None, str | None]:
     whole = TensorShard(name, WHOLE, None, 1, full, full, dtype, style)
     if style == REPLICATE or suffix == "comfy_quant" or tp_size == 1:
         return whole, None
     if style in (COLWISE, COLWISE_PACKED):
         if suffix == "weight_scale" and math.prod(full) == 1:
             return whole, None  # a tensorwise scalar scale applies to every row
-        return split(0)
-    # row-parallel: weights split along K; scales are per output row, identical on every rank
-    if suffix == "weight":
-        return split(1)
-    if suffix == "bias":
+        dim = 0
+    elif suffix == "weight":  # row-parallel: weights split along K
+        dim = 1
+    elif suffix == "bias":
         return TensorShard(name, RANK0, None, 1, full, full, dtype, style), None
-    return whole, None
+    else:  # row-parallel scales are per output row, identical on every rank
+        return whole, None
+    if len(full) <= dim or full[dim] % (parts * tp_size):
+        n = full[dim] if len(full) > dim else None
+        what = f"{parts} packed parts x " if parts > 1 else ""
+        return None, (
+            f"Cannot split '{module}' ({suffix}, shape {list(full)}) dim {dim} of size {n} into "
+            f"{what}tp_size={tp_size} slices: not divisible."
+        )
+    local = list(full)
+    local[dim] //= tp_size
+    return TensorShard(name, SPLIT, dim, parts, full, tuple(local), dtype, style), None
 
 
 def _check_widths(heads: int, ffn: int, tp_size: int) -> list[str]:
-    problems = []
-    if heads % tp_size:
-        problems.append(f"Cannot split 'blocks.*.attn.qkv_proj' heads ({heads}) across tp_size={tp_size}: not divisible.")
-    if ffn % tp_size:
-        problems.append(f"Cannot split 'blocks.*.mlp.fc1' ffn width ({ffn}) across tp_size={tp_size}: not divisible.")
-    return problems
+    widths = (("blocks.*.attn.qkv_proj", "heads", heads), ("blocks.*.mlp.fc1", "ffn width", ffn))
+    return [f"Cannot split '{layer}' {what} ({n}) across tp_size={tp_size}: not divisible." for layer, what, n in widths if n % tp_size]
 
 
 def _check_quant(layout: CheckpointLayout, prefix: str, linears: dict[str, str], tp_size: int) -> list[str]:
@@ -293,13 +284,12 @@ def _check_quant(layout: CheckpointLayout, prefix: str, linears: dict[str, str],
                 "Use the int8 ConvRot or the bf16 H3 checkpoint."
             )
             continue
-        style = linears.get(module[len(prefix) :])
-        group = convrot_group(conf)
-        if style in ROW_PARALLEL and group:
+        layer, group = module[len(prefix) :], convrot_group(conf)
+        if linears.get(layer) in ROW_PARALLEL and group:
             k = layout.shape(module + ".weight")[1]
             if k % tp_size == 0 and (k // tp_size) % group:
                 problems.append(
-                    f"Cannot split '{module[len(prefix) :]}' input dim K={k} across tp_size={tp_size}: the local K "
+                    f"Cannot split '{layer}' input dim K={k} across tp_size={tp_size}: the local K "
                     f"({k // tp_size}) is not a multiple of its ConvRot group ({group}), so a rank's slice would cut "
                     "a Hadamard block and the result would be wrong."
                 )

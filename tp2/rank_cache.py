@@ -1,19 +1,14 @@
-"""The rank cache: this rank's slices of a checkpoint, cut once into a file under TP2_CACHE_DIR/rank_cache, so the
-loader maps them from disk as it maps any checkpoint. The one pre-sharded format: `python -m tp2.rank_cache` cuts
-them ahead of time.
-
-    shard = open_rank_shard(path, tp_rank, tp_size, cache_dir, read_all)   # the DiT
-    sd, metadata, origin = read_rank_slices(path, te_plan.tensors, te_plan.fingerprint(), tp_rank, tp_size, what,
-                                            cache_dir, read_all)                # the text encoder
-    python -m tp2.rank_cache CKPT --tp-size N [--tp-rank R] [--cache-dir DIR]  # the DiT or the text encoder
+"""The rank cache: this rank's slices of a checkpoint (the DiT or the text encoder), cut once into a file under
+TP2_CACHE_DIR/rank_cache, so the loader maps them from disk as it maps any checkpoint. `python -m tp2.rank_cache`
+cuts them ahead of time.
 
 Why: ComfyUI's dynamic VRAM keeps a pinned host copy of every weight. A tensor mapped from a file fills that copy straight
 from the file and nothing else is held; a tensor in ordinary memory (shard-on-read slices) is copied, and both copies stay
-alive. From a rank-cache file a rank holds one copy. A cache file is named by the checkpoint's name and fingerprint, the
-plan's fingerprint, this rank and tp_size, and its header records them; it carries a digest per tensor, computed as it
-is written and checked (a tensor at a time) on load after a change of its size or mtime (tp2.checked_files). A file
-that fails a check is deleted and cut again; a disk without room leaves the rank on shard-on-read, with a warning.
-Imports nothing from `comfy`: `read_all(path) -> state dict` is the loader's own file reader.
+alive. A cache file is named by the checkpoint's name and fingerprint, the plan's fingerprint, this rank and tp_size, and
+its header records them; it carries a digest per tensor, computed as it is written and checked (a tensor at a time) on
+load after a change of its size or mtime (tp2.checked_files). A file that fails a check is deleted and cut again; a disk
+without room leaves the rank on shard-on-read, with a warning. Imports nothing from `comfy`: `read_all(path) -> state
+dict` is the loader's own file reader.
 """
 
 from __future__ import annotations
@@ -36,16 +31,7 @@ from .checked_files import remember_verified, verified_before
 from .checkpoint import CheckpointLayout
 from .errors import ShardMismatchError, TP2Error
 from .plan import Plan, TensorShard, resolve_plan
-from .safetensors_io import (
-    DTYPES,
-    IO_WORKERS,
-    PendingTensor,
-    TensorReader,
-    file_fingerprint,
-    hashed_tensors,
-    read_header,
-    write_streaming,
-)
+from .safetensors_io import DTYPES, IO_WORKERS, PendingTensor, TensorReader, file_fingerprint, hashed_tensors, read_header, write_streaming
 from .shard import check_rank, read_shard, read_shard_tensor
 from .te_plan import NVFP4_BLOCK_SCALE, is_h3_text_encoder, resolve_te_plan
 
@@ -72,9 +58,7 @@ def _cache_entry(cache_dir: str, source: str, source_fp: str, plan_fp: str, tp_r
 
 def _remove_stale(out: str) -> None:
     """Delete this rank's cache files of an earlier version of the same checkpoint name (same rank and tp_size,
-    another fingerprint or plan), and any half-written `.partial` of them or of `out` (a cut that was stopped): a
-    replaced checkpoint or a stopped cut would otherwise leave gigabytes on disk for good, and count against the
-    room for this cut."""
+    another fingerprint or plan), and any `.partial` of them or of `out` (a cut that was stopped)."""
     folder, name = os.path.split(out)
     m = _CACHE_NAME.fullmatch(name)
     same = re.compile(re.escape(m["stem"]) + r"\.[0-9a-f]{12}\.[0-9a-f]{12}" + re.escape(m["tail"]) + r"(\.partial)?")
@@ -139,7 +123,7 @@ def load_cache_file(path: str, tensors: dict[str, TensorShard], identity: dict[s
     if not verified_before(path, md[META_DIGESTS]):
         t0, digests = time.monotonic(), json.loads(md[META_DIGESTS])
         with TensorReader(path) as reader:
-            for tname, _, digest in hashed_tensors(reader, list(tensors)):
+            for tname, digest in hashed_tensors(reader, list(tensors)):
                 if digests.get(tname) != digest:
                     raise ShardMismatchError(
                         f"rank cache file '{name}': the data of tensor '{tname}' does not match its digest (the file is damaged)"

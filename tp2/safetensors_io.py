@@ -1,15 +1,8 @@
 """Safetensors files without holding them: header parsing, ranged reads, streaming writes.
 
-Owns the byte-level view of a `.safetensors` file. Reads go through `os.pread` into buffers that
-this process owns (not an mmap), so a rank that takes half of a checkpoint never has the other
-half resident, and its peak RSS is what it keeps plus one read chunk per reading thread. Writes stream
-one tensor at a time, so neither the pre-sharder nor the synthetic generator holds a whole file.
-
-Reading, hashing and writing release the GIL, so `ordered_map` runs them on IO_WORKERS threads: the
-reads and digests of the next tensors while this one is written (`write_streaming(..., workers=N)`), and
-several tensors read and checked at once (tp2.shard, tp2.rank_cache). Results keep their order.
-
-Imports torch only; never `comfy`.
+Reads go through `os.pread` into buffers this process owns (not an mmap), so a rank that takes half of a checkpoint
+never has the other half resident. Writes stream one tensor at a time. Reading, hashing and writing release the GIL,
+so `ordered_map` runs them on IO_WORKERS threads, results in order. Imports torch only; never `comfy`.
 """
 
 from __future__ import annotations
@@ -19,6 +12,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import os
 import struct
 import threading
@@ -72,14 +66,9 @@ def ordered_map(fn: Callable, items: Iterable, workers: int = IO_WORKERS) -> Ite
                 future.cancel()
 
 
-def hashed_tensors(reader: TensorReader, names: list[str]) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(name, tensor, its tensor_digest) for every name, in order, read and hashed on IO_WORKERS threads."""
-
-    def read(name: str) -> tuple[str, torch.Tensor, str]:
-        t = reader.read(name)
-        return name, t, tensor_digest(t)
-
-    return ordered_map(read, names)
+def hashed_tensors(reader: TensorReader, names: list[str]) -> Iterator[tuple[str, str]]:
+    """(name, its tensor_digest) for every name, in order, read and hashed on IO_WORKERS threads."""
+    return zip(names, ordered_map(lambda name: tensor_digest(reader.read(name)), names))
 
 
 @dataclass(frozen=True)
@@ -88,16 +77,11 @@ class TensorInfo:
 
     dtype: str
     shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    end: int
+    start: int  # absolute byte offset of its data in the file
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -122,9 +106,8 @@ def read_header(path: str) -> SafetensorsHeader:
 
 
 @functools.lru_cache(maxsize=64)
-def _parsed_header(path: str, _inode: int, _size: int, _mtime_ns: int) -> SafetensorsHeader:
+def _parsed_header(path: str, _inode: int, size: int, _mtime_ns: int) -> SafetensorsHeader:
     try:
-        size = os.path.getsize(path)
         with open(path, "rb") as f:
             raw_len = f.read(8)
             if len(raw_len) != 8:
@@ -148,8 +131,7 @@ def _parsed_header(path: str, _inode: int, _size: int, _mtime_ns: int) -> Safete
     for name, entry in doc.items():
         if entry["dtype"] not in DTYPES:
             raise CheckpointFormatError(f"Tensor '{name}' in '{path}' has dtype {entry['dtype']}, which this pack cannot read.")
-        a, b = entry["data_offsets"]
-        tensors[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), base + a, base + b)
+        tensors[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), base + entry["data_offsets"][0])
     return SafetensorsHeader(path, tensors, metadata, header_bytes, size)
 
 
@@ -195,22 +177,19 @@ class TensorReader:
     def read_rows(self, name: str, row_start: int, row_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [row_start, row_end) of dim 0 in one contiguous read, into `out` when given."""
         info = self.header.tensors[name]
-        row_bytes = info.itemsize * _prod(info.shape[1:])
+        row_bytes = info.torch_dtype.itemsize * math.prod(info.shape[1:])
         if out is None:
             out = torch.empty((row_end - row_start, *info.shape[1:]), dtype=info.torch_dtype)
         return self._read_into(info, row_start * row_bytes, out)
 
     def read_cols(self, name: str, col_start: int, col_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Columns [col_start, col_end) of a 2-D tensor: whole rows are read in chunks into one reused buffer.
-
-        The buffer (one per reading thread) lives as long as the reader, so slicing a 20 GB file allocates it
-        once instead of fragmenting the heap with a temporary per chunk.
-        """
+        """Columns [col_start, col_end) of a 2-D tensor: whole rows are read in chunks into a buffer that each
+        reading thread allocates once per reader (not a temporary per chunk, which fragments the heap)."""
         info = self.header.tensors[name]
         rows, cols = info.shape
         if out is None:
             out = torch.empty((rows, col_end - col_start), dtype=info.torch_dtype)
-        row_bytes = max(1, cols * info.itemsize)
+        row_bytes = max(1, cols * info.torch_dtype.itemsize)
         rows_per_chunk = max(1, READ_CHUNK_BYTES // row_bytes)
         chunk = getattr(self._local, "chunk", None)
         if chunk is None or chunk.numel() < rows_per_chunk * row_bytes:
@@ -220,13 +199,6 @@ class TensorReader:
             buf = chunk[: (r_end - r) * row_bytes].view(info.torch_dtype).view(r_end - r, cols)
             out[r:r_end] = self.read_rows(name, r, r_end, out=buf)[:, col_start:col_end]
         return out
-
-
-def _prod(shape: Iterable[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 @dataclass(frozen=True)
@@ -263,7 +235,6 @@ def write_streaming(
     next tensors are produced (and hashed) on that many threads while this one is written; only for `produce`
     functions that may run on any thread in any order (reads of a file, not a shared random generator).
     """
-
     digests = {t.name: "0" * DIGEST_CHARS for t in tensors}
     blob = _header_blob(tensors, metadata, digests_key, digests)
     tmp = path + ".partial"
@@ -308,7 +279,7 @@ def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None
         header["__metadata__"] = md
     offset = 0
     for t in tensors:
-        nbytes = _prod(t.shape) * torch.empty((), dtype=t.dtype).element_size()
+        nbytes = math.prod(t.shape) * t.dtype.itemsize
         header[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -316,11 +287,8 @@ def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None
 
 
 def file_fingerprint(header: SafetensorsHeader, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
-    """A cheap identity of a checkpoint: its header, its size and 16 sampled 64 KiB windows of data.
-
-    Hashing 20 GB would take minutes per start; this catches a different file with the same layout
-    (different weights) while reading 1 MiB.
-    """
+    """A cheap identity of a checkpoint (not a hash of all its bytes): its header, its size and 16 sampled 64 KiB
+    windows of data, so a file with the same layout but other weights differs."""
     h = hashlib.sha256()
     h.update(header.header_bytes)
     h.update(str(header.file_size).encode())

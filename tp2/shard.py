@@ -16,14 +16,10 @@ import torch
 
 from .checkpoint import CheckpointLayout
 from .errors import TP2Error
-from .nvfp4 import slice_block_scales
+from .nvfp4 import nvfp4_logical_shape, slice_block_scales
 from .plan import RANK0, SPLIT, Plan, TensorShard, resolve_plan
-from .safetensors_io import (
-    DTYPES,
-    TensorReader,
-    ordered_map,
-)
-from .te_plan import NVFP4_BLOCK_SCALE, nvfp4_logical_shape
+from .safetensors_io import DTYPES, TensorReader, ordered_map
+from .te_plan import NVFP4_BLOCK_SCALE
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +51,6 @@ def unshard_tensor(pieces: list[torch.Tensor], ts: TensorShard) -> torch.Tensor:
     return pieces[0]
 
 
-def read_local_tensor(reader: TensorReader, ts: TensorShard, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """Rank `tp_rank`'s copy of a tensor, reading only its bytes from disk straight into the result."""
-    if ts.kind == SPLIT:
-        if ts.dim > 1:
-            raise TP2Error(f"Tensor '{ts.name}' is split along dim {ts.dim}; only dims 0 and 1 can be read in slices.")
-        out = torch.empty(ts.local_shape, dtype=DTYPES[ts.dtype])
-        offset = 0
-        for a, b in local_ranges(ts, tp_rank, tp_size):
-            piece = out.narrow(ts.dim, offset, b - a)
-            if ts.dim == 0:
-                reader.read_rows(ts.name, a, b, out=piece)
-            elif ts.parts == 1:
-                reader.read_cols(ts.name, a, b, out=piece)
-            else:
-                piece.copy_(reader.read_cols(ts.name, a, b))
-            offset += b - a
-        return out
-    if ts.kind == RANK0 and tp_rank != 0:
-        return torch.zeros(ts.full_shape, dtype=DTYPES[ts.dtype])
-    return reader.read(ts.name)
-
-
 def check_rank(tp_rank: int, tp_size: int) -> None:
     if not 0 <= tp_rank < tp_size:
         raise TP2Error(f"tp_rank={tp_rank} is outside 0..{tp_size - 1} for tp_size={tp_size}. Set TP2_RANK below TP2_WORLD_SIZE.")
@@ -91,30 +65,32 @@ def shard_state_dict(path: str, tp_size: int, tp_rank: int) -> tuple[dict[str, t
 
 
 def read_shard_tensor(reader: TensorReader, tensors: dict[str, TensorShard], name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """One tensor of a plan as this rank holds it. nvfp4 block scales are stored swizzled: each is read whole (1/8 of
-    its weight's bytes) and re-cut in memory; everything else reads only this rank's bytes."""
+    """One tensor of a plan as this rank holds it, reading only this rank's bytes straight into the result. nvfp4
+    block scales are stored swizzled: each is read whole (1/8 of its weight's bytes) and re-cut in memory."""
     ts = tensors[name]
     if ts.kind == NVFP4_BLOCK_SCALE:
         n, k = nvfp4_logical_shape(tensors[name[: -len("_scale")]].full_shape)
         return slice_block_scales(reader.read(name), n, k, ts.dim, tp_rank, tp_size)
-    return read_local_tensor(reader, ts, tp_rank, tp_size)
+    if ts.kind == RANK0 and tp_rank != 0:
+        return torch.zeros(ts.full_shape, dtype=DTYPES[ts.dtype])
+    if ts.kind != SPLIT:
+        return reader.read(name)
+    out = torch.empty(ts.local_shape, dtype=DTYPES[ts.dtype])
+    read = reader.read_rows if ts.dim == 0 else reader.read_cols  # a plan splits dim 0 or 1
+    offset = 0
+    for a, b in local_ranges(ts, tp_rank, tp_size):
+        read(name, a, b, out=out.narrow(ts.dim, offset, b - a))
+        offset += b - a
+    return out
 
 
 def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size: int, what: str) -> tuple[dict, dict[str, str]]:
     """Every tensor of a plan as this rank holds it, and the file's metadata."""
     t0 = time.monotonic()
     with TensorReader(path) as reader:
-        names = list(tensors)  # read on IO_WORKERS threads at once
-        sd = {n: t for t, n in zip(ordered_map(lambda n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size), names), names)}
+        sd = dict(zip(tensors, ordered_map(lambda n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size), tensors)))
         metadata = dict(reader.header.metadata)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    log.info(
-        "read %.2f GB%s for rank %d/%d from %s in %.1f s",
-        nbytes / 1e9,
-        what,
-        tp_rank,
-        tp_size,
-        os.path.basename(path),
-        time.monotonic() - t0,
-    )
+    secs = time.monotonic() - t0
+    log.info("read %.2f GB%s for rank %d/%d from %s in %.1f s", nbytes / 1e9, what, tp_rank, tp_size, os.path.basename(path), secs)
     return sd, metadata

@@ -2,29 +2,26 @@
 
 Megatron style, per decoder layer: q/k/v and gate/up are column-parallel (each rank its query heads, its KV heads and its
 FFN columns: contiguous head ranges keep every query head with its KV head), o_proj and down_proj row-parallel (each rank
-a K slice; one all-reduce each). The token embedding (0.78 B parameters) is vocabulary-parallel: each rank holds a
-contiguous 1/tp_size of the rows, looks up the tokens that fall in it, and one all-reduce per encode sums the rows (each
-token's row comes from exactly one rank: exact). Replicated: norms and per-head q/k norms (per-channel weights), and the
-vision tower (0.6 B parameters, run only for image inputs, over a few hundred patches). Layers the built model does not
-have (past H3_TE_LAYERS, an lm_head) are not read at all.
+a K slice; one all-reduce each). The token embedding is vocabulary-parallel: each rank holds a contiguous 1/tp_size of
+the rows, looks up the tokens that fall in it, and one all-reduce per encode sums the rows (each token's row comes from
+exactly one rank: exact). Replicated: norms and per-head q/k norms (per-channel weights), and the vision tower (run only
+for image inputs). Layers the built model does not have (past H3_TE_LAYERS, an lm_head) are not read at all.
 
 Every quantisation layout is sliced with its scales: int8 tensorwise (with or without ConvRot) and fp8 (scalar scales:
 whole on every rank), nvfp4 with AWQ (packed weight and block scales sliced along the split dim, pre_quant_scale along K
-for row-parallel layers, see tp2/nvfp4.py), unquantised bf16/fp16/fp32. Everything is checked here, before any weight is
-read. Imports nothing from `comfy`.
+for row-parallel layers, see tp2/nvfp4.py), unquantised bf16/fp16/fp32. Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import math
 import re
 from dataclasses import dataclass
 
 from .checkpoint import CheckpointLayout, convrot_group
 from .errors import PlanError
-from .nvfp4 import nvfp4_split_problem
-from .plan import COLWISE, REPLICATE, ROWWISE, SPLIT, WHOLE, TensorShard
+from .nvfp4 import nvfp4_logical_shape, nvfp4_split_problem
+from .plan import COLWISE, REPLICATE, ROWWISE, SPLIT, WHOLE, TensorShard, compile_pattern, plan_fingerprint
 
 # ComfyUI's Qwen3VL_32BConfig builds 50 decoder layers: H3's conditioning is the hidden state after layer 50.
 H3_TE_LAYERS = 50
@@ -55,12 +52,8 @@ SUPPORTED_TE_FORMATS = ("int8_tensorwise", "float8_e4m3fn", "float8_e5m2", "nvfp
 SCALAR_SUFFIXES = ("weight_scale_2", "input_scale")
 
 
-def _compile(pattern: str) -> re.Pattern:
-    return re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
-
-
-_LINEARS = [(_compile(p), style) for p, style in TE_TP_PLAN.items()]
-_REPLICATED = [_compile(p) for p in TE_REPLICATED]
+_LINEARS = [(compile_pattern(p), style) for p, style in TE_TP_PLAN.items()]
+_REPLICATED = [compile_pattern(p) for p in TE_REPLICATED]
 
 
 @dataclass(frozen=True)
@@ -89,11 +82,8 @@ class TEPlan:
         }
 
     def fingerprint(self) -> str:
-        doc = {
-            "tp_size": self.tp_size,
-            "tensors": sorted([t.name, t.kind, t.dim, list(t.full_shape), t.dtype] for t in self.tensors.values()),
-        }
-        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+        rows = [[t.name, t.kind, t.dim, list(t.full_shape), t.dtype] for t in self.tensors.values()]
+        return plan_fingerprint(self.tp_size, rows)
 
     def summary(self) -> str:
         n = self.tp_size
@@ -202,7 +192,7 @@ def _te_tensor_shard(name, suffix, dtype, full, style, quant, tp_size) -> tuple[
         return whole, None
     fmt = (quant or {}).get("format")
     if suffix == "weight_scale" and fmt != "nvfp4":  # int8 / fp8: one scalar, or one scale per output row
-        return _split(name, full, 0, dtype, style, tp_size) if style == COLWISE and _numel(full) > 1 else (whole, None)
+        return _split(name, full, 0, dtype, style, tp_size) if style == COLWISE and math.prod(full) > 1 else (whole, None)
     if suffix == "pre_quant_scale":  # AWQ smoothing, one factor per input channel
         return _split(name, full, 0, dtype, style, tp_size) if style == ROWWISE else (whole, None)
     if style == VOCAB_PARALLEL:
@@ -222,19 +212,6 @@ def _split(name, full, dim, dtype, style, tp_size) -> tuple[TensorShard | None, 
     local = list(full)
     local[dim] //= tp_size
     return TensorShard(name, SPLIT, dim, 1, full, tuple(local), dtype, style), None
-
-
-def nvfp4_logical_shape(stored: tuple[int, ...]) -> tuple[int, int]:
-    """An nvfp4 weight's [n, k] from its stored uint8 [n, k / 2] (two codes per byte; the pack's plan takes H3's
-    linears, whose n and k are multiples of 16, so nothing is padded)."""
-    return stored[0], 2 * stored[1]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _check_quant(layout: CheckpointLayout, linears: dict[str, str], tp_size: int) -> list[str]:
