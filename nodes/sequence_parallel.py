@@ -79,7 +79,7 @@ def _split(sp: SequenceParallelForward, x: torch.Tensor, mod_segments, block) ->
 def _mlp(sp: SequenceParallelForward, mlp, rows) -> torch.Tensor:
     """ComfyUI's MLP.forward (fc2(swiglu(fc1(x))), fc2 row-parallel) on every rank's rows (`gather`'s): this rank's
     rows of its output."""
-    return reduce_scatter_sequence(lambda _: _mlp_rows(mlp, rows), sp.layout, tp_group()).to(rows.dtype)
+    return reduce_scatter_sequence(lambda: _mlp_rows(mlp, rows), sp.layout, tp_group()).to(rows.dtype)
 
 
 def _mlp_rows(mlp, rows) -> torch.Tensor:

@@ -84,16 +84,15 @@ def row_parallel(
     reduce: Reduction = ALL_REDUCE,
 ) -> torch.Tensor:
     """Y = sum_r act(X)_r A_r from this rank's GEMM on its K slice, out in `reduce_dtype`, then `reduce`:
-    ALL_REDUCE -> Y on every rank; a RowLayout -> this rank's rows of Y, reduce-scattered piece by piece over the
-    sequence rows of `x` (each piece's collective in flight while the next computes); PARTIAL -> the partial sum.
+    ALL_REDUCE -> Y on every rank; a RowLayout -> this rank's rows of Y, reduce-scattered over the sequence rows of
+    `x`; PARTIAL -> the partial sum.
     Reduced results are cast to x's dtype. Contract: forward: the reduction named; every rank calls it alike."""
 
     def partial(rows: torch.Tensor) -> torch.Tensor:
         return local_linear(rows, weight, bias, reduce_dtype, gemm, input_act)
 
     if isinstance(reduce, RowLayout):
-        p = reduce.piece_rows
-        return reduce_scatter_sequence(lambda c: partial(x[c * p : c * p + reduce.valid_rows(c)]), reduce, tp).to(x.dtype)
+        return reduce_scatter_sequence(lambda: partial(x[: reduce.full]), reduce, tp).to(x.dtype)
     if reduce == PARTIAL:
         return partial(x)
     if reduce != ALL_REDUCE:

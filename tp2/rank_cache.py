@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 META_RANK, META_SIZE, META_PLAN, META_SOURCE = "tp2.tp_rank", "tp2.tp_size", "tp2.plan", "tp2.source"
 META_VERSION, META_DIGESTS = "tp2.version", "tp2.tensor_digests"  # {tensor: 64-bit BLAKE2b of its bytes}
 SPARE_BYTES = 2 << 30  # a cache file is written only if the disk keeps this much free after it
+# Tensors start at multiples of ALIGN bytes in a cache file (those of whole ALIGN-byte lines first, the data after a
+# padded header), as they do in memory: a CPU BLAS may round a product by where its operands start (a one-row product
+# of the same weights mapped at offset 24 mod 64 differed in the last bit), so mapped slices compute what read ones do.
+ALIGN = 64
 ReadAll = Callable[[str], dict[str, torch.Tensor]]
 
 
@@ -100,8 +105,9 @@ def write_cache_file(
             )
             for n, ts in tensors.items()
         ]
+        pending.sort(key=lambda t: math.prod(t.shape) * t.dtype.itemsize % ALIGN != 0)  # whole-ALIGN tensors first
         metadata = {**identity, META_VERSION: __version__}
-        write_streaming(out, pending, metadata, progress=progress, digests_key=META_DIGESTS, workers=IO_WORKERS)
+        write_streaming(out, pending, metadata, progress=progress, digests_key=META_DIGESTS, workers=IO_WORKERS, align=ALIGN)
     remember_verified(out, read_header(out).metadata[META_DIGESTS])  # hashed as written: the first load needs no re-read
     log.info("rank cache: wrote %s (%.2f GB) in %.1f s", out, need / 1e9, time.monotonic() - t0)
     return True

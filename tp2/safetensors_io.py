@@ -226,6 +226,7 @@ def write_streaming(
     progress: Callable[[int, int], None] | None = None,
     digests_key: str | None = None,
     workers: int = 1,
+    align: int = 8,
 ) -> None:
     """Write a safetensors file one tensor at a time (the header is computed from the layouts first).
 
@@ -233,10 +234,11 @@ def write_streaming(
     written with placeholders of the same length and rewritten once the data is out. Writes to `path +
     ".partial"` and renames at the end, so a crash never leaves a file that looks complete. `workers` > 1: the
     next tensors are produced (and hashed) on that many threads while this one is written; only for `produce`
-    functions that may run on any thread in any order (reads of a file, not a shared random generator).
+    functions that may run on any thread in any order (reads of a file, not a shared random generator). The header is
+    padded so that the data starts at a multiple of `align` bytes.
     """
     digests = {t.name: "0" * DIGEST_CHARS for t in tensors}
-    blob = _header_blob(tensors, metadata, digests_key, digests)
+    blob = _header_blob(tensors, metadata, digests_key, digests, align)
     tmp = path + ".partial"
     produced = functools.partial(_produced, hashed=digests_key is not None)
     with open(tmp, "wb") as f:
@@ -251,7 +253,7 @@ def write_streaming(
             if progress is not None:
                 progress(i + 1, len(tensors))
         if digests_key is not None:
-            final = _header_blob(tensors, metadata, digests_key, digests)
+            final = _header_blob(tensors, metadata, digests_key, digests, align)
             assert len(final) == len(blob), "digest placeholders changed the header length"
             f.seek(8)
             f.write(final)
@@ -269,8 +271,9 @@ def _produced(t: PendingTensor, hashed: bool) -> tuple[torch.Tensor, str | None]
     return data, tensor_digest(data) if hashed else None
 
 
-def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None, digests: dict[str, str]) -> bytes:
-    """The JSON header for `tensors` in order (with the digests under `digests_key`), padded to 8 bytes."""
+def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None, digests: dict[str, str], align: int) -> bytes:
+    """The JSON header for `tensors` in order (with the digests under `digests_key`), padded so that the data starts
+    at a multiple of `align` bytes (a multiple of 8)."""
     header: dict[str, object] = {}
     md = {str(k): str(v) for k, v in (metadata or {}).items()}
     if digests_key is not None:
@@ -283,7 +286,7 @@ def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None
         header[t.name] = {"dtype": DTYPE_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
-    return blob + b" " * (-len(blob) % 8)
+    return blob + b" " * (-(8 + len(blob)) % align)
 
 
 def file_fingerprint(header: SafetensorsHeader, samples: int = 16, sample_bytes: int = 1 << 16) -> str:

@@ -32,12 +32,6 @@ class RowLayout:
     def padded(self) -> int:
         return self.size * self.m
 
-    piece_rows = padded  # with valid_rows: how tp2/layers.py cuts the rows it reduce-scatters (the whole sequence)
-
-    def valid_rows(self, c: int) -> int:
-        """Real (not pad) rows of the sequence, its one piece (c = 0)."""
-        return self.full
-
     def local_segments(self, segments) -> list[tuple[int, int, int]]:
         """Sequence segments [(start, stop, tag)] as this rank's local row ranges (pad rows in none)."""
         lo, hi = self.rank * self.m, min((self.rank + 1) * self.m, self.full)
@@ -71,10 +65,10 @@ def chunk_bounds(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def reduce_scatter_sequence(partial_output: Callable[[int], torch.Tensor], layout: RowLayout, tp: TPGroup) -> torch.Tensor:
-    """Sum over ranks of a partial output, this rank keeping its rows, [m, N]. `partial_output(0)` computes it for
+def reduce_scatter_sequence(partial_output: Callable[[], torch.Tensor], layout: RowLayout, tp: TPGroup) -> torch.Tensor:
+    """Sum over ranks of a partial output, this rank keeping its rows, [m, N]. `partial_output()` computes it for
     the sequence's real rows, [full, N], here: padded with zero rows, the unpadded one is freed before the collective."""
-    y = partial_output(0)
+    y = partial_output()
     if y.shape[0] < layout.padded:
         y = torch.nn.functional.pad(y, (0, 0, 0, layout.padded - y.shape[0]))
     return start_reduce_scatter_rows(y, tp).result()

@@ -135,7 +135,7 @@ def _sequence_worker(tp_rank, tp_size, full):
     layout = RowLayout.plan(full, tp_size, tp_rank)
     local = layout.take(x)
     gathered = start_all_gather_rows(local, tp).result()
-    summed = reduce_scatter_sequence(lambda c: x * (tp_rank + 1), layout, tp)
+    summed = reduce_scatter_sequence(lambda: x * (tp_rank + 1), layout, tp)
     return gathered, summed, local
 
 
