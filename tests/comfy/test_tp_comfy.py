@@ -180,6 +180,11 @@ def test_every_checkpoint_form_splits_byte_identical_and_matches_one_server(requ
     pre = unet.endswith("_sharded.safetensors")
     how = f"(rank cache {unet[: -len('.safetensors')]}." if pre else "(shard-on-read)"
     assert f"loaded {unet} {how}" in log  # split, not the whole model on every rank
+    if pre:  # the same weights read from the checkpoint (shard-on-read) give the same bytes as the cut ones mapped
+        source = unet.replace("_sharded", "")
+        read = ok(servers, run(servers, tiny_workflow(source, COND, prefix=f"tp{tp_size}_read_{source[:-12]}")))[0]
+        for kind in ("video", "audio"):
+            assert torch.equal(latent(tp_files[0], kind), latent(read, kind)), kind
 
 
 @pytest.mark.parametrize("unet", [FLOAT, INT8_G64])

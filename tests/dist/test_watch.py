@@ -244,6 +244,7 @@ def _forgery(tp_rank, tp_size):
         s.cache_epoch(bump=True)  # a failed step: every rank clears its node cache before the next prompt
     s.agree("run-f/sampler1", {"seed": "1"}, timeout_s=30)
     signed_epoch = s.cache_epoch()
+    s.agree("run-f/read-signed", {"x": "1"}, timeout_s=30)  # both read the signed epoch before the forgery is written
     if tp_rank == 0:  # a local process that knows the store's address but not the secret
         forger = dist.TCPStore("127.0.0.1", s.env.master_port, is_master=False, wait_for_workers=False)
         forger.set("tp2/cache_epoch", "999")  # would read as a failure since every rank's last prompt
