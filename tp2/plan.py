@@ -218,7 +218,7 @@ def _unplanned(key: str, module: str, suffix: str, style, src: str) -> str | Non
     if style is None and not any(rx.match(module) for rx in _REPLICATED_RULES):
         return (
             f"Tensor '{key}' in '{src}' is not in the H3 tensor-parallel plan, so the pack cannot tell how to "
-            "split it. This file may be a newer or modified H3; report it with `python -m tp2.inspect FILE --json`."
+            "split it. This file may be a newer or modified H3; report it with what `python -m tp2.inspect FILE --tp-size 2` prints."
         )
     if suffix not in KNOWN_SUFFIXES:
         return (

@@ -154,7 +154,7 @@ def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[TEPlan | None, lis
         if style is None:
             problems.append(
                 f"Tensor '{name}' in '{layout.source}' is not in the text encoder's tensor-parallel plan, so the pack "
-                "cannot tell how to split it. This file may be a modified encoder; report it with `python -m tp2.inspect FILE --json`."
+                "cannot tell how to split it. This file may be a modified encoder; report it with this message."
             )
             continue
         if suffix == "weight" and len(full) == 2 and module != EMBEDDING:
