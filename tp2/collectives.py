@@ -162,37 +162,28 @@ class Pending:
         return self._finish()
 
 
-def start_reduce_scatter_rows(t: torch.Tensor, tp: TPGroup, out: torch.Tensor | None = None) -> Pending:
-    """Sequence parallelism's reduce, started: sum `t` [S, ...] over ranks, this rank keeps S/tp_size rows (into
-    `out`, a contiguous [S/tp_size, ...] tensor or view, when given). S must be a multiple of tp_size (callers pad).
-    gloo has no reduce-scatter: there it is an all-reduce and a narrow, with the same sums."""
+def start_reduce_scatter_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
+    """Sequence parallelism's reduce, started: sum `t` [S, ...] over ranks, this rank keeps S/tp_size rows. S must be a
+    multiple of tp_size (callers pad). gloo has no reduce-scatter: there it is an all-reduce and a narrow, with the
+    same sums."""
     what = f"reduce_scatter of {tuple(t.shape)} {t.dtype}"
     if tp.tp_size == 1:
-        return Pending(None, lambda: t if out is None else out.copy_(t), tp, what)
+        return Pending(None, lambda: t, tp, what)
     n = t.shape[0] // tp.tp_size
     if tp.backend == "nccl":
-        out = torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device) if out is None else out
+        out = torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
         work = _start(tp, what, lambda: dist.reduce_scatter_tensor(out, t.contiguous(), group=tp.group, async_op=True))
         return Pending(work, lambda: out, tp, what)
     work = _start(tp, what, lambda: dist.all_reduce(t, group=tp.group, async_op=True))
-
-    def finish() -> torch.Tensor:
-        mine = t.narrow(0, tp.tp_rank * n, n)
-        return mine.clone() if out is None else out.copy_(mine)
-
-    return Pending(work, finish, tp, what)
+    return Pending(work, lambda: t.narrow(0, tp.tp_rank * n, n).clone(), tp, what)
 
 
-def start_all_gather_rows(t: torch.Tensor, tp: TPGroup, out: torch.Tensor | None = None) -> Pending:
-    """Every rank's rows `t` [n, ...] stacked in rank order, [tp_size * n, ...] (into `out`, a contiguous tensor or
-    view of that shape, when given), started."""
+def start_all_gather_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
+    """Every rank's rows `t` [n, ...] stacked in rank order, [tp_size * n, ...], started."""
     what = f"all_gather of {tuple(t.shape)} {t.dtype}"
     if tp.tp_size == 1:
-        return Pending(None, lambda: t if out is None else out.copy_(t), tp, what)
-    if out is None:
-        out = torch.empty((t.shape[0] * tp.tp_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    elif not out.is_contiguous() or out.shape[0] != t.shape[0] * tp.tp_size:
-        raise ValueError(f"all_gather into {tuple(out.shape)} (contiguous: {out.is_contiguous()}) for rows {tuple(t.shape)}")
+        return Pending(None, lambda: t, tp, what)
+    out = torch.empty((t.shape[0] * tp.tp_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     if tp.backend == "nccl":
         work = _start(tp, what, lambda: dist.all_gather_into_tensor(out, t.contiguous(), group=tp.group, async_op=True))
     else:
