@@ -32,7 +32,7 @@ def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=Non
         return None
     width, height, frames = video[4] * 16, video[3] * 16, capacity.pixel_frames(video[2])
     rows = capacity.tokens(width, height, frames)
-    shard = sum(math.prod(ts.local_shape) * DTYPES[ts.dtype].itemsize for ts in plan.tensors.values()) / capacity.GIB
+    shard = sum(math.prod(ts.local_shape(STATE.env.tp_rank)) * DTYPES[ts.dtype].itemsize for ts in plan.tensors.values()) / capacity.GIB
     # ComfyUI's dynamic VRAM (ModelPatcherDynamic) pages the weights in block by block; --highvram keeps them resident
     streams = bool(patcher is not None and patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
     allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), settings.torch_allocator_conf())

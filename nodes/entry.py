@@ -15,6 +15,7 @@ from ..tp2 import settings
 from ..tp2.collectives import reduce_dtype_from_env
 from ..tp2.session import TPSession
 from ..tp2.settings import read_tp_env
+from ..tp2.split import named, parse_split
 from .faults import maybe_break_int8
 from .pack_nodes import NODES, register_conditioning_folder
 from .state import STATE, log
@@ -42,8 +43,8 @@ def activate() -> None:
     _install_hooks(secret)
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     log.info(
-        "%s minimax-h3-tp2 active on %s: MASTER %s:%d, int8 kernel %s, reduce %s, sequence parallel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
-        STATE.tag, device, env.master_addr, env.master_port, STATE.int8_kernel, STATE.reduce_dtype,
+        "%s minimax-h3-tp2 active on %s: MASTER %s:%d, split %s, int8 kernel %s, reduce %s, sequence parallel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
+        STATE.tag, device, env.master_addr, env.master_port, named(STATE.shares), STATE.int8_kernel, STATE.reduce_dtype,
         f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})" if STATE.sequence_parallel else "off",
         env.timeout_s, STATE.prompt_timeout_s,
     )  # fmt: skip
@@ -53,6 +54,7 @@ def activate() -> None:
 def _take_settings(env, device) -> None:
     """This rank's env, device, kernels and the settings the hot paths read, from the frozen settings."""
     STATE.env, STATE.device = env, device
+    STATE.shares = parse_split(settings.value("TP2_SPLIT"), env.tp_size)
     STATE.prompt_timeout_s = settings.value("TP2_PROMPT_TIMEOUT_S")
     STATE.int8_gemm = maybe_break_int8(select_int8_gemm(settings.value("TP2_INT8_KERNEL")), env.tp_rank)
     STATE.int8_kernel = STATE.int8_gemm.kernel_name

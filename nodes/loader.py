@@ -75,7 +75,7 @@ def _hooked_load_diffusion_model(original):
 
 def _load_h3(unet_path, model_options, disable_dynamic):
     t0 = time.monotonic()
-    shard = open_rank_shard(unet_path, STATE.env.tp_rank, STATE.env.tp_size, *rank_cache_args())
+    shard = open_rank_shard(unet_path, STATE.env.tp_rank, STATE.env.tp_size, *rank_cache_args(), shares=STATE.shares)
     sd, metadata, plan, source_fp = shard.state_dict, shard.metadata, shard.plan, shard.source_fingerprint
     split_input = _pop_split_input(sd, plan)
     patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=metadata, disable_dynamic=disable_dynamic)

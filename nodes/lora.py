@@ -50,20 +50,20 @@ def _shard_of(plan: Plan, key: str) -> TensorShard | None:
 
 def _slice_value(v, ts: TensorShard, key: str):
     """This rank's version of one patch value on a sharded tensor; AdapterPlacementError when it has none."""
-    rank, size = STATE.env.tp_rank, STATE.env.tp_size
+    rank = STATE.env.tp_rank
     if isinstance(v, weight_adapter.LoRAAdapter):
         up, down, alpha, mid, dora_scale, reshape = v.weights
         if mid is not None or dora_scale is not None or reshape is not None:
             what = "DoRA (its magnitude is normalised over the full weight)" if dora_scale is not None else "a conv/reshaped LoRA"
             raise AdapterPlacementError(f"{key}: {what} cannot be sliced for tensor parallelism")
-        up, down = slice_lora_factors(up, down, ts, rank, size, key)
+        up, down = slice_lora_factors(up, down, ts, rank, key)
         return weight_adapter.LoRAAdapter(v.loaded_keys, (up, down, alpha, mid, dora_scale, reshape))
     if isinstance(v, weight_adapter.WeightAdapterBase):
         raise AdapterPlacementError(f"{key}: a {type(v).__name__} patch (product of factors) cannot be sliced for tensor parallelism")
     if isinstance(v, tuple) and len(v) in (1, 2):
         kind, data = ("diff", v) if len(v) == 1 else v
         if kind in ("diff", "set") and isinstance(data, tuple) and (kind == "set" or len(data) == 1):
-            return _TaggedPatch((kind, (slice_like_weight(data[0], ts, rank, size, key),)))
+            return _TaggedPatch((kind, (slice_like_weight(data[0], ts, rank, key),)))
     raise AdapterPlacementError(f"{key}: a patch of type {type(v).__name__} {str(v)[:40]!r} cannot be sliced for tensor parallelism")
 
 

@@ -57,7 +57,7 @@ def rowwise_call(
     sums in the reduce dtype, then `reduce`: all-reduce by default; sequence parallelism passes its RowLayout).
     `held`: the weight from held_weight(linear, ...), for a caller that calls it on several row chunks."""
     if getattr(linear, "tp_split_input", False):
-        x = split_input_slice(x, linear.tp_local_in, STATE.env.tp_rank)
+        x = split_input_slice(x, *linear.tp_input_range)
     with contextlib.nullcontext(held) if held is not None else held_weight(linear, x) as (weight, bias):
         return row_parallel(x, weight, bias, tp_group(), STATE.int8_gemm, STATE.reduce_dtype, input_act, reduce)
 
@@ -200,7 +200,8 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
         if role == "rowwise" and plan.tp_size > 1:
             changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: types.MethodType(_rowwise_forward, m))
             if style == ROWWISE_SPLIT_INPUT:
-                module.tp_split_input, module.tp_local_in = True, plan.tensors[plan.prefix + name + ".weight"].local_shape[1]
+                bounds, r = plan.tensors[plan.prefix + name + ".weight"].bounds, STATE.env.tp_rank
+                module.tp_split_input, module.tp_input_range = True, (bounds[r], bounds[r + 1])
         if plan.prefix + name + ".comfy_quant" in plan.tensors and not isinstance(module.weight, QuantizedTensor):
             raise PlanError(
                 f"'{name}' is int8 in the checkpoint but ComfyUI loaded it as {type(module.weight).__name__}: the int8 path was "
@@ -216,12 +217,13 @@ def _verify_widths(dm: torch.nn.Module, plan: Plan) -> None:
             f"ComfyUI built {len(dm.blocks)} blocks + {len(dm.token_refiner.blocks)} refiner blocks, the plan has "
             f"{plan.num_layers} + {plan.refiner_layers}. The checkpoint and the built model disagree; report this with the file name."
         )
+    want_heads, want_ffn = plan.local_heads(STATE.env.tp_rank), plan.local_ffn(STATE.env.tp_rank)
     for i, (where, block) in enumerate(blocks):
         heads, fc1_rows = block.attn.heads, int(block.mlp.fc1.weight.shape[0])  # a QuantizedTensor: its logical shape
-        if heads != plan.local_heads or fc1_rows != 2 * plan.local_ffn:
+        if heads != want_heads or fc1_rows != 2 * want_ffn:
             raise PlanError(
                 f"{where} block {i}: ComfyUI built {heads} heads and fc1 with {fc1_rows} rows, this rank's plan needs "
-                f"{plan.local_heads} heads and {2 * plan.local_ffn} rows (tp_size={plan.tp_size}). The loaded state dict "
+                f"{want_heads} heads and {2 * want_ffn} rows (tp_size={plan.tp_size}). The loaded state dict "
                 "was not this rank's shard; restart the rank and report the log."
             )
 

@@ -51,6 +51,7 @@ class RankState:
     int8_kernel: str = "auto"
     int8_gemm: object | None = None  # kernels.select_int8_gemm() result
     reduce_dtype: object = None  # torch dtype of the row-parallel all-reduce (TP2_REDUCE_DTYPE)
+    shares: tuple[int, ...] | None = None  # TP2_SPLIT: each rank's share of the split layers (tp2/split.py)
     sequence_parallel: bool = False  # TP2_SEQUENCE_PARALLEL: DiT blocks keep S/tp_size rows of the stream
     sp_int8_gather: bool = True  # TP2_SP_INT8_GATHER: int8 linears' inputs are gathered quantised
     sp_fused_norm: bool = False  # TP2_SP_FUSED_NORM: norm + modulation (+ gated residual) fused on CUDA

@@ -69,12 +69,12 @@ def _hooked_load_clip(original):
 def _load_h3_encoder(layout, ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic):
     t0 = time.monotonic()
     path = ckpt_paths[0]
-    plan = resolve_te_plan(layout, STATE.env.tp_size)  # refuses before a byte of weights is read
+    plan = resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # refuses before a byte of weights is read
     rank, what = STATE.env.tp_rank, " of the text encoder"
     sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), rank, plan.tp_size, what, *rank_cache_args())
     if model_options.get("custom_operations") is None:
         sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
-    options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config()}})
+    options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config(rank)}})
     clip = comfy.sd.load_text_encoder_state_dicts([sd], embedding_directory, clip_type, options, disable_dynamic)
     del sd
     clip.patcher.cached_patcher_init = (comfy.sd.load_clip_model_patcher, (ckpt_paths, embedding_directory, clip_type, model_options))
@@ -97,7 +97,7 @@ def _h3_layout(ckpt_paths, clip_type) -> CheckpointLayout | None:
     if is_h3_text_encoder(layout):
         return layout
     if looks_like_qwen3vl(layout) and "model.audio_decoder.projection.weight" not in layout.tensors:
-        resolve_te_plan(layout, STATE.env.tp_size)  # raises: a Qwen language model that is not H3's encoder
+        resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # raises: a Qwen language model that is not H3's encoder
     return None
 
 
@@ -134,22 +134,22 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
 
 
 def _verify_widths(transformer, plan: TEPlan) -> None:
-    n = plan.tp_size
+    mine = plan.local_config(STATE.env.tp_rank)
     rows = transformer.model.embed_tokens.num_embeddings
-    if rows != plan.vocab // n:
+    if rows != mine["vocab_size"]:
         raise PlanError(
-            f"{STATE.tag} ComfyUI built the text encoder's embedding with {rows} rows, this rank's plan needs {plan.vocab // n} "
+            f"{STATE.tag} ComfyUI built the text encoder's embedding with {rows} rows, this rank's plan needs {mine['vocab_size']} "
             "(its share of the vocabulary). ComfyUI ignored the pack's width override; report this with your ComfyUI version."
         )
     layers = transformer.model.layers
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         got = (attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.mlp.down_proj.in_features)
-        want = (plan.heads // n, plan.kv_heads // n, plan.head_dim, plan.ffn // n)
+        want = (mine["num_attention_heads"], mine["num_key_value_heads"], plan.head_dim, mine["intermediate_size"])
         if got != want:
             raise PlanError(
                 f"{STATE.tag} text encoder layer {i}: ComfyUI built heads/KV heads/head_dim/FFN {got}, this rank's plan "
-                f"needs {want} (tp_size={n}). ComfyUI ignored the pack's width override; report this with your ComfyUI version."
+                f"needs {want} (tp_size={plan.tp_size}). ComfyUI ignored the pack's width override; report this with your ComfyUI version."
             )
 
 
@@ -172,8 +172,7 @@ def _rowwise_forward(self, x, *args, **kwargs):
 def _vocab_parallel_forward(own, plan: TEPlan):
     """ComfyUI's embedding forward on the tokens in this rank's rows (zeros for the others), summed over ranks:
     every token's row comes from exactly one rank, so the sum is the lookup itself, bit for bit."""
-    local = plan.vocab // plan.tp_size
-    start = STATE.env.tp_rank * local
+    start, local = plan.bounds["vocab"][STATE.env.tp_rank], plan.local("vocab", STATE.env.tp_rank)
 
     def forward(self, input_ids, *args, **kwargs):
         mine = (input_ids >= start) & (input_ids < start + local)

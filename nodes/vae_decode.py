@@ -90,7 +90,7 @@ def _decode_units(vae, clips):
 
 def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
     """ComfyUI's decode_temporal with its tile decodes served by a RoundRobinDecoder."""
-    decoder = RoundRobinDecoder(units, _local_decode(vae._decode_pixels), group, mark_progress)
+    decoder = RoundRobinDecoder(units, _local_decode(vae._decode_pixels), group, mark_progress, STATE.shares)
     had_own = "_decode_pixels" in vae.__dict__
     vae._decode_pixels = decoder.serve
     t0 = time.monotonic()
@@ -106,7 +106,7 @@ def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
         if not had_own:
             del vae._decode_pixels
     STATE.prompt.split_decodes += 1
-    shares = "; ".join(f"rank {r}: {len(s)}" for r, s in enumerate(rank_shares(len(units), group.tp_size)))
+    shares = "; ".join(f"rank {r}: {len(s)}" for r, s in enumerate(rank_shares(len(units), STATE.shares or (1,) * group.tp_size)))
     log.info(
         "%s VAE decode split over %d ranks: %d chunks, %d tiles (%s), %.2f s",
         STATE.tag, group.tp_size, num_chunks, len(units), shares, time.monotonic() - t0,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Start, stop or inspect one ComfyUI per GPU, joined into one tensor-parallel world by minimax-h3-tp2.
 #
-#   scripts/start-tp2.sh [--comfyui DIR] [--python PATH] [--tp-size N] [--gpus 0,1 | --cpu] [--fast] [--lean-memory] [--ckpt NAME] [--base-port 18188]
+#   scripts/start-tp2.sh [--comfyui DIR] [--python PATH] [--tp-size N] [--split 3:2 | auto] [--gpus 0,1 | --cpu] [--fast] [--lean-memory]
+#                        [--ckpt NAME] [--base-port 18188]
 #                        [--run-dir DIR] [--base-dir DIR] [--listen ADDR --allow-remote] [-- extra ComfyUI args]
 #   scripts/start-tp2.sh stop    --run-dir DIR
 #   scripts/start-tp2.sh status  --run-dir DIR
@@ -17,7 +18,12 @@
 # --comfyui DIR: else $COMFYUI_DIR, else the ComfyUI scripts/install.sh remembered, else ~/ComfyUI (it says which).
 # Before any rank starts, tp_size is checked (as `python -m tp2.inspect` does) against --ckpt NAME (a file in
 # models/diffusion_models or models/unet, or a path), else against every MiniMax-H3 file in those folders; a
-# tp_size that no such file can be split into is refused with the sizes that work.
+# tp_size that no such file can be split into is refused with the sizes that work. The MiniMax-H3 text encoders in
+# models/text_encoders and models/clip are checked the same way.
+# --split 3:2 gives each rank that share of the split layers (attention heads, FFN columns, the text encoder's KV
+# heads, the VAE decode's tiles), rank 0 first: for GPUs of different memory or speed. Omitted: the even split.
+# --split auto measures each GPU (free memory, and the time of one H3-shaped block: python -m tp2.balance) and
+# chooses the shares before any rank starts; the decision is printed and written to RUN_DIR/split.
 # --base-dir passes ComfyUI's --base-directory (models and custom_nodes from there; the demo uses it).
 # --fast starts with the fastest measured settings (bf16 reduce, sequence parallelism, fused Triton kernels; about
 # 1.9x one GPU at 832x480 on 2x H200, docs/PERFORMANCE.md) instead of the exact defaults; a variable set in the
@@ -60,13 +66,14 @@ esac
 cmd=start
 if [[ $# -gt 0 && ( "$1" == stop || "$1" == status || "$1" == restart || "$1" == _supervise ) ]]; then cmd=$1; shift; fi
 RANK_ARG=""
-COMFYUI_ARG=""; CKPT=""; TP_SIZE=2; GPUS=""; CPU=0; BASE_PORT=18188; RUN_DIR="$PWD/tp2-run"; BASE_DIR=""
+COMFYUI_ARG=""; CKPT=""; TP_SIZE=2; SPLIT="${TP2_SPLIT:-}"; GPUS=""; CPU=0; BASE_PORT=18188; RUN_DIR="$PWD/tp2-run"; BASE_DIR=""
 LISTEN=127.0.0.1; ALLOW_REMOTE=0; EXTRA=(); PYTHON_ARG=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --comfyui) COMFYUI_ARG="$2"; shift 2 ;;
     --ckpt) CKPT="$2"; shift 2 ;;
     --tp-size) TP_SIZE="$2"; shift 2 ;;
+    --split) SPLIT="$2"; shift 2 ;;
     --gpus) GPUS="$2"; shift 2 ;;
     --cpu) CPU=1; shift ;;
     --fast|--lean-memory) shift ;;  # read above
@@ -141,8 +148,10 @@ EOF
 
 tail_log() { echo "---- last lines of $1 ----" >&2; tail -n "${2:-15}" "$1" >&2 || true; }
 
-check_tp_size() {  # before any rank starts: refuse a tp_size that the H3 checkpoint(s) here cannot be split into
-  local models="${BASE_DIR:-$COMFYUI}/models" files=() explicit=0 f rc=0
+check_tp_size() {  # before any rank starts: refuse a tp_size or split that the H3 models here cannot be split into
+  local models="${BASE_DIR:-$COMFYUI}/models" files=() encoders=() explicit=0 f rc=0
+  while IFS= read -r -d '' f; do encoders+=("$f"); done < <(find -L "$models/text_encoders" "$models/clip" -type f \
+    -name '*.safetensors' -print0 2>/dev/null || true)
   if [[ -n "$CKPT" ]]; then
     explicit=1
     for f in "$CKPT" "$models/diffusion_models/$CKPT" "$models/unet/$CKPT"; do [[ -f "$f" ]] && { files=("$f"); break; }; done
@@ -150,15 +159,16 @@ check_tp_size() {  # before any rank starts: refuse a tp_size that the H3 checkp
   else  # every file ComfyUI would list for a diffusion model loader
     while IFS= read -r -d '' f; do files+=("$f"); done < <(find -L "$models/diffusion_models" "$models/unet" -type f \
       -name '*.safetensors' -print0 2>/dev/null || true)
-    if [[ ${#files[@]} -eq 0 ]]; then
+    if [[ ${#files[@]} -eq 0 && ${#encoders[@]} -eq 0 ]]; then
       echo "tp_size $TP_SIZE: no checkpoint in $models/diffusion_models to check it against (--ckpt NAME checks one elsewhere)"
       return 0
     fi
   fi
-  PYTHONPATH="$PACK_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$PACK_DIR/scripts/lib/check_tp_size.py" "$TP_SIZE" "$explicit" "${files[@]}" || rc=$?
+  PYTHONPATH="$PACK_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$PACK_DIR/scripts/lib/check_tp_size.py" "$TP_SIZE" "$SPLIT" "$explicit" \
+    ${files[@]+"${files[@]}"} ${encoders[@]+"${encoders[@]}"} || rc=$?
   case $rc in
     0) ;;
-    2) die "tp_size $TP_SIZE refused before starting any rank: $([[ $explicit -eq 1 ]] && echo "$CKPT cannot be split that way" || echo "no MiniMax-H3 checkpoint in $models/diffusion_models can be split that way"); use a tp_size named above" ;;
+    2) die "tp_size $TP_SIZE${SPLIT:+, split $SPLIT,} refused before starting any rank: the model named above cannot be split that way; use a tp_size or split named above" ;;
     *) echo "start-tp2: WARNING: could not check tp_size $TP_SIZE against the checkpoints ($PY failed, above); starting anyway" >&2 ;;
   esac
 }
@@ -274,6 +284,7 @@ start_supervisor() {  # rank: start its supervisor (detached; its output goes to
   [[ $CPU -eq 1 ]] && args+=(--cpu)
   args+=("${EXTRA[@]}")
   ( if [[ $CPU -eq 1 ]]; then export CUDA_VISIBLE_DEVICES=""; else export CUDA_VISIBLE_DEVICES="${GPU_LIST[$r]}"; fi
+    [[ -n "$SPLIT" ]] && export TP2_SPLIT="$SPLIT"
     export TP2_RANK=$r TP2_WORLD_SIZE=$TP_SIZE MASTER_ADDR=127.0.0.1 MASTER_PORT TP2_SECRET_FILE="$SECRET_FILE" TP2_RANK_URLS="$RANK_URLS"
     supervise "$r" $((BASE_PORT + r)) "${args[@]}" ) > /dev/null 2>&1 < /dev/null &
   echo $! > "$RUN_DIR/rank$r.supervisor"
@@ -356,7 +367,6 @@ nodes_dir="${BASE_DIR:-$COMFYUI}/custom_nodes"
 found=0
 for d in "$nodes_dir"/*; do [[ "$(readlink -f "$d")" == "$PACK_DIR" ]] && found=1; done
 [[ $found -eq 1 ]] || die "the pack is not in $nodes_dir; run: $(pack_cmd install.sh) --comfyui $COMFYUI (or link $PACK_DIR there)"
-check_tp_size
 
 if [[ $CPU -eq 1 ]]; then
   IFS=, read -r -a GPU_LIST <<< "$(seq -s, 0 $((TP_SIZE - 1)))"
@@ -371,6 +381,13 @@ else
   IFS=, read -r -a GPU_LIST <<< "$GPUS"
   [[ ${#GPU_LIST[@]} -eq $TP_SIZE ]] || die "--gpus lists ${#GPU_LIST[@]} GPUs for --tp-size $TP_SIZE"
 fi
+if [[ "$SPLIT" == auto ]]; then  # measured before any rank starts (each GPU alone); the decision is kept with the run
+  SPLIT="$(PYTHONPATH="$PACK_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$PACK_DIR/scripts/lib/balance.py" "$CPU" "${GPU_LIST[@]}" 2>"$RUN_DIR/split")" \
+    || { cat "$RUN_DIR/split" >&2; die "--split auto could not measure the GPUs (above); give the shares yourself, e.g. --split 3:2"; }
+  cat "$RUN_DIR/split"
+  echo "--split auto chose $SPLIT" | tee -a "$RUN_DIR/split"
+fi
+check_tp_size
 for (( r = 0; r < TP_SIZE; r++ )); do  # a taken port would otherwise surface only after every rank's start-up
   "$PY" -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2])))' \
     "$LISTEN" $((BASE_PORT + r)) 2>/dev/null \
@@ -397,7 +414,7 @@ echo "minimax-h3-tp2: starting $TP_SIZE ranks of $COMFYUI under $PY (MASTER_PORT
 : > "$PIDS"; rm -f "$RUN_DIR"/rank*.restarts "$RUN_DIR/stopping" "$RUN_DIR/rank0.queue.json"  # a fresh start: an empty queue
 for (( r = 0; r < TP_SIZE; r++ )); do : > "$RUN_DIR/rank$r.log"; done
 # what `restart` needs to start a rank again the same way
-{ declare -p COMFYUI PY LISTEN BASE_PORT BASE_DIR CPU GPU_LIST EXTRA TP_SIZE MASTER_PORT SECRET_FILE RANK_URLS
+{ declare -p COMFYUI PY LISTEN BASE_PORT BASE_DIR CPU GPU_LIST EXTRA TP_SIZE SPLIT MASTER_PORT SECRET_FILE RANK_URLS
   for v in "${!TP2_@}"; do declare -p "$v"; done; } > "$RUN_DIR/launch.env"
 for (( r = TP_SIZE - 1; r >= 0; r-- )); do
   start_supervisor "$r"

@@ -119,6 +119,18 @@ def tiny_int8(tiny_dir):
     return make_checkpoint(os.path.join(tiny_dir, "h3_tiny_int8.safetensors"), "--int8")
 
 
+@pytest.fixture(scope="session")
+def tiny_float_wide(tiny_dir):
+    """16 heads, FFN 2048: room for uneven shares at 4 ranks."""
+    return make_checkpoint(os.path.join(tiny_dir, "h3_tiny_float_wide.safetensors"), "--heads", "16", "--ffn", "2048")
+
+
+@pytest.fixture(scope="session")
+def tiny_int8_wide(tiny_dir):
+    """16 heads (8 ConvRot pairs), FFN 2048 (8 groups of 256): shares such as 3:1 and 5:1:1:1 cut whole groups."""
+    return make_checkpoint(os.path.join(tiny_dir, "h3_tiny_int8_wide.safetensors"), "--int8", "--heads", "16", "--ffn", "2048")
+
+
 def real_layout(name: str):
     from tp2.checkpoint import CheckpointLayout
 

@@ -2,10 +2,10 @@
 
 A chunked, tiled video decode (the H3 VAE: temporal chunks, each decoded in spatial tiles) blends each tile into its
 neighbours, but the tile decodes themselves are independent. The units are every chunk's tiles in one list, in the order
-the model asks for them (temporal_chunks, spatial_tiles cut them as the H3 VAE does). `RoundRobinDecoder` decodes unit i
-on rank i % tp_size, a round of tp_size units at a time, and broadcasts each from its owner, so every rank runs the
-model's own serial blend on exactly the tensors a single-rank decode would have made. At most one round of decoded units
-is held at a time. Imports torch only; never `comfy`.
+the model asks for them (temporal_chunks, spatial_tiles cut them as the H3 VAE does). `RoundRobinDecoder` decodes them
+a round at a time, each rank its share of the round (one unit each when the split is even: unit i on rank i % tp_size),
+and broadcasts each from its owner, so every rank runs the model's own serial blend on exactly the tensors a single-rank
+decode would have made. At most one round of decoded units is held at a time. Imports torch only; never `comfy`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import torch
 
 from .collectives import TPGroup, broadcast_tree
 from .errors import ChunkingChangedError
+from .split import Shares, counts, even, reduced
+
+MAX_ROUND_PER_RANK = 4  # uneven shares are approximated by a round of at most this many units per rank
 
 
 def temporal_chunks(z: torch.Tensor, pad_tokens: int, num_chunks: int, chunk_size: int, overlap: int) -> list[torch.Tensor]:
@@ -32,26 +35,38 @@ def spatial_tiles(clip: torch.Tensor, y_tiles: list[tuple[int, int]], x_tiles: l
     return [clip[..., y // ratio : y // ratio + h // ratio, x // ratio : x // ratio + w // ratio] for y, h in y_tiles for x, w in x_tiles]
 
 
-def chunk_owner(index: int, tp_size: int) -> int:
-    """The rank that decodes unit `index`."""
-    return index % tp_size
+def round_owners(shares: Shares) -> list[int]:
+    """The owner of each unit of a round: rank r decodes its share of the round (shares approximated in whole units)."""
+    n = len(shares)
+    per_rank = reduced(tuple(max(1, c) for c in counts(MAX_ROUND_PER_RANK * n, shares)))
+    return [r for r in range(n) for _ in range(per_rank[r])]
 
 
-def rank_shares(num_chunks: int, tp_size: int) -> list[list[int]]:
+def rank_shares(num_chunks: int, shares: Shares) -> list[list[int]]:
     """Each rank's unit indices, in rank order."""
-    return [[i for i in range(num_chunks) if chunk_owner(i, tp_size) == r] for r in range(tp_size)]
+    owners = round_owners(shares)
+    return [[i for i in range(num_chunks) if owners[i % len(owners)] == r] for r in range(len(shares))]
 
 
 class RoundRobinDecoder:
-    """Serve unit decodes in order 0..n-1; unit i is decoded on rank i % tp_size, then broadcast from it.
-    `mark()` is called as each round starts and as this rank's decode in it is done (tp2/progress.py).
+    """Serve unit decodes in order 0..n-1, a round at a time (round_owners(shares): even shares, unit i on rank
+    i % tp_size), each broadcast from its owner. `mark()` is called as each round starts and as this rank's decodes
+    in it are done (tp2/progress.py).
 
-    Contract per round of tp_size units: forward: each rank decodes at most one unit, then one broadcast per unit
-    from its owner (over `tp`); every rank ends the round with the same decoded tensors.
+    Contract per round: forward: each rank decodes its units of the round, then one broadcast per unit from its
+    owner (over `tp`); every rank ends the round with the same decoded tensors.
     """
 
-    def __init__(self, clips: list[torch.Tensor], decode: Callable[[torch.Tensor], torch.Tensor], tp: TPGroup, mark=lambda: None):
+    def __init__(
+        self,
+        clips: list[torch.Tensor],
+        decode: Callable[[torch.Tensor], torch.Tensor],
+        tp: TPGroup,
+        mark=lambda: None,
+        shares: Shares | None = None,
+    ):
         self.clips, self.decode, self.tp, self.mark = clips, decode, tp, mark
+        self.owners = round_owners(shares or even(tp.tp_size))
         self.served = 0
         self._round: dict[int, torch.Tensor] = {}
 
@@ -69,18 +84,16 @@ class RoundRobinDecoder:
                 f"{'(there is none)' if i >= len(self.clips) else tuple(self.clips[i].shape)}: ComfyUI's temporal chunking or "
                 "spatial tiling changed. Set TP2_PARALLEL_VAE=0 (decode on each rank alone) and report this with your ComfyUI version."
             )
-        if i % self.tp.tp_size == 0:
+        if i % len(self.owners) == 0:
             self._decode_round(i)
         self.served += 1
         return self._round.pop(i)
 
     def _decode_round(self, start: int) -> None:
-        tp, n = self.tp, len(self.clips)
-        mine = start + tp.tp_rank
+        tp, units = self.tp, range(start, min(start + len(self.owners), len(self.clips)))
         self.mark()
-        local = self.decode(self.clips[mine]) if mine < n else None
-        self.mark()  # every rank marks as often, tile or none: one behind after this is still decoding
-        for j in range(start, min(start + tp.tp_size, n)):
-            owner = chunk_owner(j, tp.tp_size)
-            got = broadcast_tree(local if owner == tp.tp_rank else None, tp, src=owner)
-            self._round[j] = local if owner == tp.tp_rank else got.to(self.clips[j].device)
+        local = {j: self.decode(self.clips[j]) for j in units if self.owners[j - start] == tp.tp_rank}
+        self.mark()  # every rank marks as often, tiles or none: one behind after this is still decoding
+        for j in units:
+            got = broadcast_tree(local.get(j), tp, src=self.owners[j - start])
+            self._round[j] = local[j] if j in local else got.to(self.clips[j].device)

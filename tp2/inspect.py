@@ -12,27 +12,36 @@ import sys
 from .checkpoint import CheckpointLayout
 from .errors import TP2Error
 from .plan import resolve_plan
+from .split import parse_split
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tp2.inspect", description="Show how an H3 checkpoint splits across TP ranks.")
     ap.add_argument("checkpoint")
     ap.add_argument("--tp-size", type=int, required=True)
+    ap.add_argument("--split", default=None, help="the ranks' shares, as the launcher's --split (e.g. 3:2; default even)")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
     try:
-        plan = resolve_plan(CheckpointLayout.from_file(args.checkpoint), args.tp_size)
+        plan = resolve_plan(CheckpointLayout.from_file(args.checkpoint), args.tp_size, parse_split(args.split, args.tp_size))
     except TP2Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = [
-        dict(name=t.name, style=t.layer_style, kind=t.kind, dtype=t.dtype, full_shape=list(t.full_shape), local_shape=list(t.local_shape))
+        dict(
+            name=t.name,
+            style=t.layer_style,
+            kind=t.kind,
+            dtype=t.dtype,
+            full_shape=list(t.full_shape),
+            local_shapes=[list(t.local_shape(r)) for r in range(plan.tp_size)],
+        )
         for t in plan.tensors.values()
     ]
     if args.json:
         head = {
             k: getattr(plan, k)
-            for k in ("tp_size", "prefix", "adaln_form", "hidden", "heads", "head_dim", "ffn", "num_layers", "refiner_layers")
+            for k in ("tp_size", "shares", "prefix", "adaln_form", "hidden", "heads", "head_dim", "ffn", "num_layers", "refiner_layers")
         }
         json.dump({**head, "fingerprint": plan.fingerprint(), "tensors": rows}, sys.stdout, indent=1)
         print()
@@ -40,7 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     print(plan.summary())
     width = max(len(r["name"]) for r in rows)
     for r in rows:
-        print(f"{r['name']:<{width}}  {r['style']:<19} {r['kind']:<5} {r['dtype']:<4} {str(r['full_shape']):<16} -> {r['local_shape']}")
+        print(
+            f"{r['name']:<{width}}  {r['style']:<19} {r['kind']:<5} {r['dtype']:<4} {str(r['full_shape']):<16} -> {' | '.join(map(str, r['local_shapes']))}"
+        )
     return 0
 
 

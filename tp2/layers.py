@@ -68,9 +68,9 @@ def local_linear(
     return F.linear(x, weight, None if bias is None else bias.to(weight.dtype)).to(out_dtype)
 
 
-def split_input_slice(x: torch.Tensor, k: int, tp_rank: int) -> torch.Tensor:
-    """This rank's K slice of a replicated input (a split-input row-parallel layer)."""
-    return x.narrow(-1, tp_rank * k, k)
+def split_input_slice(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """This rank's K slice [start, end) of a replicated input (a split-input row-parallel layer)."""
+    return x.narrow(-1, start, end - start)
 
 
 def row_parallel(

@@ -30,9 +30,7 @@ def is_sharded(ts: TensorShard) -> bool:
     return ts.kind in (SPLIT, RANK0)
 
 
-def slice_lora_factors(
-    up: torch.Tensor, down: torch.Tensor, ts: TensorShard, tp_rank: int, tp_size: int, key: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def slice_lora_factors(up: torch.Tensor, down: torch.Tensor, ts: TensorShard, tp_rank: int, key: str) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (up, down) for a weight sharded as `ts`; raises AdapterPlacementError on a shape mismatch."""
     full = tuple(ts.full_shape)
     if up.ndim != 2 or down.ndim != 2 or len(full) != 2:
@@ -49,17 +47,17 @@ def slice_lora_factors(
     if ts.kind != SPLIT:
         return up, down
     if ts.dim == 0:
-        return slice_tensor(up, dataclasses.replace(ts, full_shape=tuple(up.shape)), tp_rank, tp_size), down
-    return up, slice_tensor(down, dataclasses.replace(ts, full_shape=tuple(down.shape)), tp_rank, tp_size)
+        return slice_tensor(up, dataclasses.replace(ts, full_shape=tuple(up.shape)), tp_rank), down
+    return up, slice_tensor(down, dataclasses.replace(ts, full_shape=tuple(down.shape)), tp_rank)
 
 
-def slice_like_weight(t: torch.Tensor, ts: TensorShard, tp_rank: int, tp_size: int, key: str) -> torch.Tensor:
+def slice_like_weight(t: torch.Tensor, ts: TensorShard, tp_rank: int, key: str) -> torch.Tensor:
     """This rank's part of a tensor shaped like the full weight or bias (a "diff" or "set" patch)."""
     if tuple(t.shape) != tuple(ts.full_shape):
         raise AdapterPlacementError(
             f"{key}: a full-size patch of shape {list(t.shape)} does not match the weight's full shape {list(ts.full_shape)}."
         )
-    return slice_tensor(t, ts, tp_rank, tp_size)
+    return slice_tensor(t, ts, tp_rank)
 
 
 def state_dict_digest(sd: dict[str, torch.Tensor]) -> str:

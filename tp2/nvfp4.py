@@ -103,22 +103,20 @@ def unswizzle_block_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torc
     return tiles.reshape(band_rows, band_cols)[:rows, :cols].view(swizzled.dtype)
 
 
-def slice_block_scales(block_scale: torch.Tensor, n: int, k: int, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's swizzled block scales of an nvfp4 weight of logical shape [n, k], cut along `dim`: exactly what
-    quantising the rank's slice with the same weight_scale_2 would store (blocks are independent of each other)."""
-    problem = nvfp4_split_problem(n, k, dim, tp_size)
-    if problem:
-        raise ValueError(f"Cannot split an nvfp4 weight [{n}, {k}] along dim {dim}: {problem}")
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}.")
+def slice_block_scales(block_scale: torch.Tensor, n: int, k: int, dim: int, start: int, end: int) -> torch.Tensor:
+    """The swizzled block scales of rows (dim 0) or input columns (dim 1) [start, end) of an nvfp4 weight of logical
+    shape [n, k]: exactly what quantising that slice with the same weight_scale_2 would store (blocks are
+    independent of each other). Columns must be whole 16-column blocks."""
+    if dim == 1 and (start % BLOCK or end % BLOCK):
+        raise ValueError(f"Cannot cut nvfp4 block scales at input columns [{start}, {end}): not whole {BLOCK}-column blocks.")
+    if not 0 <= start < end <= (n if dim == 0 else k):
+        raise ValueError(f"[{start}, {end}) is not a slice of an nvfp4 weight [{n}, {k}] along dim {dim}.")
     stored_rows, stored_blocks = _roundup(n, 16), _roundup(k, 16) // BLOCK
     rows = unswizzle_block_scales(block_scale, stored_rows, stored_blocks)
     if dim == 0:
-        local = n // tp_size
-        mine = rows.narrow(0, tp_rank * local, local)  # the swizzle zero-pads to 128 rows, as a file's padding
+        mine = rows.narrow(0, start, end - start)  # the swizzle zero-pads to 128 rows, as a file's padding
     else:
-        local = k // tp_size // BLOCK
-        mine = rows.narrow(1, tp_rank * local, local)
+        mine = rows.narrow(1, start // BLOCK, (end - start) // BLOCK)
     out = swizzle_block_scales(mine.contiguous())
     return out.reshape(-1) if block_scale.dim() == 1 else out
 
@@ -152,8 +150,14 @@ def slice_nvfp4(
         shape = nvfp4_logical_shape(weight.shape)
     n, k = shape or (0, 0)
     _check_tensors(tensors, n, k)
+    problem = nvfp4_split_problem(n, k, dim, tp_size)
+    if problem:
+        raise ValueError(f"Cannot split an nvfp4 weight [{n}, {k}] along dim {dim}: {problem}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}.")
     out = dict(tensors)
-    out["weight_scale"] = slice_block_scales(tensors["weight_scale"], n, k, dim, tp_rank, tp_size)
+    width = (n if dim == 0 else k) // tp_size
+    out["weight_scale"] = slice_block_scales(tensors["weight_scale"], n, k, dim, tp_rank * width, (tp_rank + 1) * width)
     if dim == 0:
         local = n // tp_size
         mine = weight.narrow(0, tp_rank * local, local)

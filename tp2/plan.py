@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from .checkpoint import CheckpointLayout, convrot_group
 from .errors import PlanError
 from .h3_layout import H3Shape
+from .split import Shares, cut, even, is_even, named, reduced, scaled, workable
 
 COLWISE = "colwise"  # Y = X A, A split by output rows; no collective
 COLWISE_PACKED = "colwise_packed"  # the same, per fused part ([q|k|v], [gate|up]): each rank its slice of each
@@ -82,9 +83,10 @@ def compile_pattern(pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
 
 
-def plan_fingerprint(tp_size: int, rows: list[list]) -> str:
-    """The short hash a plan is known by (rank-cache file names, the ranks' handshake): one row per tensor."""
-    doc = {"tp_size": tp_size, "tensors": sorted(rows)}
+def plan_fingerprint(tp_size: int, rows: list[list], shares: Shares) -> str:
+    """The short hash a plan is known by (rank-cache file names, the ranks' handshake): one row per tensor, and the
+    shares when they are uneven (an even plan's hash is the one it had before shares existed)."""
+    doc = {"tp_size": tp_size, "tensors": sorted(rows), **({} if is_even(shares) else {"shares": list(reduced(shares))})}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -101,9 +103,17 @@ class TensorShard:
     dim: int | None  # SPLIT only
     parts: int  # packed parts along `dim` (1 when not packed)
     full_shape: tuple[int, ...]
-    local_shape: tuple[int, ...]
     dtype: str
     layer_style: str  # style of the linear it belongs to, REPLICATE for non-linears
+    bounds: tuple[int, ...] | None = None  # SPLIT only: rank r holds [bounds[r], bounds[r + 1]) of each part
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """The shape rank `rank` holds (nvfp4 block scales: the stored shape, re-cut in memory)."""
+        if self.kind != SPLIT:
+            return self.full_shape
+        shape = list(self.full_shape)
+        shape[self.dim] = self.parts * (self.bounds[rank + 1] - self.bounds[rank])
+        return tuple(shape)
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,7 @@ class Plan:
     """The resolved plan for one checkpoint at one tp_size (identical on every rank)."""
 
     tp_size: int
+    shares: Shares
     prefix: str
     adaln_form: str  # "full" (time_embedder + big adaln) or "curve" (adaln_t_table)
     hidden: int
@@ -121,35 +132,41 @@ class Plan:
     refiner_layers: int
     linears: dict[str, str]  # every linear (2-D weight), by layer name without prefix -> style
     tensors: dict[str, TensorShard]
+    head_bounds: tuple[int, ...]  # rank r holds heads [head_bounds[r], head_bounds[r + 1])
+    ffn_bounds: tuple[int, ...]
 
-    @property
-    def local_heads(self) -> int:
-        return self.heads // self.tp_size
+    def local_heads(self, rank: int) -> int:
+        return self.head_bounds[rank + 1] - self.head_bounds[rank]
 
-    @property
-    def local_ffn(self) -> int:
-        return self.ffn // self.tp_size
+    def local_ffn(self, rank: int) -> int:
+        return self.ffn_bounds[rank + 1] - self.ffn_bounds[rank]
 
     def fingerprint(self) -> str:
         rows = [[t.name, t.kind, t.dim, t.parts, list(t.full_shape), t.dtype] for t in self.tensors.values()]
-        return plan_fingerprint(self.tp_size, rows)
+        return plan_fingerprint(self.tp_size, rows, self.shares)
 
     def summary(self) -> str:
         styles = ", ".join(f"{n} {s}" for s, n in sorted(Counter(self.linears.values()).items()))
+        ranks = range(self.tp_size)
         return (
-            f"H3 tp_size={self.tp_size}: {self.num_layers} blocks + {self.refiner_layers} refiner, "
-            f"heads {self.heads}->{self.local_heads}/rank, ffn {self.ffn}->{self.local_ffn}/rank, "
+            f"H3 tp_size={self.tp_size}, split {named(self.shares)}: {self.num_layers} blocks + {self.refiner_layers} refiner, "
+            f"heads {self.heads}->{per_rank([self.local_heads(r) for r in ranks])}, ffn {self.ffn}->{per_rank([self.local_ffn(r) for r in ranks])}, "
             f"adaln {self.adaln_form}-form; linears: {styles}; plan {self.fingerprint()}"
         )
 
 
-def resolve_plan(layout: CheckpointLayout, tp_size: int) -> Plan:
-    """Resolve and validate the plan; raises PlanError (with the tp_sizes that would work) on any problem."""
+def per_rank(widths: list[int]) -> str:
+    """ "28/rank" for equal widths, else "32+24" (rank 0 first)."""
+    return f"{widths[0]}/rank" if len(set(widths)) == 1 else "+".join(map(str, widths))
+
+
+def resolve_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None = None) -> Plan:
+    """Resolve and validate the plan (shares None: the even split); raises PlanError naming what would work."""
     if not isinstance(tp_size, int) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}. Use the number of GPUs (ranks), e.g. 2.")
-    plan, problems = _resolve(layout, tp_size)
+    plan, problems = _resolve(layout, tp_size, shares or even(tp_size))
     if problems:
-        allowed = allowed_tp_sizes(layout)
+        allowed = allowed_tp_sizes(layout) if shares is None or is_even(shares) else []
         hint = f" Use tp_size {_join_or(allowed)}." if allowed else ""
         raise PlanError(problems[0] + hint)
     return plan
@@ -157,7 +174,7 @@ def resolve_plan(layout: CheckpointLayout, tp_size: int) -> Plan:
 
 def allowed_tp_sizes(layout: CheckpointLayout, limit: int = 64) -> list[int]:
     """Every tp_size in 1..limit that this checkpoint can be split into."""
-    return [n for n in range(1, limit + 1) if not _resolve(layout, n)[1]]
+    return [n for n in range(1, limit + 1) if not _resolve(layout, n, even(n))[1]]
 
 
 def _join_or(values: list[int]) -> str:
@@ -172,36 +189,71 @@ def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
     return None
 
 
-def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[Plan | None, list[str]]:
+def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Plan | None, list[str]]:
     dims = H3Shape.of(layout)
     prefix, form, adaln = dims.prefix, dims.adaln_form, ADALN_STYLE[dims.adaln_form]
-    problems = _check_widths(dims.heads, dims.ffn, tp_size)
+    pools, problems = _pools(layout, dims, tp_size, shares)
     linears: dict[str, str] = {}
     tensors: dict[str, TensorShard] = {}
     for name, (dtype, full) in layout.tensors.items():
-        shard, linear_style, found = _place(layout.source, prefix, adaln, dims, tp_size, name, dtype, full)
+        shard, linear_style, found = _place(layout.source, prefix, adaln, dims, pools, name, dtype, full)
         problems += found
         if shard:
             tensors[name] = shard
         if linear_style:
             linears[name[len(prefix) :].rpartition(".")[0]] = linear_style
-    problems += _check_quant(layout, prefix, linears, tp_size)
+    problems += _check_quant(layout, prefix, linears, tensors)
     if problems:
         return None, problems
     num_layers = 1 + max(int(k.split(".")[1]) for k in linears if k.startswith("blocks."))
     refiner = [int(k.split(".")[2]) for k in linears if k.startswith("token_refiner.blocks.")]
     refiner_layers = 1 + max(refiner) if refiner else 0
-    plan = Plan(tp_size, prefix, form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers, linears, tensors)
+    plan = Plan(
+        tp_size, shares, prefix, form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers,
+        linears, tensors, pools["attn"][1], pools["mlp"][1],
+    )  # fmt: skip
     return plan, []
 
 
-def _place(src, prefix, adaln, dims: H3Shape, tp_size, name, dtype, full) -> tuple[TensorShard | None, str | None, list[str]]:
+def _pools(layout: CheckpointLayout, dims: H3Shape, tp_size: int, shares: Shares) -> tuple[dict, list[str]]:
+    """Each split width ("attn": heads, "mlp": FFN columns, "adaln": the full form's adaln input) as (total, bounds).
+    Uneven shares cut in whole units: heads filling whole ConvRot groups of out_proj's input (pairs of 128-wide
+    heads in groups of 256), FFN columns and adaln inputs in ConvRot groups (at least 16). Even shares: equal slices,
+    or the widths' refusal (the int8 layout's group check follows in _check_quant)."""
+    group = lambda layer: convrot_group(layout.quant.get(dims.prefix + layer)) or 1  # noqa: E731
+    head_unit = math.lcm(dims.head_dim, group("blocks.0.attn.out_proj")) // dims.head_dim
+    widths = {
+        "attn": (dims.heads, head_unit, "heads", f"{head_unit} heads" if head_unit > 1 else "a head"),
+        "mlp": (dims.ffn, math.lcm(16, group("blocks.0.mlp.fc2")), "ffn width", None),
+        "adaln": (dims.t_dim, math.lcm(16, group("blocks.0.adaln_proj.linear")), "adaln input", None),
+    }
+    pools, problems = {}, []
+    if len(shares) != tp_size:
+        return {k: (w[0], None) for k, w in widths.items()}, [
+            f"The split names {len(shares)} shares for tp_size={tp_size}: give one per rank."
+        ]
+    for key, (total, unit, what, unit_name) in widths.items():
+        pools[key] = (total, cut(total, unit, shares))
+        if pools[key][1] is not None or key == "adaln" and dims.adaln_form == "curve":
+            continue
+        if is_even(shares):
+            layer = {"attn": "blocks.*.attn.qkv_proj", "mlp": "blocks.*.mlp.fc1", "adaln": ADALN}[key]
+            problems.append(f"Cannot split '{layer}' {what} ({total}) across tp_size={tp_size}: not divisible.")
+            continue
+        problems.append(
+            f"The split {named(shares)} cannot give every rank whole units of the DiT's {what} ({total} = {total // unit} units of "
+            f"{unit_name or unit}): a rank would get none. The nearest split that works is {named(workable(total // unit, shares))}."
+        )
+    return pools, problems
+
+
+def _place(src, prefix, adaln, dims: H3Shape, pools, name, dtype, full) -> tuple[TensorShard | None, str | None, list[str]]:
     """Tensor `name`'s place in the plan, its linear's style when it is a linear's 2-D weight, and what is wrong."""
     if not name.startswith(prefix):
         return None, None, [f"Tensor '{name}' in '{src}' is outside the H3 model (prefix '{prefix}'). Use a diffusion-model-only H3 file."]
     key = name[len(prefix) :]
     if key in H3_BUFFERS:
-        return TensorShard(name, WHOLE, None, 1, full, full, dtype, REPLICATE), None, []
+        return TensorShard(name, WHOLE, None, 1, full, dtype, REPLICATE), None, []
     module, _, suffix = key.rpartition(".")
     style = _layer_style(module, adaln)
     unplanned = _unplanned(key, module, suffix, style, src)
@@ -209,7 +261,8 @@ def _place(src, prefix, adaln, dims: H3Shape, tp_size, name, dtype, full) -> tup
         return None, None, [unplanned]
     style, parts = style or (REPLICATE, 1)
     problems = _check_block_shape(key, module, full, dims, src)
-    shard, problem = _tensor_shard(name, module, suffix, dtype, full, style, parts, tp_size)
+    pool = pools["attn" if ".attn." in key else "mlp" if ".mlp." in key else "adaln"]
+    shard, problem = _tensor_shard(name, module, suffix, dtype, full, style, parts, pool)
     return shard, style if suffix == "weight" and len(full) == 2 else None, problems + ([problem] if problem else [])
 
 
@@ -243,9 +296,11 @@ def _check_block_shape(key, module, full, dims: H3Shape, src) -> list[str]:
     return []
 
 
-def _tensor_shard(name, module, suffix, dtype, full, style, parts, tp_size) -> tuple[TensorShard | None, str | None]:
-    whole = TensorShard(name, WHOLE, None, 1, full, full, dtype, style)
-    if style == REPLICATE or suffix == "comfy_quant" or tp_size == 1:
+def _tensor_shard(name, module, suffix, dtype, full, style, parts, pool) -> tuple[TensorShard | None, str | None]:
+    """`pool`: (total, bounds) of the width this layer splits; bounds None when it cannot be split (reported once)."""
+    whole = TensorShard(name, WHOLE, None, 1, full, dtype, style)
+    total, bounds = pool
+    if style == REPLICATE or suffix == "comfy_quant" or bounds is not None and len(bounds) == 2:
         return whole, None
     if style in (COLWISE, COLWISE_PACKED):
         if suffix == "weight_scale" and math.prod(full) == 1:
@@ -254,27 +309,23 @@ def _tensor_shard(name, module, suffix, dtype, full, style, parts, tp_size) -> t
     elif suffix == "weight":  # row-parallel: weights split along K
         dim = 1
     elif suffix == "bias":
-        return TensorShard(name, RANK0, None, 1, full, full, dtype, style), None
+        return TensorShard(name, RANK0, None, 1, full, dtype, style), None
     else:  # row-parallel scales are per output row, identical on every rank
         return whole, None
-    if len(full) <= dim or full[dim] % (parts * tp_size):
+    if bounds is None:
+        return None, None  # the width's refusal says why
+    mine = scaled(bounds, total, full[dim] // parts) if len(full) > dim and full[dim] % parts == 0 else None
+    if mine is None:
         n = full[dim] if len(full) > dim else None
         what = f"{parts} packed parts x " if parts > 1 else ""
-        return None, (
-            f"Cannot split '{module}' ({suffix}, shape {list(full)}) dim {dim} of size {n} into "
-            f"{what}tp_size={tp_size} slices: not divisible."
+        return (
+            None,
+            f"Cannot split '{module}' ({suffix}, shape {list(full)}) dim {dim} of size {n} into {what}{len(bounds) - 1} slices: not divisible.",
         )
-    local = list(full)
-    local[dim] //= tp_size
-    return TensorShard(name, SPLIT, dim, parts, full, tuple(local), dtype, style), None
+    return TensorShard(name, SPLIT, dim, parts, full, dtype, style, mine), None
 
 
-def _check_widths(heads: int, ffn: int, tp_size: int) -> list[str]:
-    widths = (("blocks.*.attn.qkv_proj", "heads", heads), ("blocks.*.mlp.fc1", "ffn width", ffn))
-    return [f"Cannot split '{layer}' {what} ({n}) across tp_size={tp_size}: not divisible." for layer, what, n in widths if n % tp_size]
-
-
-def _check_quant(layout: CheckpointLayout, prefix: str, linears: dict[str, str], tp_size: int) -> list[str]:
+def _check_quant(layout: CheckpointLayout, prefix: str, linears: dict[str, str], tensors: dict[str, TensorShard]) -> list[str]:
     problems = []
     for module, conf in sorted(layout.quant.items()):
         if conf.get("format") not in SUPPORTED_QUANT_FORMATS:
@@ -284,13 +335,18 @@ def _check_quant(layout: CheckpointLayout, prefix: str, linears: dict[str, str],
                 "Use the int8 ConvRot or the bf16 H3 checkpoint."
             )
             continue
-        layer, group = module[len(prefix) :], convrot_group(conf)
-        if linears.get(layer) in ROW_PARALLEL and group:
-            k = layout.shape(module + ".weight")[1]
-            if k % tp_size == 0 and (k // tp_size) % group:
+        layer, group, ts = module[len(prefix) :], convrot_group(conf), tensors.get(module + ".weight")
+        if linears.get(layer) in ROW_PARALLEL and group and ts is not None and ts.kind == SPLIT:
+            k, widths = ts.full_shape[1], [ts.local_shape(r)[1] for r in range(len(ts.bounds) - 1)]
+            bad = next((w for w in widths if w % group), None)
+            if bad is not None:
                 problems.append(
-                    f"Cannot split '{layer}' input dim K={k} across tp_size={tp_size}: the local K "
-                    f"({k // tp_size}) is not a multiple of its ConvRot group ({group}), so a rank's slice would cut "
-                    "a Hadamard block and the result would be wrong."
+                    f"Cannot split '{layer}' input dim K={k} {_across(widths)}: the local K ({bad}) "
+                    f"is not a multiple of its ConvRot group ({group}), so a rank's slice would cut a Hadamard block "
+                    "and the result would be wrong."
                 )
     return problems
+
+
+def _across(widths: list[int]) -> str:
+    return f"across tp_size={len(widths)}" if len(set(widths)) == 1 else f"into {'+'.join(map(str, widths))}"

@@ -34,6 +34,7 @@ from .errors import ShardMismatchError, TP2Error
 from .plan import Plan, TensorShard, resolve_plan
 from .safetensors_io import DTYPES, IO_WORKERS, PendingTensor, TensorReader, file_fingerprint, hashed_tensors, read_header, write_streaming
 from .shard import check_rank, read_shard, read_shard_tensor
+from .split import Shares, parse_split
 from .te_plan import NVFP4_BLOCK_SCALE, is_h3_text_encoder, resolve_te_plan
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,8 @@ def _remove_stale(out: str) -> None:
             log.info("rank cache: removed %s (%s)", other, why)
 
 
-def _nbytes(tensors: dict[str, TensorShard]) -> int:
-    return sum(torch.Size(ts.local_shape).numel() * DTYPES[ts.dtype].itemsize for ts in tensors.values())
+def _nbytes(tensors: dict[str, TensorShard], tp_rank: int) -> int:
+    return sum(torch.Size(ts.local_shape(tp_rank)).numel() * DTYPES[ts.dtype].itemsize for ts in tensors.values())
 
 
 def write_cache_file(
@@ -84,7 +85,7 @@ def write_cache_file(
     """Cut this rank's tensors from `source` into `out` (streaming, digests in the header); False if there is no room."""
     os.makedirs(os.path.dirname(out), exist_ok=True)
     _remove_stale(out)
-    need, free = _nbytes(tensors), shutil.disk_usage(os.path.dirname(out)).free
+    need, free = _nbytes(tensors, tp_rank), shutil.disk_usage(os.path.dirname(out)).free
     if free < need + SPARE_BYTES:
         log.warning(
             "rank cache: %.1f GB free in %s, %.1f GB needed for %s: this rank reads its slices from the checkpoint and "
@@ -96,12 +97,12 @@ def write_cache_file(
     t0 = time.monotonic()
     with TensorReader(source) as reader:
         # nvfp4 block scales: their local shape is known once cut (swizzle padding), so they are cut first and held
-        scales = {n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size) for n, ts in tensors.items() if ts.kind == NVFP4_BLOCK_SCALE}
+        scales = {n: read_shard_tensor(reader, tensors, n, tp_rank) for n, ts in tensors.items() if ts.kind == NVFP4_BLOCK_SCALE}
         pending = [
             PendingTensor(n, scales[n].dtype, tuple(scales[n].shape), lambda n=n: scales.pop(n))
             if n in scales
             else PendingTensor(
-                n, DTYPES[ts.dtype], tuple(ts.local_shape), lambda n=n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size)
+                n, DTYPES[ts.dtype], tuple(ts.local_shape(tp_rank)), lambda n=n: read_shard_tensor(reader, tensors, n, tp_rank)
             )
             for n, ts in tensors.items()
         ]
@@ -113,7 +114,9 @@ def write_cache_file(
     return True
 
 
-def load_cache_file(path: str, tensors: dict[str, TensorShard], identity: dict[str, str], read_all: ReadAll) -> dict[str, torch.Tensor]:
+def load_cache_file(
+    path: str, tensors: dict[str, TensorShard], identity: dict[str, str], read_all: ReadAll, tp_rank: int
+) -> dict[str, torch.Tensor]:
     """This rank's tensors from a cache file, checked against `identity` and, once per file, against its digests."""
     header = read_header(path)
     md, name = header.metadata, os.path.basename(path)
@@ -122,9 +125,9 @@ def load_cache_file(path: str, tensors: dict[str, TensorShard], identity: dict[s
         raise ShardMismatchError(f"rank cache file '{name}' is not this rank's cut of its checkpoint ({wrong or 'its tensors differ'})")
     for tname, ts in tensors.items():
         info = header.tensors[tname]
-        if info.dtype != ts.dtype or (ts.kind != NVFP4_BLOCK_SCALE and tuple(info.shape) != tuple(ts.local_shape)):
+        if info.dtype != ts.dtype or (ts.kind != NVFP4_BLOCK_SCALE and tuple(info.shape) != tuple(ts.local_shape(tp_rank))):
             raise ShardMismatchError(
-                f"rank cache file '{name}': tensor '{tname}' is {info.dtype} {list(info.shape)}, the plan wants {ts.dtype} {list(ts.local_shape)}"
+                f"rank cache file '{name}': tensor '{tname}' is {info.dtype} {list(info.shape)}, the plan wants {ts.dtype} {list(ts.local_shape(tp_rank))}"
             )
     if not verified_before(path, md[META_DIGESTS]):
         t0, digests = time.monotonic(), json.loads(md[META_DIGESTS])
@@ -158,7 +161,11 @@ def read_rank_slices(
         if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank, tp_size)):
             break
         try:
-            return load_cache_file(path, tensors, identity, read_all), dict(header.metadata), f"rank cache {os.path.basename(path)}"
+            return (
+                load_cache_file(path, tensors, identity, read_all, tp_rank),
+                dict(header.metadata),
+                f"rank cache {os.path.basename(path)}",
+            )
         except ShardMismatchError as e:
             again = attempt == 1 and cut
             log.warning("%s: deleting it and %s", e, "cutting it again" if again else "reading from the checkpoint")
@@ -179,23 +186,24 @@ class RankShard:
 
 
 def open_rank_shard(
-    path: str, tp_rank: int, tp_size: int, cache_dir: str | None = None, read_all: ReadAll | None = None, cut: bool = True
-) -> RankShard:
-    """This rank's shard of DiT checkpoint `path`: through the rank cache when `cache_dir` and `read_all` are given
-    (read_rank_slices), else read from `path` (shard-on-read)."""
+    path: str, tp_rank: int, tp_size: int, cache_dir: str | None = None, read_all: ReadAll | None = None, cut: bool = True,
+    shares: Shares | None = None,
+) -> RankShard:  # fmt: skip
+    """This rank's shard of DiT checkpoint `path` (shares None: the even split): through the rank cache when
+    `cache_dir` and `read_all` are given (read_rank_slices), else read from `path` (shard-on-read)."""
     check_rank(tp_rank, tp_size)
-    plan = resolve_plan(CheckpointLayout.from_file(path), tp_size)
+    plan = resolve_plan(CheckpointLayout.from_file(path), tp_size, shares)
     sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), tp_rank, tp_size, "", cache_dir, read_all, cut)
     return RankShard(sd, metadata, plan, file_fingerprint(read_header(path)), origin)
 
 
-def cut_ahead(source: str, tp_size: int, tp_rank: int, cache_dir: str, progress=None) -> str:
+def cut_ahead(source: str, tp_size: int, tp_rank: int, cache_dir: str, progress=None, shares: Shares | None = None) -> str:
     """Cut rank `tp_rank`'s slices of `source` (an H3 DiT or text encoder) into the rank cache now; returns the path."""
     check_rank(tp_rank, tp_size)
     if tp_size == 1:
         raise TP2Error("tp_size 1 maps the checkpoint whole: there is nothing to cut. Use the tp_size you start with.")
     layout = CheckpointLayout.from_file(source)
-    plan = resolve_te_plan(layout, tp_size) if is_h3_text_encoder(layout) else resolve_plan(layout, tp_size)
+    plan = resolve_te_plan(layout, tp_size, shares) if is_h3_text_encoder(layout) else resolve_plan(layout, tp_size, shares)
     path, identity = _cache_entry(cache_dir, source, file_fingerprint(read_header(source)), plan.fingerprint(), tp_rank, tp_size)
     if not write_cache_file(path, source, plan.tensors, identity, tp_rank, tp_size, progress):
         raise TP2Error(f"not enough free disk in {os.path.dirname(path)} for {os.path.basename(path)} (see the warning above)")
@@ -210,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("checkpoint")
     ap.add_argument("--tp-size", type=int, required=True)
     ap.add_argument("--tp-rank", type=int, help="cut only this rank's slices")
+    ap.add_argument("--split", default=None, help="the ranks' shares, as the launcher's --split (e.g. 3:2; default even)")
     ap.add_argument("--cache-dir", default=None, help="TP2_CACHE_DIR of the ranks (default: as the ranks resolve it)")
     args = ap.parse_args(argv)
     cache_dir = args.cache_dir or settings.cache_dir()
@@ -221,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 if i == n or i % max(1, n // 20) == 0:
                     print(f"\r  rank {r}: {i}/{n} tensors", end="", file=sys.stderr, flush=True)
 
-            out = cut_ahead(args.checkpoint, args.tp_size, r, cache_dir, progress)
+            out = cut_ahead(args.checkpoint, args.tp_size, r, cache_dir, progress, parse_split(args.split, args.tp_size))
             print(file=sys.stderr)
             print(f"{out}  ({os.path.getsize(out) / 1e9:.2f} GB, {time.monotonic() - t0:.1f} s)")
     except TP2Error as e:

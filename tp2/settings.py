@@ -47,6 +47,12 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_WORLD_SIZE", "int", None, "the number of ranks (set by the launcher)", low=1),
         Setting("MASTER_ADDR", "text", "127.0.0.1", "where rank 0's rendezvous store listens"),
         Setting("MASTER_PORT", "int", "29511", "the rendezvous store's port", low=1, high=65535, shown="a free port"),
+        Setting(
+            "TP2_SPLIT",
+            "text",
+            None,
+            "each rank's share of the split layers, rank 0 first, e.g. 3:2 (unset: even; set by the launcher's --split)",
+        ),
         Setting("TP2_TIMEOUT_S", "float", "300", "seconds any collective waits for a peer", low=1e-9, launcher=True),
         Setting("TP2_PROMPT_TIMEOUT_S", "float", "45", "seconds ranks wait for each other at a sampler", low=1e-9, launcher=True),
         Setting("TP2_INT8_KERNEL", "choice", "auto", "the row-parallel int8 GEMM", ("auto", "cuda", "triton", "eager"), launcher=True),

@@ -19,22 +19,23 @@ from .errors import TP2Error
 from .nvfp4 import nvfp4_logical_shape, slice_block_scales
 from .plan import RANK0, SPLIT, Plan, TensorShard, resolve_plan
 from .safetensors_io import DTYPES, TensorReader, ordered_map
+from .split import Shares
 from .te_plan import NVFP4_BLOCK_SCALE
 
 log = logging.getLogger(__name__)
 
 
-def local_ranges(ts: TensorShard, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+def local_ranges(ts: TensorShard, tp_rank: int) -> list[tuple[int, int]]:
     """The [start, end) ranges of `ts.dim` that rank `tp_rank` holds, one per packed part, in order."""
     part = ts.full_shape[ts.dim] // ts.parts
-    local = part // tp_size
-    return [(p * part + tp_rank * local, p * part + (tp_rank + 1) * local) for p in range(ts.parts)]
+    a, b = ts.bounds[tp_rank], ts.bounds[tp_rank + 1]
+    return [(p * part + a, p * part + b) for p in range(ts.parts)]
 
 
-def slice_tensor(full: torch.Tensor, ts: TensorShard, tp_rank: int, tp_size: int) -> torch.Tensor:
+def slice_tensor(full: torch.Tensor, ts: TensorShard, tp_rank: int) -> torch.Tensor:
     """Rank `tp_rank`'s copy of a tensor held in memory."""
     if ts.kind == SPLIT:
-        pieces = [full.narrow(ts.dim, a, b - a) for a, b in local_ranges(ts, tp_rank, tp_size)]
+        pieces = [full.narrow(ts.dim, a, b - a) for a, b in local_ranges(ts, tp_rank)]
         return torch.cat(pieces, dim=ts.dim).contiguous()
     if ts.kind == RANK0 and tp_rank != 0:
         return torch.zeros_like(full)
@@ -56,29 +57,31 @@ def check_rank(tp_rank: int, tp_size: int) -> None:
         raise TP2Error(f"tp_rank={tp_rank} is outside 0..{tp_size - 1} for tp_size={tp_size}. Set TP2_RANK below TP2_WORLD_SIZE.")
 
 
-def shard_state_dict(path: str, tp_size: int, tp_rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str], Plan]:
+def shard_state_dict(
+    path: str, tp_size: int, tp_rank: int, shares: Shares | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str], Plan]:
     """Shard-on-read: this rank's state dict, the file's metadata, and the plan (validated before any read)."""
     check_rank(tp_rank, tp_size)
-    plan = resolve_plan(CheckpointLayout.from_file(path), tp_size)
+    plan = resolve_plan(CheckpointLayout.from_file(path), tp_size, shares)
     sd, metadata = read_shard(path, plan.tensors, tp_rank, tp_size, "")
     return sd, metadata, plan
 
 
-def read_shard_tensor(reader: TensorReader, tensors: dict[str, TensorShard], name: str, tp_rank: int, tp_size: int) -> torch.Tensor:
+def read_shard_tensor(reader: TensorReader, tensors: dict[str, TensorShard], name: str, tp_rank: int) -> torch.Tensor:
     """One tensor of a plan as this rank holds it, reading only this rank's bytes straight into the result. nvfp4
     block scales are stored swizzled: each is read whole (1/8 of its weight's bytes) and re-cut in memory."""
     ts = tensors[name]
     if ts.kind == NVFP4_BLOCK_SCALE:
         n, k = nvfp4_logical_shape(tensors[name[: -len("_scale")]].full_shape)
-        return slice_block_scales(reader.read(name), n, k, ts.dim, tp_rank, tp_size)
+        return slice_block_scales(reader.read(name), n, k, ts.dim, ts.bounds[tp_rank], ts.bounds[tp_rank + 1])
     if ts.kind == RANK0 and tp_rank != 0:
         return torch.zeros(ts.full_shape, dtype=DTYPES[ts.dtype])
     if ts.kind != SPLIT:
         return reader.read(name)
-    out = torch.empty(ts.local_shape, dtype=DTYPES[ts.dtype])
+    out = torch.empty(ts.local_shape(tp_rank), dtype=DTYPES[ts.dtype])
     read = reader.read_rows if ts.dim == 0 else reader.read_cols  # a plan splits dim 0 or 1
     offset = 0
-    for a, b in local_ranges(ts, tp_rank, tp_size):
+    for a, b in local_ranges(ts, tp_rank):
         read(name, a, b, out=out.narrow(ts.dim, offset, b - a))
         offset += b - a
     return out
@@ -88,7 +91,7 @@ def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size
     """Every tensor of a plan as this rank holds it, and the file's metadata."""
     t0 = time.monotonic()
     with TensorReader(path) as reader:
-        sd = dict(zip(tensors, ordered_map(lambda n: read_shard_tensor(reader, tensors, n, tp_rank, tp_size), tensors)))
+        sd = dict(zip(tensors, ordered_map(lambda n: read_shard_tensor(reader, tensors, n, tp_rank), tensors)))
         metadata = dict(reader.header.metadata)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     secs = time.monotonic() - t0

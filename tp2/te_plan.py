@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from .checkpoint import CheckpointLayout, convrot_group
 from .errors import PlanError
-from .nvfp4 import nvfp4_logical_shape, nvfp4_split_problem
-from .plan import COLWISE, REPLICATE, ROWWISE, SPLIT, WHOLE, TensorShard, compile_pattern, plan_fingerprint
+from .nvfp4 import BLOCK, nvfp4_logical_shape, nvfp4_split_problem
+from .plan import COLWISE, REPLICATE, ROWWISE, SPLIT, WHOLE, TensorShard, compile_pattern, per_rank, plan_fingerprint
+from .split import Shares, cut, even, is_even, named, scaled, workable
 
 # ComfyUI's Qwen3VL_32BConfig builds 50 decoder layers: H3's conditioning is the hidden state after layer 50.
 H3_TE_LAYERS = 50
@@ -61,6 +62,7 @@ class TEPlan:
     """The resolved plan of one encoder file at one tp_size (identical on every rank)."""
 
     tp_size: int
+    shares: Shares
     hidden: int
     vocab: int
     heads: int
@@ -70,26 +72,31 @@ class TEPlan:
     linears: dict[str, str]  # layer name -> COLWISE / ROWWISE / REPLICATE
     tensors: dict[str, TensorShard]  # every tensor this rank reads, by name
     skipped: tuple[str, ...]  # tensors in the file that the built model does not use (never read)
+    bounds: dict[str, tuple[int, ...]]  # "q", "kv" (heads), "ffn" (columns), "vocab" (rows): rank r holds [b[r], b[r + 1])
 
-    def local_config(self) -> dict[str, int]:
-        """ComfyUI's `qwen3vl_32b_model_config` override: the model built at this rank's width."""
+    def local(self, pool: str, rank: int) -> int:
+        return self.bounds[pool][rank + 1] - self.bounds[pool][rank]
+
+    def local_config(self, rank: int) -> dict[str, int]:
+        """ComfyUI's `qwen3vl_32b_model_config` override: the model built at rank `rank`'s width."""
         return {
-            "vocab_size": self.vocab // self.tp_size,
+            "vocab_size": self.local("vocab", rank),
             "hidden_size": self.hidden,
-            "num_attention_heads": self.heads // self.tp_size,
-            "num_key_value_heads": self.kv_heads // self.tp_size,
-            "intermediate_size": self.ffn // self.tp_size,
+            "num_attention_heads": self.local("q", rank),
+            "num_key_value_heads": self.local("kv", rank),
+            "intermediate_size": self.local("ffn", rank),
         }
 
     def fingerprint(self) -> str:
         rows = [[t.name, t.kind, t.dim, list(t.full_shape), t.dtype] for t in self.tensors.values()]
-        return plan_fingerprint(self.tp_size, rows)
+        return plan_fingerprint(self.tp_size, rows, self.shares)
 
     def summary(self) -> str:
-        n = self.tp_size
+        w = {p: per_rank([self.local(p, r) for r in range(self.tp_size)]) for p in self.bounds}
         return (
-            f"H3 text encoder tp_size={n}: {H3_TE_LAYERS} layers, vocabulary {self.vocab}->{self.vocab // n}/rank, heads {self.heads}->{self.heads // n}/rank, "
-            f"KV heads {self.kv_heads}->{self.kv_heads // n}/rank, ffn {self.ffn}->{self.ffn // n}/rank; plan {self.fingerprint()}"
+            f"H3 text encoder tp_size={self.tp_size}, split {named(self.shares)}: {H3_TE_LAYERS} layers, vocabulary "
+            f"{self.vocab}->{w['vocab']}, heads {self.heads}->{w['q']}, KV heads {self.kv_heads}->{w['kv']}, "
+            f"ffn {self.ffn}->{w['ffn']}; plan {self.fingerprint()}"
         )
 
 
@@ -103,17 +110,17 @@ def looks_like_qwen3vl(layout: CheckpointLayout) -> bool:
     return any(k.endswith("layers.0.self_attn.q_proj.weight") for k in layout.tensors)
 
 
-def resolve_te_plan(layout: CheckpointLayout, tp_size: int) -> TEPlan:
-    """Resolve and validate; raises PlanError naming the first problem and the tp_sizes that would work."""
+def resolve_te_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None = None) -> TEPlan:
+    """Resolve and validate (shares None: the even split); raises PlanError naming the first problem and what would work."""
     if not is_h3_text_encoder(layout):
         raise PlanError(
             f"'{layout.source}' is not MiniMax-H3's text encoder (Qwen3-VL-32B truncated to 50 layers): it lacks "
             f"{', '.join(k for k in DETECT_KEYS if k not in layout.tensors)}. Pick the H3 encoder file "
             "(e.g. qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors) in the CLIP loader, type 'minimax'."
         )
-    plan, problems = _resolve(layout, tp_size)
+    plan, problems = _resolve(layout, tp_size, shares or even(tp_size))
     if problems:
-        allowed = [n for n in (1, 2, 4, 8) if not _resolve(layout, n)[1]]
+        allowed = [n for n in (1, 2, 4, 8) if not _resolve(layout, n, even(n))[1]] if shares is None or is_even(shares) else []
         raise PlanError(problems[0] + (f" Use tp_size {', '.join(map(str, allowed))}." if allowed else ""))
     return plan
 
@@ -133,15 +140,12 @@ def _dims(layout: CheckpointLayout) -> tuple[int, int, int, int, int]:
     )
 
 
-def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[TEPlan | None, list[str]]:
+def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TEPlan | None, list[str]]:
     hidden, head_dim, heads, kv_heads, ffn = _dims(layout)
     vocab = layout.tensors.get(EMBEDDING + ".weight", (None, (0,)))[1][0]
-    problems = [] if vocab else [f"'{layout.source}' has no '{EMBEDDING}.weight': the encoder file is incomplete. Re-download it."]
-    problems += [
-        f"Cannot split the text encoder's {what} ({n}) across tp_size={tp_size}: not divisible."
-        for what, n in (("query heads", heads), ("KV heads", kv_heads), ("FFN width", ffn), ("vocabulary", vocab))
-        if n % tp_size
-    ]
+    pools, problems = _pools(layout, (head_dim, heads, kv_heads, ffn, vocab), tp_size, shares)
+    if not vocab:
+        problems.insert(0, f"'{layout.source}' has no '{EMBEDDING}.weight': the encoder file is incomplete. Re-download it.")
     linears: dict[str, str] = {}
     tensors: dict[str, TensorShard] = {}
     skipped = []
@@ -159,15 +163,61 @@ def _resolve(layout: CheckpointLayout, tp_size: int) -> tuple[TEPlan | None, lis
             continue
         if suffix == "weight" and len(full) == 2 and module != EMBEDDING:
             linears[module] = style
-        shard, problem = _te_tensor_shard(name, suffix, dtype, full, style, layout.quant.get(module), tp_size)
+        shard, problem = _te_tensor_shard(name, suffix, dtype, full, style, layout.quant.get(module), pools[_pool_of(module)])
         if problem:
             problems.append(problem)
         elif shard is not None:
             tensors[name] = shard
-    problems += _check_quant(layout, linears, tp_size)
+    problems += _check_quant(layout, linears, tensors, shares)
     if problems:
         return None, problems
-    return TEPlan(tp_size, hidden, vocab, heads, kv_heads, head_dim, ffn, linears, tensors, tuple(skipped)), []
+    bounds = {k: tuple(b // (head_dim if k in ("q", "kv") else 1) for b in v[1]) for k, v in pools.items() if k}
+    return TEPlan(tp_size, shares, hidden, vocab, heads, kv_heads, head_dim, ffn, linears, tensors, tuple(skipped), bounds), []
+
+
+def _pools(layout: CheckpointLayout, widths, tp_size: int, shares: Shares) -> tuple[dict, list[str]]:
+    """Each split width as (total, bounds) in elements of the layers' logical dims: "q" (query rows, following the
+    KV heads: each KV head keeps its query heads), "kv" (KV rows), "ffn" (columns; whole 16-column nvfp4 blocks, and
+    ConvRot groups), "vocab" (embedding rows); None: replicated."""
+    head_dim, heads, kv_heads, ffn, vocab = widths
+    if is_even(shares):
+        problems = [
+            f"Cannot split the text encoder's {what} ({n}) across tp_size={tp_size}: not divisible."
+            for what, n in (("query heads", heads), ("KV heads", kv_heads), ("FFN width", ffn), ("vocabulary", vocab))
+            if n % tp_size
+        ]
+    else:
+        problems = []
+    group = convrot_group(layout.quant.get("model.layers.0.mlp.down_proj")) or 1
+    kv = cut(kv_heads, 1, shares) if kv_heads else None
+    pools = {
+        "q": (heads * head_dim, scaled(kv, kv_heads, heads * head_dim)),
+        "kv": (kv_heads * head_dim, scaled(kv, kv_heads, kv_heads * head_dim)),
+        "ffn": (ffn, cut(ffn, math.lcm(BLOCK, group), shares)),
+        "vocab": (vocab, cut(vocab, 1, shares) if vocab else None),
+        None: None,
+    }
+    for what, n, unit, key in (
+        ("KV heads", kv_heads, 1, "kv"),
+        ("FFN width", ffn, math.lcm(BLOCK, group), "ffn"),
+        ("vocabulary", vocab, 1, "vocab"),
+    ):
+        if not is_even(shares) and n and pools[key][1] is None:
+            problems.append(
+                f"The split {named(shares)} cannot give every rank whole units of the text encoder's {what} ({n} = {n // unit} "
+                f"units of {unit}): a rank would get none. The nearest split that works is {named(workable(n // unit, shares))}."
+            )
+    return pools, problems
+
+
+def _pool_of(module: str) -> str | None:
+    if module == EMBEDDING:
+        return "vocab"
+    if module.endswith(("self_attn.q_proj", "self_attn.o_proj")):
+        return "q"
+    if module.endswith(("self_attn.k_proj", "self_attn.v_proj")):
+        return "kv"
+    return "ffn" if ".mlp." in module and not module.startswith("visual.") else None
 
 
 def _layer_index(name: str) -> int:
@@ -186,35 +236,37 @@ def _style(module: str) -> str | None:
     return REPLICATE if any(rx.match(module) for rx in _REPLICATED) else None
 
 
-def _te_tensor_shard(name, suffix, dtype, full, style, quant, tp_size) -> tuple[TensorShard | None, str | None]:
-    whole = TensorShard(name, WHOLE, None, 1, full, full, dtype, style)
-    if style == REPLICATE or tp_size == 1 or suffix in ("comfy_quant", *SCALAR_SUFFIXES):
+def _te_tensor_shard(name, suffix, dtype, full, style, quant, pool) -> tuple[TensorShard | None, str | None]:
+    whole = TensorShard(name, WHOLE, None, 1, full, dtype, style)
+    if style == REPLICATE or suffix in ("comfy_quant", *SCALAR_SUFFIXES) or pool[1] is not None and len(pool[1]) == 2:
         return whole, None
+    if pool[1] is None:
+        return None, None  # the width's refusal says why
     fmt = (quant or {}).get("format")
     if suffix == "weight_scale" and fmt != "nvfp4":  # int8 / fp8: one scalar, or one scale per output row
-        return _split(name, full, 0, dtype, style, tp_size) if style == COLWISE and math.prod(full) > 1 else (whole, None)
+        return _split(name, full, 0, dtype, style, pool) if style == COLWISE and math.prod(full) > 1 else (whole, None)
     if suffix == "pre_quant_scale":  # AWQ smoothing, one factor per input channel
-        return _split(name, full, 0, dtype, style, tp_size) if style == ROWWISE else (whole, None)
+        return _split(name, full, 0, dtype, style, pool) if style == ROWWISE else (whole, None)
     if style == VOCAB_PARALLEL:
-        return _split(name, full, 0, dtype, style, tp_size)
+        return _split(name, full, 0, dtype, style, pool)
     dim = 0 if style == COLWISE else 1
-    if suffix == "weight_scale":  # nvfp4 block scales, swizzled: read whole, re-cut in memory (tp2/nvfp4.py); the
-        # local shape depends on the layer's padded rows, so the shard records the stored (whole) shape
-        return TensorShard(name, NVFP4_BLOCK_SCALE, dim, 1, full, full, dtype, style), None
+    if suffix == "weight_scale":  # nvfp4 block scales, swizzled: read whole, re-cut in memory (tp2/nvfp4.py) at the
+        # logical bounds; the local shape depends on the layer's padded rows, so the shard records the stored shape
+        return TensorShard(name, NVFP4_BLOCK_SCALE, dim, 1, full, dtype, style, pool[1]), None
     if suffix in ("weight", "bias") and not (suffix == "bias" and style == ROWWISE):
-        return _split(name, full, dim if suffix == "weight" else 0, dtype, style, tp_size)
+        return _split(name, full, dim if suffix == "weight" else 0, dtype, style, pool)
     return None, f"Tensor '{name}' ({suffix}) has no place in the text encoder's plan for a {style} layer. Report the file's origin."
 
 
-def _split(name, full, dim, dtype, style, tp_size) -> tuple[TensorShard | None, str | None]:
-    if len(full) <= dim or full[dim] % tp_size:
-        return None, f"Cannot split '{name}' (shape {list(full)}) along dim {dim} into tp_size={tp_size} slices: not divisible."
-    local = list(full)
-    local[dim] //= tp_size
-    return TensorShard(name, SPLIT, dim, 1, full, tuple(local), dtype, style), None
+def _split(name, full, dim, dtype, style, pool) -> tuple[TensorShard | None, str | None]:
+    total, bounds = pool
+    mine = scaled(bounds, total, full[dim]) if len(full) > dim else None
+    if mine is None:
+        return None, f"Cannot split '{name}' (shape {list(full)}) along dim {dim} into {len(bounds) - 1} slices: not divisible."
+    return TensorShard(name, SPLIT, dim, 1, full, dtype, style, mine), None
 
 
-def _check_quant(layout: CheckpointLayout, linears: dict[str, str], tp_size: int) -> list[str]:
+def _check_quant(layout: CheckpointLayout, linears: dict[str, str], tensors: dict[str, TensorShard], shares: Shares) -> list[str]:
     problems = []
     for module, conf in sorted(layout.quant.items()):
         fmt, style = conf.get("format"), linears.get(module)
@@ -225,22 +277,25 @@ def _check_quant(layout: CheckpointLayout, linears: dict[str, str], tp_size: int
                 "int8, fp8 or bf16 H3 encoder file, or run with --tp-size 1."
             )
             continue
-        if style not in (COLWISE, ROWWISE):
+        weight = tensors.get(module + ".weight")
+        if style not in (COLWISE, ROWWISE) or weight is None or weight.kind != SPLIT:
             continue
-        dim = 0 if style == COLWISE else 1
+        dim, tp_size = weight.dim, len(shares)
         if fmt == "nvfp4":
-            n, k = nvfp4_logical_shape(layout.shape(module + ".weight"))
-            why = nvfp4_split_problem(n, k, dim, tp_size)
-            if not why and (n // tp_size if dim == 0 else k // tp_size) % 16:
+            n, k = nvfp4_logical_shape(weight.full_shape)
+            bounds = tensors[module + ".weight_scale"].bounds
+            widths = [bounds[r + 1] - bounds[r] for r in range(tp_size)]
+            why = nvfp4_split_problem(n, k, dim, tp_size) if is_even(shares) else None
+            if not why and any(w % BLOCK for w in widths):
                 why = "this rank's slice would need its 16-row padding redone; the pack reads nvfp4 slices as stored"
             if why:
                 problems.append(f"Cannot split nvfp4 layer '{module}' across tp_size={tp_size}: {why}")
         group = convrot_group(conf)
         if style == ROWWISE and group:
-            k = layout.shape(module + ".weight")[1]
-            if k % tp_size == 0 and (k // tp_size) % group:
+            k, widths = weight.full_shape[1], [weight.local_shape(r)[1] for r in range(tp_size)]
+            if any(w % group for w in widths):
                 problems.append(
-                    f"Cannot split '{module}' input dim K={k} across tp_size={tp_size}: the local K ({k // tp_size}) is "
+                    f"Cannot split '{module}' input dim K={k} across tp_size={tp_size}: the local K ({per_rank(widths)}) is "
                     f"not a multiple of its ConvRot group ({group}), so a rank's slice would cut a Hadamard block."
                 )
     return problems

@@ -1,12 +1,13 @@
-"""The launcher's tp_size check (scripts/start-tp2.sh, before any rank starts): the check that
-`python -m tp2.inspect CKPT --tp-size N` makes (tp2.plan.resolve_plan on the file's header), over several files in
-one process, so torch is imported once.
+"""The launcher's split check (scripts/start-tp2.sh, before any rank starts): the check that
+`python -m tp2.inspect CKPT --tp-size N [--split S]` makes (tp2.plan.resolve_plan on the file's header; H3 text
+encoders by tp2.te_plan), over several files in one process, so torch is imported once.
 
-    check_tp_size.py TP_SIZE EXPLICIT FILE...
+    check_tp_size.py TP_SIZE SPLIT EXPLICIT FILE...
 
-EXPLICIT 1: the files were named (--ckpt), each must split; 0: a scan of models/diffusion_models, where only
-MiniMax-H3 files count and one that splits is enough (the others get a warning). Exit 0: fits (or nothing to judge);
-2: refused, with each file's reason and the tp_sizes that work on stderr. Run with the pack's folder on PYTHONPATH.
+SPLIT: the launcher's --split ("" for even). EXPLICIT 1: the files were named (--ckpt), each must split; 0: a scan of
+the model folders, where only MiniMax-H3 DiTs and text encoders count and, of each kind, one that splits is enough
+(the others get a warning). Exit 0: fits (or nothing to judge); 2: refused, with each file's reason and what works on
+stderr. Run with the pack's folder on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -18,31 +19,53 @@ from tp2.checkpoint import CheckpointLayout
 from tp2.errors import TP2Error
 from tp2.h3_layout import find_prefix
 from tp2.plan import resolve_plan
+from tp2.split import named, parse_split
+from tp2.te_plan import is_h3_text_encoder, resolve_te_plan
 
-tp_size, explicit, paths = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3:]
-fits, refused = [], []
-for path in paths:
-    name = os.path.basename(path)
+
+def judge(path: str, tp_size: int, shares, explicit: bool) -> tuple[str | None, str | None]:
+    """(kind, why refused): kind "dit" or "encoder", None when the file is not H3's to judge."""
     try:
         layout = CheckpointLayout.from_file(path)
-        if not explicit:
+        kind = "encoder" if is_h3_text_encoder(layout) else "dit"
+        if kind == "dit" and not explicit:
             find_prefix(layout)  # a scan judges MiniMax-H3 files only
     except Exception as e:  # a file this cannot read is no H3 checkpoint to judge (named with --ckpt: refused)
-        if explicit:
-            refused.append(f"{name}: {e}")
-        continue
+        return ("dit", str(e)) if explicit else (None, None)
     try:
-        resolve_plan(layout, tp_size)
-        fits.append(name)
+        (resolve_te_plan if kind == "encoder" else resolve_plan)(layout, tp_size, shares)
+        return kind, None
     except TP2Error as e:
-        refused.append(f"{name}: {e}")
-if fits:
-    print(f"tp_size {tp_size}: fits {', '.join(fits)} (checked as python -m tp2.inspect does)")
-    for r in refused:
-        print(f"start-tp2: WARNING: {r} Prompts that load that file will be refused.", file=sys.stderr)
-elif refused:
-    for r in refused:
-        print(f"start-tp2: {r}", file=sys.stderr)
-    sys.exit(2)
-else:
-    print(f"tp_size {tp_size}: none of the {len(paths)} checkpoint(s) found is a MiniMax-H3 model to check it against")
+        return kind, str(e)
+
+
+def main(argv: list[str]) -> int:
+    tp_size, explicit, paths = int(argv[0]), argv[2] == "1", argv[3:]
+    try:
+        shares = parse_split(argv[1], tp_size)
+    except TP2Error as e:
+        print(f"start-tp2: {e}", file=sys.stderr)
+        return 2
+    fits, refused = {"dit": [], "encoder": []}, {"dit": [], "encoder": []}
+    for path in paths:
+        kind, why = judge(path, tp_size, shares, explicit)
+        if kind:
+            (refused[kind].append(f"{os.path.basename(path)}: {why}") if why else fits[kind].append(os.path.basename(path)))
+    how = f"tp_size {tp_size}, split {named(shares)}"
+    if not any(fits.values()) and not any(refused.values()):
+        print(f"{how}: none of the {len(paths)} file(s) found is a MiniMax-H3 model to check it against")
+    rc = 0
+    for kind in ("dit", "encoder"):
+        if fits[kind]:
+            print(f"{how}: fits {', '.join(fits[kind])} (checked as python -m tp2.inspect does)")
+        for r in refused[kind]:
+            if fits[kind]:
+                print(f"start-tp2: WARNING: {r} Prompts that load that file will be refused.", file=sys.stderr)
+            else:
+                print(f"start-tp2: {r}", file=sys.stderr)
+                rc = 2
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

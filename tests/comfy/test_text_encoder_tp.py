@@ -200,7 +200,7 @@ def test_follower_never_holds_the_whole_encoder(request, tmp_path_factory, model
     from tp2.te_plan import resolve_te_plan
 
     plan = resolve_te_plan(CheckpointLayout.from_file(models[f"text_encoders/{BIG_FFN}"]), 4)
-    share_kb = sum(math.prod(t.local_shape) * 2 for t in plan.tensors.values()) // 1024  # bf16
+    share_kb = sum(math.prod(t.local_shape(0)) * 2 for t in plan.tensors.values()) // 1024  # bf16
     for r, s in enumerate(ranks):
         grew = _status_kb(s.proc.pid, "VmHWM") - before[r]
         print(

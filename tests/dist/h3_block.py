@@ -109,7 +109,8 @@ def tp_linear(plan, layer: str, sd: dict, tp, gemm, reduce_dtype):
 
     def run(x, input_act=None):
         if style == ROWWISE_SPLIT_INPUT:
-            x = split_input_slice(x, (weight.qdata if isinstance(weight, Int8Weight) else weight).shape[1], tp.tp_rank)
+            bounds = plan.tensors[prefix + "weight"].bounds
+            x = split_input_slice(x, bounds[tp.tp_rank], bounds[tp.tp_rank + 1])
         return row_parallel(x, weight, bias, tp, gemm, reduce_dtype, input_act)
 
     return run

@@ -28,7 +28,7 @@ def _inputs(hidden: int, t_dim: int, seed: int = 0):
     return torch.randn(24, hidden, generator=g), torch.randn(2, t_dim, generator=g)
 
 
-def _tp_worker(tp_rank, tp_size, ckpt, x, t_emb, feed_ref, reduce_dtype=torch.float32):
+def _tp_worker(tp_rank, tp_size, ckpt, x, t_emb, feed_ref, reduce_dtype=torch.float32, shares=None):
     from kernels import select_int8_gemm
     from tp2.collectives import init_tp_group
     from tp2.settings import read_tp_env
@@ -37,7 +37,7 @@ def _tp_worker(tp_rank, tp_size, ckpt, x, t_emb, feed_ref, reduce_dtype=torch.fl
     from tp2.safetensors_io import file_fingerprint, read_header
     from tp2.shard import shard_state_dict
 
-    sd, _, plan = shard_state_dict(ckpt, tp_size, tp_rank)
+    sd, _, plan = shard_state_dict(ckpt, tp_size, tp_rank, shares)
     tp = init_tp_group(read_tp_env())
     handshake(tp, model_fingerprint(plan.fingerprint(), file_fingerprint(read_header(ckpt)), tp_size))
     gemm = select_int8_gemm()
@@ -47,12 +47,16 @@ def _tp_worker(tp_rank, tp_size, ckpt, x, t_emb, feed_ref, reduce_dtype=torch.fl
         out[block] = block_forward(x, t_emb, lin, sd, plan.prefix + block + ".", plan.head_dim, plan.adaln_form == "full")
         # row-parallel layers alone, fed this rank's slice of the reference inputs, isolate their numerics
         att, fc1 = feed_ref[block]
-        k_att, k_ffn = att.shape[1] // tp_size, plan.local_ffn
-        gate, up = fc1.chunk(2, dim=-1)
-        local_fc1 = torch.cat([gate[:, tp_rank * k_ffn : (tp_rank + 1) * k_ffn], up[:, tp_rank * k_ffn : (tp_rank + 1) * k_ffn]], -1)
-        out[block]["out_alone"] = lin["out"](att[:, tp_rank * k_att : (tp_rank + 1) * k_att].contiguous())
-        out[block]["fc2_alone"] = lin["fc2"](local_fc1.contiguous(), input_act="swiglu")
+        heads, ffn = _bounds(plan)
+        out[block]["out_alone"] = lin["out"](_rank_slice(att, 1, tp_rank, heads))
+        out[block]["fc2_alone"] = lin["fc2"](_rank_slice(fc1, 2, tp_rank, ffn), input_act="swiglu")
+    out["bounds"] = _bounds(plan)
     return out
+
+
+def _bounds(plan):
+    """Each rank's columns of the attention (heads x head_dim) and of the FFN."""
+    return tuple(b * plan.head_dim for b in plan.head_bounds), plan.ffn_bounds
 
 
 def _reference(ckpt, x, t_emb):
@@ -62,12 +66,12 @@ def _reference(ckpt, x, t_emb):
     return {b: block_forward(x, t_emb, reference_linears(sd, b + "."), sd, b + ".", head_dim, form == "full") for b in BLOCKS}
 
 
-def _rank_slice(full: torch.Tensor, parts: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+def _rank_slice(full: torch.Tensor, parts: int, tp_rank: int, bounds) -> torch.Tensor:
     chunks = full.chunk(parts, dim=-1)
-    return torch.cat([c.chunk(tp_size, dim=-1)[tp_rank] for c in chunks], dim=-1)
+    return torch.cat([c[:, bounds[tp_rank] : bounds[tp_rank + 1]] for c in chunks], dim=-1).contiguous()
 
 
-def _run(ckpt, tp_size, reduce_dtype=torch.float32):
+def _run(ckpt, tp_size, reduce_dtype=torch.float32, shares=None):
     from tp2.checkpoint import CheckpointLayout
 
     layout = CheckpointLayout.from_file(ckpt)
@@ -76,7 +80,7 @@ def _run(ckpt, tp_size, reduce_dtype=torch.float32):
     x, t_emb = _inputs(hidden, t_dim)
     ref = _reference(ckpt, x, t_emb)
     feed = {b: (ref[b]["att"], ref[b]["fc1"]) for b in BLOCKS}
-    outs = values(run_ranks(_tp_worker, tp_size, ckpt, x, t_emb, feed, reduce_dtype, timeout_s=60))
+    outs = values(run_ranks(_tp_worker, tp_size, ckpt, x, t_emb, feed, reduce_dtype, shares, timeout_s=60))
     return ref, outs
 
 
@@ -84,28 +88,37 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("fixture,tp_size", [("tiny_float", 2), ("tiny_float", 4), ("tiny_float_full_adaln", 2), ("tiny_float_full_adaln", 4)])
-def test_fp32_block_matches_single_process(request, fixture, tp_size):
-    ref, outs = _run(request.getfixturevalue(fixture), tp_size)
+FP32_CASES = [("tiny_float", (1, 1)), ("tiny_float", (1, 1, 1, 1)), ("tiny_float_full_adaln", (1, 1)), ("tiny_float_full_adaln", (1, 1, 1, 1))]
+FP32_CASES += [("tiny_float", (3, 1)), ("tiny_float_full_adaln", (1, 3)), ("tiny_float_wide", (5, 1, 1, 1))]  # uneven shares
+
+
+@pytest.mark.parametrize("fixture,shares", FP32_CASES, ids=str)
+def test_fp32_block_matches_single_process(request, fixture, shares):
+    tp_size = len(shares)
+    ref, outs = _run(request.getfixturevalue(fixture), tp_size, shares=shares)
     for r, out in enumerate(outs):
+        heads, ffn = out["bounds"]
         for b in BLOCKS:
             for key in ("adaln", "attn_out", "mlp_out", "out", "out_alone", "fc2_alone"):
                 want = ref[b][key] if not key.endswith("_alone") else ref[b]["attn_out" if key == "out_alone" else "mlp_out"]
                 assert _rel(out[b][key], want) < 1e-5, (r, b, key, _rel(out[b][key], want))
-            assert _rel(out[b]["qkv"], _rank_slice(ref[b]["qkv"], 3, r, tp_size)) < 1e-5
-            assert _rel(out[b]["fc1"], _rank_slice(ref[b]["fc1"], 2, r, tp_size)) < 1e-5
+            assert _rel(out[b]["qkv"], _rank_slice(ref[b]["qkv"], 3, r, heads)) < 1e-5
+            assert _rel(out[b]["fc1"], _rank_slice(ref[b]["fc1"], 2, r, ffn)) < 1e-5
+    if len(set(shares)) > 1:  # the shares took effect: rank 0's slice is not 1/tp_size of the heads
+        assert outs[0]["bounds"][0][1] * tp_size != outs[0]["bounds"][0][-1]
     assert all(torch.equal(outs[0][b]["out"], o[b]["out"]) for o in outs[1:] for b in BLOCKS), "ranks must agree bit for bit"
     # the block must matter: a skipped block would be caught (strong init)
     x = _inputs(ref[BLOCKS[0]]["out"].shape[1], 1)[0]
     assert _rel(ref["blocks.0"]["out"], x) > 0.1
 
 
-def test_int8_convrot_colwise_exact_rowwise_sqnr(tiny_int8):
-    ref, outs = _run(tiny_int8, 2)
+@pytest.mark.parametrize("fixture,shares", [("tiny_int8", (1, 1)), ("tiny_int8_wide", (3, 1)), ("tiny_int8_wide", (5, 1, 1, 1))], ids=str)
+def test_int8_convrot_colwise_exact_rowwise_sqnr(request, fixture, shares):
+    ref, outs = _run(request.getfixturevalue(fixture), len(shares), shares=shares)
     for r, out in enumerate(outs):
         for b in BLOCKS:
             # column-parallel on identical inputs: the rank's slice, bit for bit
-            assert torch.equal(out[b]["qkv"], _rank_slice(ref[b]["qkv"], 3, r, 2))
+            assert torch.equal(out[b]["qkv"], _rank_slice(ref[b]["qkv"], 3, r, out["bounds"][0]))
             for key, want in (("out_alone", "attn_out"), ("fc2_alone", "mlp_out")):
                 db = sqnr_db(out[b][key], ref[b][want])
                 assert db >= 30.0, (r, b, key, db)

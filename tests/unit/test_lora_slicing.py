@@ -9,23 +9,26 @@ from tp2.errors import AdapterPlacementError
 from tp2.lora import slice_like_weight, slice_lora_factors, state_dict_digest
 from tp2.plan import RANK0, SPLIT, WHOLE, TensorShard
 from tp2.shard import slice_tensor, unshard_tensor
+from tp2.split import cut
 
 OUT, IN, R = 24, 16, 3
 
 
-def shard(kind, dim=None, parts=1, shape=(OUT, IN)):
-    return TensorShard("blocks.0.x.weight", kind, dim, parts, shape, shape, "F32", "test")
+def shard(kind, dim=None, parts=1, shape=(OUT, IN), shares=(1, 1)):
+    bounds = cut(shape[dim] // parts, 1, shares) if kind == SPLIT else None
+    return TensorShard("blocks.0.x.weight", kind, dim, parts, shape, "F32", "test", bounds)
 
 
-@pytest.mark.parametrize("tp_size", [2, 4])
-@pytest.mark.parametrize("ts", [shard(SPLIT, 0, 3), shard(SPLIT, 0, 2), shard(SPLIT, 0, 1), shard(SPLIT, 1, 1), shard(WHOLE)], ids=str)
-def test_factor_slices_make_the_weight_slice(ts, tp_size):
+@pytest.mark.parametrize("shares", [(1, 1), (1, 1, 1, 1), (3, 1)], ids=str)
+@pytest.mark.parametrize("how", [(SPLIT, 0, 3), (SPLIT, 0, 2), (SPLIT, 0, 1), (SPLIT, 1, 1), (WHOLE,)], ids=str)
+def test_factor_slices_make_the_weight_slice(how, shares):
+    ts = shard(*how, shares=shares)
     up, down = torch.randn(OUT, R), torch.randn(R, IN)
     full = up @ down
     pieces = []
-    for rank in range(tp_size):
-        u, d = slice_lora_factors(up, down, ts, rank, tp_size, "k")
-        assert torch.allclose(u @ d, slice_tensor(full, ts, rank, tp_size), atol=1e-6)
+    for rank in range(len(shares)):
+        u, d = slice_lora_factors(up, down, ts, rank, "k")
+        assert torch.allclose(u @ d, slice_tensor(full, ts, rank), atol=1e-6)
         pieces.append(u @ d)
     if ts.kind == SPLIT:
         assert torch.allclose(unshard_tensor(pieces, ts), full, atol=1e-6)
@@ -34,23 +37,23 @@ def test_factor_slices_make_the_weight_slice(ts, tp_size):
 def test_packed_parts_are_not_a_plain_split():
     """qkv packed: rank 0 gets the first half of q, k and v, not the first half of the fused rows."""
     up, down = torch.randn(OUT, R), torch.randn(R, IN)
-    u, _ = slice_lora_factors(up, down, shard(SPLIT, 0, 3), 0, 2, "k")
+    u, _ = slice_lora_factors(up, down, shard(SPLIT, 0, 3), 0, "k")
     assert torch.equal(u, torch.cat([up[0:4], up[8:12], up[16:20]]))
 
 
 def test_wrong_shapes_refused_with_the_key():
     with pytest.raises(AdapterPlacementError, match="blocks.0.attn.qkv_proj.weight: LoRA up \\[24, 3\\] @ down \\[3, 8\\]"):
-        slice_lora_factors(torch.randn(OUT, R), torch.randn(R, 8), shard(SPLIT, 0, 3), 0, 2, "blocks.0.attn.qkv_proj.weight")
+        slice_lora_factors(torch.randn(OUT, R), torch.randn(R, 8), shard(SPLIT, 0, 3), 0, "blocks.0.attn.qkv_proj.weight")
 
 
 def test_full_size_diff_and_rank0_bias():
     diff = torch.randn(OUT, IN)
-    assert torch.equal(slice_like_weight(diff, shard(SPLIT, 1), 1, 2, "k"), diff[:, 8:])
+    assert torch.equal(slice_like_weight(diff, shard(SPLIT, 1), 1, "k"), diff[:, 8:])
     bias, ts = torch.randn(OUT), shard(RANK0, shape=(OUT,))
-    assert torch.equal(slice_like_weight(bias, ts, 0, 2, "k"), bias)
-    assert not slice_like_weight(bias, ts, 1, 2, "k").any()
+    assert torch.equal(slice_like_weight(bias, ts, 0, "k"), bias)
+    assert not slice_like_weight(bias, ts, 1, "k").any()
     with pytest.raises(AdapterPlacementError, match="does not match the weight's full shape"):
-        slice_like_weight(torch.randn(OUT, IN + 1), shard(SPLIT, 1), 0, 2, "k")
+        slice_like_weight(torch.randn(OUT, IN + 1), shard(SPLIT, 1), 0, "k")
 
 
 def test_digest_sees_content_names_and_dtypes():

@@ -176,9 +176,9 @@ def test_block_scales_of_aligned_splits_are_plain_byte_ranges():
     ws = quantize_nvfp4_awq(_weights(n, k, 5, awq=False)[0], None)["weight_scale"]
     bands, tiles = ws.shape[0] // 128, ws.shape[1] // 4
     for r in range(tp_size):
-        rows = slice_block_scales(ws, n, k, 0, r, tp_size)
+        rows = slice_block_scales(ws, n, k, 0, r * n // tp_size, (r + 1) * n // tp_size)
         assert torch.equal(rows.view(torch.uint8), ws.narrow(0, r * n // tp_size, n // tp_size).view(torch.uint8))
-        cols = slice_block_scales(ws, n, k, 1, r, tp_size)
+        cols = slice_block_scales(ws, n, k, 1, r * k // tp_size, (r + 1) * k // tp_size)
         run = ws.view(torch.uint8).reshape(bands, tiles, 512).narrow(1, r * tiles // tp_size, tiles // tp_size)
         assert torch.equal(cols.view(torch.uint8), run.reshape(cols.shape))
 

@@ -33,7 +33,7 @@ def test_real_int8_layout_accepted(h3_int8_layout, tp_size):
     plan = resolve_plan(h3_int8_layout, tp_size)
     assert (plan.hidden, plan.heads, plan.head_dim, plan.ffn) == (5376, 56, 128, 14336)
     assert (plan.num_layers, plan.refiner_layers, plan.adaln_form) == (50, 2, "curve")
-    assert plan.local_heads == 56 // tp_size and plan.local_ffn == 14336 // tp_size
+    assert plan.local_heads(0) == 56 // tp_size and plan.local_ffn(tp_size - 1) == 14336 // tp_size
     assert set(plan.tensors) == set(h3_int8_layout.tensors)
 
 
@@ -48,7 +48,7 @@ def test_tp2_local_shapes_match_the_megatron_table(h3_int8_layout):
     for prefix in [f"blocks.{i}." for i in range(50)] + ["token_refiner.blocks.0.", "token_refiner.blocks.1."]:
         for layer, (style, local) in want.items():
             ts = plan.tensors[prefix + layer + ".weight"]
-            assert (ts.layer_style, ts.local_shape, ts.dtype) == (style, local, "I8"), prefix + layer
+            assert (ts.layer_style, ts.local_shape(0), ts.dtype) == (style, local, "I8"), prefix + layer
 
 
 def test_every_linear_is_covered_exactly_once(h3_int8_layout, h3_full_layout):
@@ -68,9 +68,9 @@ def test_every_linear_is_covered_exactly_once(h3_int8_layout, h3_full_layout):
 def test_suffix_rules_for_int8(h3_int8_layout):
     plan = resolve_plan(h3_int8_layout, 2)
     col_scale = plan.tensors["blocks.7.attn.qkv_proj.weight_scale"]
-    assert (col_scale.kind, col_scale.dim, col_scale.parts, col_scale.local_shape) == (SPLIT, 0, 3, (10752, 1))
+    assert (col_scale.kind, col_scale.dim, col_scale.parts, col_scale.local_shape(0)) == (SPLIT, 0, 3, (10752, 1))
     row_scale = plan.tensors["blocks.7.mlp.fc2.weight_scale"]
-    assert (row_scale.kind, row_scale.local_shape) == (WHOLE, (5376, 1))
+    assert (row_scale.kind, row_scale.local_shape(0)) == (WHOLE, (5376, 1))
     for layer in BIG:
         assert plan.tensors[f"blocks.3.{layer}.comfy_quant"].kind == WHOLE
     assert plan.tensors["blocks.3.adaln_proj.linear.weight"].kind == WHOLE  # curve form: ~1 M params, replicated
@@ -81,12 +81,12 @@ def test_full_form_adaln_is_split_along_its_input(h3_full_layout):
     plan = resolve_plan(h3_full_layout, 2)
     assert plan.adaln_form == "full"
     w = plan.tensors["blocks.12.adaln_proj.linear.weight"]
-    assert (w.layer_style, w.kind, w.dim, w.full_shape, w.local_shape) == (ROWWISE_SPLIT_INPUT, SPLIT, 1, (96768, 2688), (96768, 1344))
+    assert (w.layer_style, w.kind, w.dim, w.full_shape, w.local_shape(0)) == (ROWWISE_SPLIT_INPUT, SPLIT, 1, (96768, 2688), (96768, 1344))
     b = plan.tensors["blocks.12.adaln_proj.linear.bias"]
-    assert (b.kind, b.local_shape) == (RANK0, (96768,))
+    assert (b.kind, b.local_shape(0)) == (RANK0, (96768,))
     # the final layer's adaln (2h rows) stays whole
     assert plan.tensors["final_layer.adaln_proj.linear.weight"].kind == WHOLE
-    per_rank = sum(_bytes(t.local_shape, t.dtype) for t in plan.tensors.values())
+    per_rank = sum(_bytes(t.local_shape(0), t.dtype) for t in plan.tensors.values())
     full = sum(_bytes(t.full_shape, t.dtype) for t in plan.tensors.values())
     assert per_rank / full < 0.52, f"per-rank share {per_rank / full:.3f}: adaln must halve too"
 
@@ -115,7 +115,7 @@ def test_tp8_refused_by_convrot_group(h3_int8_layout):
 
 def test_tp8_allowed_without_convrot(h3_full_layout):
     assert 8 in allowed_tp_sizes(h3_full_layout)
-    assert resolve_plan(h3_full_layout, 8).local_heads == 7
+    assert resolve_plan(h3_full_layout, 8).local_heads(7) == 7
 
 
 def test_bad_tp_size_value(h3_int8_layout):
@@ -183,7 +183,7 @@ def test_prefixed_checkpoint_resolves(h3_int8_layout):
     )
     plan = resolve_plan(layout, 2)
     assert plan.prefix == pre
-    assert plan.tensors[pre + "blocks.0.mlp.fc2.weight"].local_shape == (5376, 7168)
+    assert plan.tensors[pre + "blocks.0.mlp.fc2.weight"].local_shape(0) == (5376, 7168)
     assert plan.fingerprint() != resolve_plan(h3_int8_layout, 2).fingerprint()
 
 
@@ -197,7 +197,7 @@ def test_tiny_file_plan_matches_layout_json(tiny_int8):
     layout = CheckpointLayout.from_file(tiny_int8)
     assert layout.quant["blocks.0.mlp.fc2"] == {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
     plan = resolve_plan(layout, 2)
-    assert plan.tensors["blocks.1.mlp.fc2.weight"].local_shape == (256, 256)
+    assert plan.tensors["blocks.1.mlp.fc2.weight"].local_shape(0) == (256, 256)
     assert allowed_tp_sizes(layout) == [1, 2]  # out_proj K=512: tp 4 would leave 128 < one ConvRot group
 
 
@@ -214,4 +214,4 @@ def test_a_pdd_head_bank_final_layer_stays_whole_on_every_rank(h3_int8_layout):
     for head in ("video_out", "audio_out"):
         shard = plan.tensors[f"final_layer.{head}.weight"]
         assert plan.linears[f"final_layer.{head}"] == REPLICATE and shard.kind == WHOLE
-        assert shard.local_shape == shard.full_shape == tensors[f"final_layer.{head}.weight"][1]
+        assert shard.local_shape(0) == shard.full_shape == tensors[f"final_layer.{head}.weight"][1]

@@ -3,6 +3,7 @@ the record of checked files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,49 +19,65 @@ from tp2.checkpoint import CheckpointLayout
 from tp2.plan import RANK0, SPLIT, WHOLE, TensorShard, resolve_plan
 from tp2.safetensors_io import TensorReader, file_fingerprint, read_header
 from tp2.shard import shard_state_dict, slice_tensor, unshard_tensor
+from tp2.split import cut
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 STYLES = [
-    ("colwise", TensorShard("w", SPLIT, 0, 1, (24, 8), (0, 0), "F32", "colwise")),
-    ("colwise_packed qkv", TensorShard("w", SPLIT, 0, 3, (48, 8), (0, 0), "F32", "colwise_packed")),
-    ("colwise_packed gate|up", TensorShard("w", SPLIT, 0, 2, (32, 8), (0, 0), "F32", "colwise_packed")),
-    ("packed scale [N,1]", TensorShard("s", SPLIT, 0, 3, (48, 1), (0, 0), "F32", "colwise_packed")),
-    ("rowwise", TensorShard("w", SPLIT, 1, 1, (8, 32), (0, 0), "F32", "rowwise")),
-    ("rowwise bias on rank 0", TensorShard("b", RANK0, None, 1, (8,), (8,), "F32", "rowwise")),
-    ("replicated", TensorShard("n", WHOLE, None, 1, (8,), (8,), "F32", "replicate")),
+    ("colwise", TensorShard("w", SPLIT, 0, 1, (24, 8), "F32", "colwise")),
+    ("colwise_packed qkv", TensorShard("w", SPLIT, 0, 3, (48, 8), "F32", "colwise_packed")),
+    ("colwise_packed gate|up", TensorShard("w", SPLIT, 0, 2, (32, 8), "F32", "colwise_packed")),
+    ("packed scale [N,1]", TensorShard("s", SPLIT, 0, 3, (48, 1), "F32", "colwise_packed")),
+    ("rowwise", TensorShard("w", SPLIT, 1, 1, (8, 32), "F32", "rowwise")),
+    ("rowwise bias on rank 0", TensorShard("b", RANK0, None, 1, (8,), "F32", "rowwise")),
+    ("replicated", TensorShard("n", WHOLE, None, 1, (8,), "F32", "replicate")),
 ]
 
 
-@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("shares", [(1,), (1, 1), (1, 1, 1, 1), (3, 1), (1, 2, 1)], ids=str)
 @pytest.mark.parametrize("label,ts", STYLES, ids=[s[0] for s in STYLES])
-def test_slice_unshard_round_trip_is_exact(label, ts, tp_size):
+def test_slice_unshard_round_trip_is_exact(label, ts, shares):
+    if ts.kind == SPLIT:
+        ts = dataclasses.replace(ts, bounds=cut(ts.full_shape[ts.dim] // ts.parts, 1, shares))
     full = torch.randn(ts.full_shape)
-    pieces = [slice_tensor(full, ts, r, tp_size) for r in range(tp_size)]
+    pieces = [slice_tensor(full, ts, r) for r in range(len(shares))]
+    assert [tuple(p.shape) for p in pieces] == [ts.local_shape(r) for r in range(len(shares))]
     assert torch.equal(unshard_tensor(pieces, ts), full)
-    if ts.kind == RANK0 and tp_size > 1:
+    if ts.kind == RANK0 and len(shares) > 1:
         assert all(not p.any() for p in pieces[1:]), "only rank 0 may hold a row-parallel bias"
 
 
 def test_packed_slices_take_each_part():
-    # rows 0..5 = q, 6..11 = k, 12..17 = v; rank 1 of 2 must hold q[3:6], k[3:6], v[3:6]
-    ts = TensorShard("qkv", SPLIT, 0, 3, (18, 1), (9, 1), "F32", "colwise_packed")
+    # rows 0..5 = q, 6..11 = k, 12..17 = v; rank 1 of 2 must hold q[3:6], k[3:6], v[3:6]; at 2:1 rank 1 holds 2 of 6
+    ts = TensorShard("qkv", SPLIT, 0, 3, (18, 1), "F32", "colwise_packed", (0, 3, 6))
     full = torch.arange(18.0).view(18, 1)
-    assert slice_tensor(full, ts, 1, 2).flatten().tolist() == [3, 4, 5, 9, 10, 11, 15, 16, 17]
+    assert slice_tensor(full, ts, 1).flatten().tolist() == [3, 4, 5, 9, 10, 11, 15, 16, 17]
+    uneven = dataclasses.replace(ts, bounds=(0, 4, 6))
+    assert slice_tensor(full, uneven, 1).flatten().tolist() == [4, 5, 10, 11, 16, 17]
 
 
-@pytest.mark.parametrize("fixture,tp_size", [("tiny_float", 2), ("tiny_float", 4), ("tiny_float_full_adaln", 2), ("tiny_int8", 2)])
-def test_shard_on_read_equals_slicing_the_full_file(request, fixture, tp_size):
+@pytest.mark.parametrize(
+    "fixture,shares",
+    [
+        ("tiny_float", (1, 1)),
+        ("tiny_float", (1, 1, 1, 1)),
+        ("tiny_float_full_adaln", (1, 1)),
+        ("tiny_int8", (1, 1)),
+        ("tiny_float", (3, 1)),
+        ("tiny_float_full_adaln", (1, 3)),
+    ],
+)
+def test_shard_on_read_equals_slicing_the_full_file(request, fixture, shares):
     path = request.getfixturevalue(fixture)
     full = load_file(path)
     pieces = {}
-    for r in range(tp_size):
-        sd, md, plan = shard_state_dict(path, tp_size, r)
+    for r in range(len(shares)):
+        sd, md, plan = shard_state_dict(path, len(shares), r, shares)
         assert set(sd) == set(full)
         for name, t in sd.items():
             ts = plan.tensors[name]
-            assert tuple(t.shape) == ts.local_shape and t.dtype == full[name].dtype, name
-            assert torch.equal(t, slice_tensor(full[name], ts, r, tp_size)), name
+            assert tuple(t.shape) == ts.local_shape(r) and t.dtype == full[name].dtype, name
+            assert torch.equal(t, slice_tensor(full[name], ts, r)), name
             pieces.setdefault(name, []).append(t)
     for name, ps in pieces.items():
         assert torch.equal(unshard_tensor(ps, plan.tensors[name]), full[name]), name
@@ -97,7 +114,7 @@ def test_inspect_cli(tiny_int8):
     doc = json.loads(ok.stdout)
     rows = {r["name"]: r for r in doc["tensors"]}
     assert rows["blocks.0.attn.qkv_proj.weight"]["style"] == "colwise_packed"
-    assert rows["blocks.0.attn.qkv_proj.weight"]["local_shape"] == [768, 256]
+    assert rows["blocks.0.attn.qkv_proj.weight"]["local_shapes"] == [[768, 256], [768, 256]]
     assert doc["fingerprint"] == resolve_plan(CheckpointLayout.from_file(tiny_int8), 2).fingerprint()
     bad = _cli("tp2.inspect", tiny_int8, "--tp-size", "4")
     assert bad.returncode == 2

@@ -49,11 +49,11 @@ def test_roles_and_slices(fmt, tp):
     d = gen.TINY
     q, o = plan.tensors[p + "self_attn.q_proj.weight"], plan.tensors[p + "self_attn.o_proj.weight"]
     assert (q.kind, q.dim, o.kind, o.dim) == (SPLIT, 0, SPLIT, 1)
-    assert q.local_shape[0] == d["heads"] * d["head_dim"] // tp
+    assert q.local_shape(0)[0] == d["heads"] * d["head_dim"] // tp
     emb = plan.tensors["model.embed_tokens.weight"]  # vocabulary-parallel: rows split
-    assert (emb.kind, emb.dim, emb.local_shape) == (SPLIT, 0, (gen.VOCAB // tp, d["hidden"]))
+    assert (emb.kind, emb.dim, emb.local_shape(0)) == (SPLIT, 0, (gen.VOCAB // tp, d["hidden"]))
     assert plan.tensors["model.layers.0.input_layernorm.weight"].kind == WHOLE
-    assert plan.local_config() == {
+    assert plan.local_config(tp - 1) == {
         "vocab_size": gen.VOCAB // tp, "hidden_size": d["hidden"], "num_attention_heads": d["heads"] // tp,
         "num_key_value_heads": d["kv_heads"] // tp, "intermediate_size": d["ffn"] // tp,
     }  # fmt: skip

@@ -1,0 +1,89 @@
+"""Each rank's share of the split layers (`--split 3:2`, TP2_SPLIT), and a width cut by the shares.
+
+    parse_split(text, tp_size)    "3:2" -> (3, 2); "" -> every share 1 (the even split); refused with what to write
+    cut(total, unit, shares)      per-rank [start, end) offsets of a width, as bounds (0, ..., total), or None
+    scaled(bounds, total, length) those bounds on a tensor dim that is a multiple of the width (q rows of heads)
+    named(shares)                 "3:2", or "even"
+
+An even split cuts a width into equal slices, or refuses it (the plans say which tp_sizes work): exactly the split
+before shares existed. Uneven shares give each rank whole `unit`s (a ConvRot group, a pair of heads, a KV head) in
+proportion, rounded by largest remainder; a rank left without one is refused. Imports nothing from `comfy`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import PlanError
+
+Shares = tuple[int, ...]
+
+
+def even(tp_size: int) -> Shares:
+    return (1,) * tp_size
+
+
+def is_even(shares: Shares) -> bool:
+    return len(set(shares)) == 1
+
+
+def reduced(shares: Shares) -> Shares:
+    g = math.gcd(*shares)
+    return tuple(s // g for s in shares)
+
+
+def named(shares: Shares) -> str:
+    return "even" if is_even(shares) else ":".join(map(str, reduced(shares)))
+
+
+def parse_split(text: str | None, tp_size: int) -> Shares:
+    """The shares of `text` ("3:2", one positive integer per rank, rank 0 first); empty or None: the even split."""
+    if not text:
+        return even(tp_size)
+    parts = text.split(":")
+    if len(parts) != tp_size or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise PlanError(
+            f"split '{text}' is not {tp_size} positive whole numbers joined by ':' (one per rank, rank 0 first), "
+            f"e.g. {':'.join(['3'] + ['2'] * (tp_size - 1))}; leave it out for an even split."
+        )
+    return tuple(int(p) for p in parts)
+
+
+def counts(n_units: int, shares: Shares) -> list[int]:
+    """`n_units` whole units dealt in proportion to `shares`, by largest remainder (ties to the lower rank)."""
+    total = sum(shares)
+    out = [n_units * s // total for s in shares]
+    order = sorted(range(len(shares)), key=lambda r: (-(n_units * shares[r] % total), r))
+    for r in order[: n_units - sum(out)]:
+        out[r] += 1
+    return out
+
+
+def cut(total: int, unit: int, shares: Shares) -> tuple[int, ...] | None:
+    """Bounds (0, b1, ..., total) of each rank's slice of a width `total`; None when it cannot be cut: not evenly
+    (even shares), or not into whole `unit`s with at least one per rank (uneven shares)."""
+    n = len(shares)
+    if is_even(shares):
+        sizes = [total // n] * n if total % n == 0 else None
+    else:
+        sizes = [c * unit for c in counts(total // unit, shares)] if total % unit == 0 else None
+    if not sizes or min(sizes) < 1:
+        return None
+    return tuple(sum(sizes[:r]) for r in range(n + 1))
+
+
+def scaled(bounds: tuple[int, ...] | None, total: int, length: int) -> tuple[int, ...] | None:
+    """Bounds cut from a width of `total` applied to a tensor dim of `length` (a multiple or a whole fraction of it:
+    head_dim rows per head, two nvfp4 codes a byte); None when a bound would fall inside an element."""
+    if bounds is None or any(b * length % total for b in bounds):
+        return None
+    return tuple(b * length // total for b in bounds)
+
+
+def workable(n_units: int, shares: Shares) -> Shares:
+    """The nearest shares that leave every rank at least one of `n_units` units: for a refusal to name."""
+    got = counts(n_units, shares)
+    while min(got) < 1:
+        got[got.index(max(got))] -= 1
+        got[got.index(min(got))] += 1
+    return reduced(tuple(got))
