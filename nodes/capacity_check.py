@@ -32,18 +32,19 @@ def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=Non
         return None
     width, height, frames = video[4] * 16, video[3] * 16, capacity.pixel_frames(video[2])
     rows = capacity.tokens(width, height, frames)
+    fraction = plan.shares[STATE.env.tp_rank] / sum(plan.shares)  # this rank's part of the split layers
     shard = sum(math.prod(ts.local_shape(STATE.env.tp_rank)) * DTYPES[ts.dtype].itemsize for ts in plan.tensors.values()) / capacity.GIB
     # ComfyUI's dynamic VRAM (ModelPatcherDynamic) pages the weights in block by block; --highvram keeps them resident
     streams = bool(patcher is not None and patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
     allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), settings.torch_allocator_conf())
-    resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden)
-    streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator)
+    resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, fraction=fraction)
+    streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator, fraction=fraction)
     need = streamed if streams else resident
     fits = need - capacity.HELD_AT_THE_SAMPLER_GIB <= available  # the CUDA context is in the need and already held
     advice = None
     if not fits:
         budget = available + capacity.HELD_AT_THE_SAMPLER_GIB  # what tp2.capacity's table calls the card's memory
-        what = capacity.advice(width, height, frames, plan.tp_size, budget, streamed=streams, allocator=allocator)
+        what = capacity.advice(width, height, frames, plan.tp_size, budget, streamed=streams, allocator=allocator, fraction=fraction)
         mode = "with the weights streamed" if streams else "with the weights resident"
         advice = (
             f"{width}x{height}x{frames} was predicted to need ~{need:.1f} GiB per rank at tp_size {plan.tp_size} {mode}, "

@@ -7,6 +7,7 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
+from ..tp2.split import named
 from .patches import PATCHES
 from .state import STATE
 
@@ -32,11 +33,23 @@ def unique_models() -> list[tuple[object, int]]:
     return list(latest.values())
 
 
+def split_named() -> str:
+    """The ranks' shares: "even", or as --split takes them with each rank's part ("3:2 (rank 0 60%, rank 1 40%)")."""
+    shares = STATE.shares or (1,) * STATE.env.tp_size
+    return (
+        named(shares)
+        if len(set(shares)) == 1
+        else f"{named(shares)} ({', '.join(f'rank {r} {s / sum(shares):.0%}' for r, s in enumerate(shares))})"
+    )
+
+
 def status_text() -> str:
     if not STATE.active:
         return "TP inactive: TP2_RANK / TP2_WORLD_SIZE are not set, ComfyUI runs as usual."
     env, lines = STATE.env, []
-    lines.append(f"rank {env.tp_rank} of tp_size {env.tp_size}")  # not the rank store's address: that is for the ranks
+    lines.append(
+        f"rank {env.tp_rank} of tp_size {env.tp_size}, split {split_named()}"
+    )  # not the rank store's address: that is for the ranks
     session = STATE.session
     lines.append(f"process group: generation {session.generation}, {'healthy' if session.healthy else 'not formed / needs re-forming'}")
     lines.append(f"last agreement: {STATE.last_agreement}")

@@ -14,7 +14,7 @@ import asyncio
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-from .pack_nodes import status_text, unique_models
+from .pack_nodes import split_named, status_text, unique_models
 from .patches import PATCHES
 from .state import STATE
 
@@ -31,6 +31,7 @@ def rank_status() -> dict:
         "active": True,
         "tp_rank": env.tp_rank,
         "tp_size": env.tp_size,
+        "split": split_named(),
         "boot": STATE.boot_id[:8],
         "registered": STATE.boot_registered.is_set(),
         "group": {
@@ -150,7 +151,8 @@ async def get_cluster(request: web.Request) -> web.Response:
         verdict, why = health(r, status, problem, ages, STATE.session.watcher.heartbeat_timeout_s)
         ranks.append({"tp_rank": r, "url": url, "health": verdict, "why": why, "status": status})
     healthy = sum(1 for x in ranks if x["health"] == "healthy")
-    return web.json_response({"active": True, "this_rank": mine, "tp_size": STATE.env.tp_size, "healthy": healthy, "ranks": ranks})
+    cluster = {"active": True, "this_rank": mine, "tp_size": STATE.env.tp_size, "split": split_named(), "healthy": healthy}
+    return web.json_response({**cluster, "ranks": ranks})
 
 
 def install_status_routes(routes) -> None:

@@ -1,21 +1,27 @@
 """How much GPU memory one rank needs to sample an H3 video, and the longest video that fits: a model calibrated on
 measurements (MEASURED, MEASURED_STREAMED), for the advice logged at every sampler.
 
-`python -m tp2.capacity --gpu-mem 22 --tp-size 2` prints the longest lengths per resolution (imports no `comfy`).
+`python -m tp2.capacity --gpu-mem 22 --tp-size 2` prints the longest lengths per resolution; `--gpu-mem 24,12` (one
+per rank) the longest that fits on every rank at --split 2:1 and at the even split (imports no `comfy`).
 
-Resident (--highvram): peak = weights / tp + FIXED_GIB + tokens x (SHARED + SPLIT / tp), least squares on peaks
-measured with all weights resident (nvidia-smi, int8 ConvRot DiT; docs/PERFORMANCE.md); its TP2 points predate the
-chunked MLP, so at TP2 it errs towards more. Streamed (dynamic VRAM): peak = CONTEXT_GIB + STREAMED_BLOCKS / BLOCKS of
-the weights (the block computing and the next) + torch's pool = live x POOL_OVER_LIVE[allocator]; live bytes per row
-follow the activation accounting (SHARED_ROW_BYTES held whole, SPLIT_ROW_BYTES / tp at the attention's peak), scaled to
-one measured TP2 length (others unmeasured). --lean-memory is the native allocator without expandable segments
-(dynamic VRAM frees weights only for cudaMalloc/cudaMallocAsync calls).
+A rank holds a fraction f of the split parts (weights, SPLIT_*): shares[rank] / sum(shares), 1/tp at the even split;
+FIXED_GIB stays keyed by tp. Resident (--highvram): peak = weights x f + FIXED_GIB + tokens x (SHARED + SPLIT x f),
+least squares on peaks measured with all weights resident (nvidia-smi, int8 ConvRot DiT; docs/PERFORMANCE.md); its TP2
+points predate the chunked MLP, so at TP2 it errs towards more. Streamed (dynamic VRAM): peak = CONTEXT_GIB +
+STREAMED_BLOCKS / BLOCKS of the weights (the block computing and the next) + torch's pool = live x
+POOL_OVER_LIVE[allocator]; live bytes per row follow the activation accounting (SHARED_ROW_BYTES held whole,
+SPLIT_ROW_BYTES x f at the attention's peak), scaled to one measured TP2 length (others unmeasured). --lean-memory is
+the native allocator without expandable segments (dynamic VRAM frees weights only for cudaMalloc/cudaMallocAsync
+calls).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from .errors import PlanError
+from .split import Shares, even, is_even, named, parse_split, reduced
 
 TEXT_TOKENS = 256  # the bundled workflows' conditioning (ComfyUI's Qwen3-VL prompts: a few hundred tokens)
 WEIGHTS_GIB = 18.9  # the int8 ConvRot DiT, whole (20.3 GB)
@@ -48,6 +54,9 @@ POOL_OVER_LIVE = {"cudaMallocAsync": 1.39, "expandable": 1.31, "native": 1.24}
 MEASURED_STREAMED = ((1920, 1088, 362, 2, "expandable", 14.14, 18.52), (1920, 1088, 362, 2, "native", 14.12, 17.48))
 LEAN_ALLOCATOR = "native"  # the launcher's --lean-memory: ComfyUI's --disable-cuda-malloc
 RESOLUTIONS = ((832, 480), (1344, 768), (1600, 896), (1920, 1088))
+MODES = (("resident (--highvram)", False, ASYNC), ("streamed (dynamic VRAM)", True, ASYNC),
+         ("streamed, --lean-memory", True, LEAN_ALLOCATOR))  # fmt: skip
+SHARES_OFF_BY = 0.02  # --split's default: the smallest shares whose fractions are this close to the memory's
 
 
 def frames_on_grid(frames: int) -> int:
@@ -88,9 +97,15 @@ def allocator_of(backend: str, alloc_conf: str) -> str:
     return "expandable" if "expandable_segments:true" in alloc_conf.replace(" ", "").lower() else "native"
 
 
-def live_gib(n_tokens: int, tp_size: int, hidden: int = H3_HIDDEN) -> float:
+def split_part(whole: float, tp_size: int, fraction: float | None = None) -> float:
+    """A rank's part of a split quantity: `whole` x `fraction`; None (or 1/tp_size) divides by tp_size, as before
+    shares existed (bit for bit)."""
+    return whole / tp_size if fraction is None or fraction == 1 / tp_size else whole * fraction
+
+
+def live_gib(n_tokens: int, tp_size: int, hidden: int = H3_HIDDEN, fraction: float | None = None) -> float:
     """One rank's live tensors at the sampler's peak: the accounting's bytes per row, scaled to the measured length."""
-    row_bytes = (SHARED_ROW_BYTES + SPLIT_ROW_BYTES / tp_size) * hidden / H3_HIDDEN
+    row_bytes = (SHARED_ROW_BYTES + split_part(SPLIT_ROW_BYTES, tp_size, fraction)) * hidden / H3_HIDDEN
     return LIVE_SCALE * n_tokens * row_bytes / GIB
 
 
@@ -101,41 +116,62 @@ def predict_peak_gib(
     hidden: int = H3_HIDDEN,
     streamed: bool = False,
     allocator: str = ASYNC,
+    fraction: float | None = None,
 ) -> float:
     """One rank's peak: its weights (the released DiT's share unless given), the fixed buffers and the activations,
     which scale with the model's width (`hidden`; the released H3 is 5376 wide). `streamed`: the least it runs with
-    under dynamic VRAM (only the blocks in flight resident), with torch's pool as `allocator` holds it."""
-    weights = WEIGHTS_GIB / tp_size if rank_weights_gib is None else rank_weights_gib
+    under dynamic VRAM (only the blocks in flight resident), with torch's pool as `allocator` holds it. `fraction`:
+    the rank's part of the split layers (None: 1/tp_size)."""
+    weights = split_part(WEIGHTS_GIB, tp_size, fraction) if rank_weights_gib is None else rank_weights_gib
     if streamed:
-        pool = live_gib(n_tokens, tp_size, hidden) * POOL_OVER_LIVE.get(allocator, POOL_OVER_LIVE[ASYNC])
+        pool = live_gib(n_tokens, tp_size, hidden, fraction) * POOL_OVER_LIVE.get(allocator, POOL_OVER_LIVE[ASYNC])
         return CONTEXT_GIB + weights * STREAMED_BLOCKS / BLOCKS + pool
-    per_token = (SHARED_PER_TOKEN_GIB + SPLIT_PER_TOKEN_GIB / tp_size) * hidden / H3_HIDDEN
+    per_token = (SHARED_PER_TOKEN_GIB + split_part(SPLIT_PER_TOKEN_GIB, tp_size, fraction)) * hidden / H3_HIDDEN
     return weights + FIXED_GIB.get(tp_size, FIXED_GIB[2]) + n_tokens * per_token
 
 
 def longest_frames(
-    width: int, height: int, gpu_gib: float, tp_size: int, up_to: int = 3600, streamed: bool = False, allocator: str = ASYNC
+    width: int,
+    height: int,
+    gpu_gib: float,
+    tp_size: int,
+    up_to: int = 3600,
+    streamed: bool = False,
+    allocator: str = ASYNC,
+    fraction: float | None = None,
 ) -> int | None:
     """The longest length on the 17k+5 grid whose predicted peak is at most `gpu_gib` (None: not even 5 frames)."""
+    how = dict(streamed=streamed, allocator=allocator, fraction=fraction)
     best = None
     for frames in range(5, up_to + 1, 17):
-        if predict_peak_gib(tokens(width, height, frames), tp_size, streamed=streamed, allocator=allocator) > gpu_gib:
+        if predict_peak_gib(tokens(width, height, frames), tp_size, **how) > gpu_gib:
             break
         best = frames
     return best
 
 
-def advice(width: int, height: int, frames: int, tp_size: int, available_gib: float, streamed: bool = False, allocator: str = ASYNC) -> str:
-    """What would fit instead: the longest length at this resolution, the smallest tp_size for this length, and (where
+def advice(
+    width: int,
+    height: int,
+    frames: int,
+    tp_size: int,
+    available_gib: float,
+    streamed: bool = False,
+    allocator: str = ASYNC,
+    fraction: float | None = None,
+) -> str:
+    """What would fit instead on this rank (its `fraction` of the split layers, None: 1/tp_size): the longest length at
+    this resolution, the smallest tp_size for this length (the rank's share relative to an even one kept), and (where
     it is what stops the prompt) the leaner allocator."""
     how = dict(streamed=streamed, allocator=allocator)
-    fit = longest_frames(width, height, available_gib, tp_size, **how)
+    fit = longest_frames(width, height, available_gib, tp_size, fraction=fraction, **how)
     parts = [f"at {width}x{height} up to {fit} frames fit" if fit else f"not even 5 frames fit at {width}x{height}"]
     n = tokens(width, height, frames)
-    if streamed and allocator == ASYNC and (lean := predict_peak_gib(n, tp_size, streamed=True, allocator=LEAN_ALLOCATOR)) <= available_gib:
+    lean = predict_peak_gib(n, tp_size, streamed=True, allocator=LEAN_ALLOCATOR, fraction=fraction)
+    if streamed and allocator == ASYNC and lean <= available_gib:
         parts.append(f"or start the ranks with --lean-memory (~{lean:.1f} GiB per rank)")
     for bigger in (2, 4):  # the sizes the int8 release splits into (python -m tp2.inspect)
-        need = predict_peak_gib(n, bigger, **how)
+        need = predict_peak_gib(n, bigger, fraction=None if fraction is None else fraction * tp_size / bigger, **how)
         if bigger > tp_size and need <= available_gib:
             parts.append(f"or use tp_size {bigger} (~{need:.1f} GiB per rank)")
             break
@@ -143,15 +179,13 @@ def advice(width: int, height: int, frames: int, tp_size: int, available_gib: fl
 
 
 def table(gpu_gib: float, tp_size: int) -> str:
-    modes = (("resident (--highvram)", False, ASYNC), ("streamed (dynamic VRAM)", True, ASYNC),
-             ("streamed, --lean-memory", True, LEAN_ALLOCATOR))  # fmt: skip
     lines = [f"longest H3 video per rank on {gpu_gib:g} GiB at tp_size {tp_size} (frames, seconds at 24 fps, predicted peak GiB): "
              "the DiT's weights resident, streamed block by block by ComfyUI's dynamic VRAM (its default on NVIDIA), and "
              "streamed with the launcher's --lean-memory (torch's native allocator)", "",
-             "| resolution | " + " | ".join(m for m, _, _ in modes) + " |", "|---|" + "---|" * len(modes)]  # fmt: skip
+             "| resolution | " + " | ".join(m for m, _, _ in MODES) + " |", "|---|" + "---|" * len(MODES)]  # fmt: skip
     for w, h in RESOLUTIONS:
         cells = []
-        for _, streamed, allocator in modes:
+        for _, streamed, allocator in MODES:
             f = longest_frames(w, h, gpu_gib, tp_size, streamed=streamed, allocator=allocator)
             peak = predict_peak_gib(tokens(w, h, f), tp_size, streamed=streamed, allocator=allocator) if f else 0.0
             cells.append(f"{f} ({f / 24:.1f} s, {peak:.1f})" if f else "none")
@@ -159,12 +193,80 @@ def table(gpu_gib: float, tp_size: int) -> str:
     return "\n".join(lines)
 
 
+def memory_shares(gpus: list[float]) -> Shares:
+    """--split's default: shares in proportion to each GPU's memory, the smallest whole numbers within SHARES_OFF_BY
+    of it (24,12 -> 2:1, 24,16 -> 3:2, equal GPUs -> even)."""
+    want = [g / sum(gpus) for g in gpus]
+    for k in range(1, 9):
+        shares = tuple(round(g / min(gpus) * k) for g in gpus)
+        if max(abs(s / sum(shares) - w) for s, w in zip(shares, want)) <= SHARES_OFF_BY:
+            break
+    return reduced(shares)
+
+
+def longest_on_every_rank(
+    width: int, height: int, gpus: list[float], shares: Shares, streamed: bool = False, allocator: str = ASYNC
+) -> tuple[int | None, int]:
+    """The longest length that fits on every rank (rank r: gpus[r] GiB, shares[r] / sum(shares) of the split layers)
+    and the rank that limits it (the lowest of those that tie)."""
+    how = dict(streamed=streamed, allocator=allocator)
+    fits = [longest_frames(width, height, g, len(shares), fraction=s / sum(shares), **how) for g, s in zip(gpus, shares)]
+    rank = min(range(len(fits)), key=lambda r: fits[r] or 0)
+    return fits[rank], rank
+
+
+def rank_table(gpus: list[float], shares: Shares) -> str:
+    """Per resolution and mode: the longest length on every rank at `shares` and the rank that limits it, beside what
+    the even split allows on the same GPUs."""
+    compared = (shares,) if is_even(shares) else (shares, even(len(gpus)))
+    short = ("resident", "streamed", "--lean-memory")
+    beside = ", beside the even split" if len(compared) > 1 else ""
+    lines = [f"longest H3 video that fits on every rank of GPUs with {', '.join(f'{g:g}' for g in gpus)} GiB (rank 0 first): "
+             f"frames (seconds at 24 fps) and the rank that limits it at split {named(shares)}{beside}; "
+             "resident: --highvram, streamed: ComfyUI's dynamic VRAM, --lean-memory: streamed on torch's native allocator", "",
+             "| resolution | " + " | ".join(f"{m} {named(s)}" for m in short for s in compared) + " |",
+             "|---|" + "---|" * len(short) * len(compared)]  # fmt: skip
+    for w, h in RESOLUTIONS:
+        cells = []
+        for (_, streamed, allocator), s in ((mode, s) for mode in MODES for s in compared):
+            f, r = longest_on_every_rank(w, h, gpus, s, streamed, allocator)
+            cells.append((f"{f} ({f / 24:.1f} s)" if f else "none") + ("" if s != shares else f", rank {r}"))
+        lines.append(f"| {w}x{h} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def gpu_list(text: str) -> list[float]:
+    """--gpu-mem: GiB per GPU, one value or one per rank joined by ','."""
+    try:
+        gpus = [float(v) for v in text.split(",")]
+    except ValueError:
+        gpus = []
+    if not gpus or not all(0 < g < float("inf") for g in gpus):
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not GiB per GPU: one positive number (every GPU) or one per rank joined by ',', e.g. 24,12"
+        )
+    return gpus
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tp2.capacity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpu-mem", type=float, required=True, help="GiB of memory per GPU (e.g. 22 for a 2080 Ti 22 GB)")
-    ap.add_argument("--tp-size", type=int, default=2)
+    ap.add_argument("--gpu-mem", type=gpu_list, required=True,
+                    help="GiB of memory per GPU: one value for every GPU (e.g. 22 for a 2080 Ti 22 GB), "
+                    "or one per rank, rank 0 first (24,12)")  # fmt: skip
+    ap.add_argument("--tp-size", type=int, help="ranks (default: the number of --gpu-mem values, or 2 for one value)")
+    ap.add_argument("--split", help="each rank's share of the split layers, e.g. 3:2 (default: in proportion to --gpu-mem, "
+                    "as small whole numbers: 24,12 -> 2:1; one value: even)")  # fmt: skip
     a = ap.parse_args(argv)
-    print(table(a.gpu_mem, a.tp_size))
+    n = len(a.gpu_mem)
+    tp_size = a.tp_size if a.tp_size is not None else (n if n > 1 else 2)
+    if tp_size < 1 or n not in (1, tp_size):
+        ap.error(f"--gpu-mem names {n} GPUs for tp_size {tp_size}: give one value (every GPU that size) or one per rank")
+    gpus = a.gpu_mem * tp_size if n == 1 else a.gpu_mem
+    try:
+        shares = parse_split(a.split, tp_size) if a.split else memory_shares(gpus)
+    except PlanError as e:
+        ap.error(f"{e} (Left out here, it follows --gpu-mem: {named(memory_shares(gpus))}.)")
+    print(table(gpus[0], tp_size) if len(set(gpus)) == 1 and is_even(shares) else rank_table(gpus, shares))
     return 0
 
 

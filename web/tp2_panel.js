@@ -82,7 +82,7 @@ function render() {
   const summary = el("div", { id: "tp2-summary", style: { fontWeight: "bold", margin: "4px 0 8px" } },
     `${d.healthy} of ${d.tp_size} ranks healthy` + (d.error ? ` (${d.error})` : ""));
   root.replaceChildren(
-    el("h3", { style: { margin: "0 0 4px" } }, `Tensor parallel: ${d.tp_size} ranks`),
+    el("h3", { style: { margin: "0 0 4px" } }, `Tensor parallel: ${d.tp_size} ranks, split ${d.split}`),
     summary, el("div", { id: "tp2-ranks" }, ...d.ranks.map(rankCard)),
     el("h4", { style: { margin: "12px 0 4px" } }, "Settings (this rank; other ranks' differences marked)"),
     settingsList(d.ranks),

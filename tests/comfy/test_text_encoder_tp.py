@@ -77,12 +77,12 @@ def models(tmp_path_factory):
     return out
 
 
-def start_servers(request, tmp_path_factory, models, tp_size: int) -> tuple[Server, list[Server]]:
+def start_servers(request, tmp_path_factory, models, tp_size: int, env=TP_ENV) -> tuple[Server, list[Server]]:
     root = str(tmp_path_factory.mktemp(f"te_tp{tp_size}"))
     for name in ("plain", *(f"rank{r}" for r in range(tp_size))):
         _base(root, name)
     plain = Server(os.path.join(root, "plain"), models, TINY_TE)  # starts now, alongside the ranks
-    ranks = start_ranks(root, tp_size, models, TP_ENV)
+    ranks = start_ranks(root, tp_size, models, env)
     plain.wait_ready()
     stop_at_teardown(request, [*ranks, plain], root)
     return plain, ranks
@@ -127,6 +127,25 @@ def test_tp2_conditioning_matches_one_device(tp2, fmt):
     other = encode_everywhere([plain], encode_workflow(te_file(fmt), f"te_{fmt}_other", PROMPT + " At night."))[0]
     if other["cond"].shape == ref["cond"].shape:
         assert rel_err(other["cond"], ref["cond"]) > 50 * REL_TOL
+
+
+@pytest.fixture(scope="module")
+def tp2_uneven(request, tmp_path_factory, models):
+    """Two ranks at shares 5:3 (TP2_SPLIT, as the launcher's --split sets it)."""
+    return start_servers(request, tmp_path_factory, models, 2, dict(TP_ENV, TP2_SPLIT="5:3"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_uneven_shares_conditioning_matches_one_device(tp2_uneven, fmt):
+    """KV heads 5 + 3 (each with its query heads), FFN columns in whole 16-column blocks, the vocabulary 5:3."""
+    plain, ranks = tp2_uneven
+    ref, *got = encode_everywhere([plain, *ranks], encode_workflow(te_file(fmt), f"te53_{fmt}"))
+    assert all(torch.equal(cond["cond"], got[0]["cond"]) for cond in got[1:]), "the ranks' conditionings differ"
+    err = rel_err(got[0]["cond"], ref["cond"])
+    print(f"{fmt}: TP2 at 5:3 vs one device relative error {err:.2e}")
+    assert err < REL_TOL, f"{fmt}: TP2 at 5:3 conditioning is {err:.2e} away from one device's (tolerance {REL_TOL})"
+    for s in ranks:  # each rank built its own widths (the tiny encoder: 8 KV heads, FFN 256)
+        assert "KV heads 8->5+3, ffn 256->160+96" in open(s.log_path).read()
 
 
 def test_tp2_logs_say_sliced(tp2):

@@ -88,7 +88,12 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-FP32_CASES = [("tiny_float", (1, 1)), ("tiny_float", (1, 1, 1, 1)), ("tiny_float_full_adaln", (1, 1)), ("tiny_float_full_adaln", (1, 1, 1, 1))]
+FP32_CASES = [
+    ("tiny_float", (1, 1)),
+    ("tiny_float", (1, 1, 1, 1)),
+    ("tiny_float_full_adaln", (1, 1)),
+    ("tiny_float_full_adaln", (1, 1, 1, 1)),
+]
 FP32_CASES += [("tiny_float", (3, 1)), ("tiny_float_full_adaln", (1, 3)), ("tiny_float_wide", (5, 1, 1, 1))]  # uneven shares
 
 

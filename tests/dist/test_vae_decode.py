@@ -46,7 +46,7 @@ def _import_pack():
     return fixture, importlib.import_module("tp2pack.nodes.vae_decode")
 
 
-def _rank(tp_rank, tp_size, lengths, extra_cases):
+def _rank(tp_rank, tp_size, lengths, extra_cases, shares=None):
     import logging
 
     import torch
@@ -57,7 +57,7 @@ def _rank(tp_rank, tp_size, lengths, extra_cases):
     from tp2pack.tp2.settings import read_tp_env
     from tp2pack.tp2.session import TPSession
 
-    STATE.env = read_tp_env()
+    STATE.env, STATE.shares = read_tp_env(), shares
     STATE.session, STATE.prompt_timeout_s = TPSession(STATE.env), 30.0
     STATE.prompt = Prompt("prompt-1", "prompt-1", "graph")
     messages = []
@@ -113,8 +113,10 @@ def _extra_case(case, tp_rank, vae, vd, latent, refs, messages, STATE, Prompt):
     return case, torch.equal(vae.decode(latent(17)), refs[17]), list(messages)
 
 
-def _check(outs, tp_size, expected):
-    """Every rank: equal to the unsplit decode, byte-identical to rank 0, the tile decodes it owns and no more."""
+def _check(outs, tp_size, expected, shares=None):
+    """Every rank: equal to the unsplit decode, byte-identical to rank 0, the tile decodes it owns and no more (a round
+    of the even split: one tile each; of shares such as 3:1: rank r decodes shares[r] of each round's tiles)."""
+    owners = [r for r in range(tp_size) for _ in range((shares or (1,) * tp_size)[r])]
     for r in range(tp_size):
         case, same, equal, msgs = next(o for o in outs[r] if o[0] == "buffer")
         assert same and equal, f"rank {r}: the decode did not fill the output buffer it was given with the single-process video"
@@ -129,9 +131,9 @@ def _check(outs, tp_size, expected):
                 assert any("nothing to split: decoding on this rank alone" in m for m in msgs), msgs
                 assert ran == tiles
             else:
-                shares = [list(range(r, tiles, tp_size)) for r in range(tp_size)]
-                assert ran == len(shares[r]), f"rank {r} ran {ran} tile decodes, its share is {shares[r]}"
-                line = "; ".join(f"rank {q}: {len(s)}" for q, s in enumerate(shares))
+                mine = [[i for i in range(tiles) if owners[i % len(owners)] == q] for q in range(tp_size)]
+                assert ran == len(mine[r]), f"rank {r} ran {ran} tile decodes, its share is {mine[r]}"
+                line = "; ".join(f"rank {q}: {len(s)}" for q, s in enumerate(mine))
                 assert any(f"VAE decode split over {tp_size} ranks: {chunks} chunks, {tiles} tiles ({line})" in m for m in msgs), msgs
 
 
@@ -147,6 +149,12 @@ def test_split_decode_equals_single_process_two_ranks():
     assert any(
         "rank(s) 1 did not reach 'prompt-alone/vae-decode1'" in m and "decoding the whole video on this rank alone" in m for m in msgs
     ), msgs
+
+
+def test_split_decode_at_shares_3_1_gives_rank_0_three_tiles_a_round():
+    # T=8: four tiles (rank 0 three, rank 1 one); 17: six tiles (rank 0 five: 0, 1, 2, 4, 5)
+    outs = values(run_ranks(_rank, 2, [8, 17], [], (3, 1), timeout_s=30))
+    _check(outs, 2, [(8, 2, False), (17, 3, False)], (3, 1))
 
 
 def test_split_decode_equals_single_process_three_ranks():

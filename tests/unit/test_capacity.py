@@ -79,3 +79,98 @@ def test_the_allocator_is_named_from_torch_and_its_conf():
     assert capacity.allocator_of("native", "garbage_collection_threshold:0.8,expandable_segments:True") == "expandable"
     assert capacity.allocator_of("native", "expandable_segments:False") == "native"
     assert capacity.allocator_of("native", "") == "native"
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 3, 4])
+def test_a_fraction_of_one_over_tp_size_is_the_even_split_bit_for_bit(tp_size):
+    f = 1 / tp_size
+    for n in (1_000, capacity.tokens(1920, 1088, 175), 200_000):
+        for streamed, allocator in ((False, capacity.ASYNC), (True, capacity.ASYNC), (True, "native")):
+            how = dict(streamed=streamed, allocator=allocator)
+            assert capacity.predict_peak_gib(n, tp_size, fraction=f, **how) == capacity.predict_peak_gib(n, tp_size, **how)
+            assert capacity.predict_peak_gib(n, tp_size, 3.3, 2688, fraction=f, **how) == capacity.predict_peak_gib(
+                n, tp_size, 3.3, 2688, **how
+            )
+        assert capacity.live_gib(n, tp_size, fraction=f) == capacity.live_gib(n, tp_size)
+    assert capacity.longest_frames(1920, 1088, 22.0, tp_size, fraction=f) == capacity.longest_frames(1920, 1088, 22.0, tp_size)
+    assert capacity.advice(1920, 1088, 362, tp_size, 20.5, True, fraction=f) == capacity.advice(1920, 1088, 362, tp_size, 20.5, True)
+    assert capacity.longest_frames(1920, 1088, 22.0, 2, fraction=0.5) == 175  # the measured answer, through the fraction
+
+
+def test_a_larger_fraction_needs_more_memory():
+    n = capacity.tokens(1920, 1088, 362)
+    for streamed in (False, True):
+        small, even, large = (capacity.predict_peak_gib(n, 2, streamed=streamed, fraction=f) for f in (0.4, 0.5, 0.6))
+        assert small < even < large, (small, even, large)
+    # resident: the weights and the split activations scale with the fraction, the fixed buffers and shared rows do not
+    more = capacity.predict_peak_gib(n, 2, fraction=0.6) - capacity.predict_peak_gib(n, 2)
+    assert more == pytest.approx(0.1 * (capacity.WEIGHTS_GIB + n * capacity.SPLIT_PER_TOKEN_GIB))
+    assert capacity.longest_frames(1920, 1088, 22.0, 2, fraction=0.6) < 175 < capacity.longest_frames(1920, 1088, 22.0, 2, fraction=0.4)
+    # a bigger tp_size in the advice keeps the rank's share relative to an even one (2/3 at tp 2 -> 1/3 at tp 4)
+    assert (
+        capacity.advice(1920, 1088, 362, 2, 26.5, fraction=2 / 3)
+        == "at 1920x1088 up to 175 frames fit, or use tp_size 4 (~26.1 GiB per rank)"
+    )
+    assert capacity.advice(1920, 1088, 362, 2, 26.5).endswith("or use tp_size 4 (~23.1 GiB per rank)")
+
+
+def test_the_default_split_follows_the_memory_in_small_whole_numbers():
+    assert capacity.memory_shares([24, 12]) == (2, 1)
+    assert capacity.memory_shares([24, 16]) == (3, 2)
+    assert capacity.memory_shares([24, 11]) == (2, 1)  # within 2% of 24:11
+    assert capacity.memory_shares([22, 22]) == (1, 1)
+    assert capacity.memory_shares([24, 16, 16, 12]) == (4, 3, 3, 2)  # within 2% of 6:4:4:3
+
+
+def test_the_rank_that_limits_a_mixed_pair():
+    assert capacity.longest_on_every_rank(1920, 1088, [24, 12], (1, 1), streamed=True) == (175, 1)
+    assert capacity.longest_on_every_rank(1920, 1088, [12, 24], (1, 1), streamed=True) == (175, 0)
+    assert capacity.longest_on_every_rank(1920, 1088, [12, 24], (1, 1), streamed=True)[0] == capacity.longest_frames(
+        1920, 1088, 12, 2, streamed=True
+    )
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    return {
+        cells[0]: cells[1:]
+        for line in out.splitlines()
+        if line.startswith("| ")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+
+
+def test_the_command_for_mixed_gpus(capsys):
+    assert capacity.main(["--gpu-mem", "24,12"]) == 0  # tp_size 2 and split 2:1 from the list
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert rows["resolution"] == [
+        "resident 2:1",
+        "resident even",
+        "streamed 2:1",
+        "streamed even",
+        "--lean-memory 2:1",
+        "--lean-memory even",
+    ]
+    assert rows["1920x1088"][2:4] == ["243 (10.1 s), rank 1", "175 (7.3 s)"], out  # the 12 GiB rank limits both
+    for w, h in capacity.RESOLUTIONS:
+        cells = rows[f"{w}x{h}"]
+        for split, even in zip(cells[::2], cells[1::2]):
+            assert split.endswith(", rank 1") and int(split.split()[0]) >= int(even.split()[0]), (split, even)
+    assert capacity.main(["--gpu-mem", "22", "--split", "3:2"]) == 0  # one size, uneven shares: rank 0 holds more
+    assert _rows(capsys.readouterr().out)["1920x1088"][2:4] == ["328 (13.7 s), rank 0", "362 (15.1 s)"]
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["--gpu-mem", "24,x"], "'24,x' is not GiB per GPU"),
+        (["--gpu-mem", "24,-12"], "one positive number (every GPU) or one per rank"),
+        (["--gpu-mem", "24,12", "--split", "3:2:1"], "split '3:2:1' is not 2 positive whole numbers"),
+        (["--gpu-mem", "24,12", "--tp-size", "4"], "--gpu-mem names 2 GPUs for tp_size 4"),
+    ],
+)
+def test_the_command_refuses_a_bad_list_with_what_to_write(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        capacity.main(argv)
+    assert e.value.code != 0
+    assert says in capsys.readouterr().err
