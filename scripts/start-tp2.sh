@@ -22,7 +22,7 @@
 # models/text_encoders and models/clip are checked the same way.
 # --split 3:2 gives each rank that share of the split layers (attention heads, FFN columns, the text encoder's KV
 # heads, the VAE decode's tiles), rank 0 first: for GPUs of different memory or speed. Omitted: the even split.
-# --split auto measures each GPU (free memory, and the time of one H3-shaped block: python -m tp2.balance) and
+# --split auto measures each GPU (free memory, and the time of one H3-shaped block: scripts/lib/balance.py) and
 # chooses the shares before any rank starts; the decision is printed and written to RUN_DIR/split.
 # --base-dir passes ComfyUI's --base-directory (models and custom_nodes from there; the demo uses it).
 # --fast starts with the fastest measured settings (bf16 reduce, sequence parallelism, fused Triton kernels; about

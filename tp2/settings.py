@@ -78,6 +78,13 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once", seam=True),
         Setting("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose", seam=True),
         Setting("TP2_TEST_NUDGE_RANKS", "list", None, "tests only: these ranks' VAE decodes are 1/255 off in a few values", seam=True),
+        Setting(
+            "TP2_TEST_BLOCK_REPEATS",
+            "list",
+            None,
+            "tests only: rank r's timed block runs this many times (e.g. 1,3: rank 1 measures three times slower)",
+            seam=True,
+        ),
         Setting("TP2_TEST_AVAILABLE_GIB", "float", None, "tests only: GPU memory the capacity advice takes as available", low=0, seam=True),
         Setting("TP2_BENCH_GLOO_ON_CUDA", "bool", "0", "benchmarks only: ranks sharing one GPU form their group over gloo", seam=True),
     )

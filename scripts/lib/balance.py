@@ -1,0 +1,152 @@
+"""The launcher's `--split auto` (scripts/start-tp2.sh, before any rank starts): measure each rank's device, one at a
+time, and print the shares tp2.balance.auto_shares chooses.
+
+    balance.py CPU GPU...       CPU "1": a test run on the CPU (one GPU index per rank is still given: 0..tp_size-1)
+
+Per device: its free memory (torch.cuda.mem_get_info; none on a CPU), and the median time of one MiniMax-H3-shaped
+DiT block's main work at full width: the four big linears as int8 ConvRot weights through the pack's own GEMM
+(kernels.select_int8_gemm, TP2_INT8_KERNEL) and SDPA over the heads, 4096 tokens in bf16. On the CPU a block 16x
+narrower, 256 tokens, float32, F.linear. Stdout: only the shares (e.g. 17:11); stderr: the measurements and the
+decision. Exit 1 with a one-line reason when it cannot measure. Run with the pack's folder on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from tp2 import settings
+from tp2.balance import auto_shares, describe_auto
+
+WARMUP, MEASUREMENTS = 3, 9
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    hidden: int
+    heads: int
+    head_dim: int
+    ffn: int
+    tokens: int
+    int8: bool
+
+
+H3_BLOCK = BlockShape(hidden=5376, heads=56, head_dim=128, ffn=14336, tokens=4096, int8=True)
+CPU_BLOCK = BlockShape(hidden=5376 // 16, heads=14, head_dim=32, ffn=14336 // 16, tokens=256, int8=False)
+
+
+def block_weights(shape: BlockShape, device, dtype):
+    """qkv, out_proj, fc1 (gate | up), fc2 at `shape`'s widths: Int8Weight (ConvRot) on a GPU, float on the CPU."""
+    import torch
+
+    from kernels.int8_gemm import quantize_int8_convrot
+    from tp2.layers import Int8Weight
+
+    width = shape.heads * shape.head_dim
+    sizes = {"qkv": (3 * width, shape.hidden), "out": (shape.hidden, width)}
+    sizes |= {"fc1": (2 * shape.ffn, shape.hidden), "fc2": (shape.hidden, shape.ffn)}
+    weights = {}
+    for name, (n, k) in sizes.items():
+        w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+        weights[name] = Int8Weight(*quantize_int8_convrot(w), convrot_group=256) if shape.int8 else w
+    return weights
+
+
+def run_block(shape: BlockShape, x, weights, gemm) -> None:
+    """One block's main work: qkv, attention over the heads, out_proj; fc1, swiglu fused into fc2."""
+    import torch.nn.functional as F
+
+    from tp2.layers import local_linear
+
+    q, k, v = local_linear(x, weights["qkv"], None, x.dtype, gemm).view(shape.tokens, 3, shape.heads, shape.head_dim).unbind(1)
+    heads = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    attended = F.scaled_dot_product_attention(*heads).squeeze(0).transpose(0, 1).reshape(shape.tokens, -1)
+    local_linear(attended, weights["out"], None, x.dtype, gemm)
+    local_linear(local_linear(x, weights["fc1"], None, x.dtype, gemm), weights["fc2"], None, x.dtype, gemm, "swiglu")
+
+
+def block_timer(device, shape: BlockShape):
+    """A timer of `shape`'s block on `device` (weights made, WARMUP blocks run): timer(n) -> seconds for n blocks."""
+    import torch
+
+    dtype = torch.bfloat16 if shape.int8 else torch.float32
+    gemm = None
+    if shape.int8:
+        from kernels import select_int8_gemm
+
+        gemm = select_int8_gemm(settings.value("TP2_INT8_KERNEL"))
+    weights = block_weights(shape, device, dtype)
+    x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(WARMUP):
+        run_block(shape, x, weights, gemm)
+
+    def timer(repeats: int) -> float:
+        sync()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run_block(shape, x, weights, gemm)
+        sync()
+        return time.perf_counter() - start
+
+    return timer
+
+
+def repeats_per_rank(tp_size: int) -> list[int]:
+    """TP2_TEST_BLOCK_REPEATS as whole numbers, one per rank (1 where unlisted)."""
+    listed = settings.value("TP2_TEST_BLOCK_REPEATS")
+    if not all(p.isdigit() and int(p) > 0 for p in listed):
+        raise ValueError(f"TP2_TEST_BLOCK_REPEATS={','.join(listed)} must be positive whole numbers, one per rank")
+    return [int(listed[r]) if r < len(listed) else 1 for r in range(tp_size)]
+
+
+def measure(cpu: bool, gpus: list[str]) -> tuple[list[str], list[float], list[float | None]]:
+    """(device names, median block seconds, free GiB) per rank. GPUs one after another, memory freed between; on the
+    CPU (tests) the ranks' measurements take turns, so a change in the machine's load meets every rank alike."""
+    import torch
+
+    repeats = repeats_per_rank(len(gpus))
+    if cpu:
+        torch.set_num_threads(1)  # steadier beside other work on a shared CPU
+        timer = block_timer(torch.device("cpu"), CPU_BLOCK)
+        rounds = [[timer(n) for n in repeats] for _ in range(MEASUREMENTS)]
+        return ["cpu"] * len(gpus), [statistics.median(rank) for rank in zip(*rounds)], [None] * len(gpus)
+    names, seconds, free = [], [], []
+    visible = list(dict.fromkeys(gpus))  # a GPU ranks share is made visible once; its free memory is divided among them
+    for gpu, n in zip(gpus, repeats):
+        device = torch.device("cuda", visible.index(gpu))
+        names.append(f"GPU {gpu} ({torch.cuda.get_device_name(device)})")
+        free.append(torch.cuda.mem_get_info(device)[0] / 2**30 / gpus.count(gpu))
+        timer = block_timer(device, H3_BLOCK)
+        seconds.append(statistics.median(timer(n) for _ in range(MEASUREMENTS)))
+        del timer  # its weights
+        torch.cuda.empty_cache()
+    return names, seconds, free
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in ("0", "1") or not all(g.isdigit() for g in argv[1:]):
+        print(f"balance: usage: balance.py CPU(0|1) GPU... (one GPU index per rank), got {' '.join(argv) or 'nothing'}", file=sys.stderr)
+        return 2
+    cpu, gpus = argv[0] == "1", argv[1:]
+    if not cpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(gpus))  # before torch starts CUDA
+    try:
+        names, seconds, free = measure(cpu, gpus)
+        shares = auto_shares(seconds, free)
+    except Exception as e:  # the launcher shows this line and asks for --split by hand
+        print(f"balance: could not measure {'the CPU' if cpu else 'GPUs ' + ','.join(gpus)}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    shape = CPU_BLOCK if cpu else H3_BLOCK
+    print(f"--split auto: one block at {shape.tokens} tokens, hidden {shape.hidden}, {'int8 ConvRot bf16' if shape.int8 else 'float32'}, "
+          f"median of {MEASUREMENTS}", file=sys.stderr)  # fmt: skip
+    print(describe_auto(names, seconds, free, shares), file=sys.stderr)
+    print(":".join(map(str, shares)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
