@@ -367,6 +367,7 @@ nodes_dir="${BASE_DIR:-$COMFYUI}/custom_nodes"
 found=0
 for d in "$nodes_dir"/*; do [[ "$(readlink -f "$d")" == "$PACK_DIR" ]] && found=1; done
 [[ $found -eq 1 ]] || die "the pack is not in $nodes_dir; run: $(pack_cmd install.sh) --comfyui $COMFYUI (or link $PACK_DIR there)"
+[[ "$SPLIT" == auto ]] || check_tp_size  # auto: once the shares are measured, below
 
 if [[ $CPU -eq 1 ]]; then
   IFS=, read -r -a GPU_LIST <<< "$(seq -s, 0 $((TP_SIZE - 1)))"
@@ -386,8 +387,8 @@ if [[ "$SPLIT" == auto ]]; then  # measured before any rank starts (each GPU alo
     || { cat "$RUN_DIR/split" >&2; die "--split auto could not measure the GPUs (above); give the shares yourself, e.g. --split 3:2"; }
   cat "$RUN_DIR/split"
   echo "--split auto chose $SPLIT" | tee -a "$RUN_DIR/split"
+  check_tp_size
 fi
-check_tp_size
 for (( r = 0; r < TP_SIZE; r++ )); do  # a taken port would otherwise surface only after every rank's start-up
   "$PY" -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2])))' \
     "$LISTEN" $((BASE_PORT + r)) 2>/dev/null \

@@ -19,7 +19,7 @@ from tp2.checkpoint import CheckpointLayout
 from tp2.errors import TP2Error
 from tp2.h3_layout import find_prefix
 from tp2.plan import resolve_plan
-from tp2.split import named, parse_split
+from tp2.split import is_even, named, parse_split
 from tp2.te_plan import is_h3_text_encoder, resolve_te_plan
 
 
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
         kind, why = judge(path, tp_size, shares, explicit)
         if kind:
             (refused[kind].append(f"{os.path.basename(path)}: {why}") if why else fits[kind].append(os.path.basename(path)))
-    how = f"tp_size {tp_size}, split {named(shares)}"
+    how = f"tp_size {tp_size}" + ("" if is_even(shares) else f", split {named(shares)}")
     if not any(fits.values()) and not any(refused.values()):
         print(f"{how}: none of the {len(paths)} file(s) found is a MiniMax-H3 model to check it against")
     rc = 0
