@@ -24,7 +24,7 @@ from .state import STATE, log
 def check_int8_path(dtype: torch.dtype) -> NumericsReport:
     """Run (or recall) the check for activations of `dtype` on this rank's device; refuse a wrong path."""
     fused = STATE.sequence_parallel and STATE.sp_fused_norm
-    report = _checked(STATE.device, dtype, STATE.int8_kernel, STATE.env.tp_size, fused, _kitchen_version())
+    report = _checked(STATE.device, dtype, STATE.int8_kernel, STATE.shares or (1,) * STATE.env.tp_size, fused, _kitchen_version())
     STATE.numerics = report.summary()
     if not report.passed:
         raise NumericsError(_refusal(report))
@@ -39,9 +39,9 @@ def _kitchen_version() -> str:
 
 
 @functools.cache
-def _checked(device: torch.device, dtype: torch.dtype, kernel: str, tp_size: int, fused: bool, kitchen: str) -> NumericsReport:
+def _checked(device: torch.device, dtype: torch.dtype, kernel: str, shares: tuple, fused: bool, kitchen: str) -> NumericsReport:
     path = _block_path(device, dtype, fused, kitchen)
-    report = check_block(path, device, tp_size, _device_name(device))
+    report = check_block(path, device, len(shares), _device_name(device), shares=shares)
     (log.info if report.passed else log.error)("%s numerics check of the int8 path: %s", STATE.tag, report.summary())
     return report
 

@@ -16,7 +16,7 @@ import torch
 
 from .collectives import TPGroup, broadcast_tree
 from .errors import ChunkingChangedError
-from .split import Shares, counts, even, reduced
+from .split import Shares, even, small
 
 MAX_ROUND_PER_RANK = 4  # uneven shares are approximated by a round of at most this many units per rank
 
@@ -37,9 +37,8 @@ def spatial_tiles(clip: torch.Tensor, y_tiles: list[tuple[int, int]], x_tiles: l
 
 def round_owners(shares: Shares) -> list[int]:
     """The owner of each unit of a round: rank r decodes its share of the round (shares approximated in whole units)."""
-    n = len(shares)
-    per_rank = reduced(tuple(max(1, c) for c in counts(MAX_ROUND_PER_RANK * n, shares)))
-    return [r for r in range(n) for _ in range(per_rank[r])]
+    per_rank = small(shares, MAX_ROUND_PER_RANK)
+    return [r for r in range(len(shares)) for _ in range(per_rank[r])]
 
 
 def rank_shares(num_chunks: int, shares: Shares) -> list[list[int]]:

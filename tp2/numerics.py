@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .layers import Int8Weight, local_linear
+from .split import Shares, even, small
 
 MIN_DB = 25.0
 HEAD_DIM, LOCAL_HEADS, HIDDEN, LOCAL_FFN, TOKENS, ROPE_PAIRS, EPS = 128, 2, 512, 512, 128, 48, 1e-6
@@ -83,17 +84,21 @@ def sqnr_db(y: torch.Tensor, ref: torch.Tensor) -> float:
     return min(EXACT_DB, 10.0 * math.log10(float(ref64.pow(2).sum()) / max(noise, 1e-300)))
 
 
-def check_block(path: BlockPath, device: torch.device, tp_size: int, device_name: str, seed: int = 0) -> NumericsReport:
-    """Each part on the same inputs as the fp32 reference, then the whole block: dB per part, on `device`."""
+def check_block(
+    path: BlockPath, device: torch.device, tp_size: int, device_name: str, seed: int = 0, shares: Shares | None = None
+) -> NumericsReport:
+    """Each part on the same inputs as the fp32 reference, then the whole block: dB per part, on `device`. Rank r
+    holds LOCAL_HEADS heads and LOCAL_FFN columns per unit of its share (small(shares): one unit each when even)."""
     t0 = time.perf_counter()
-    w = _weights(tp_size, seed, device)
+    units = small(shares or even(tp_size))
+    w = _weights(sum(units), seed, device)
     g = torch.Generator(device="cpu").manual_seed(seed + 1)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device)
 
     x, table, mods = randn(TOKENS, HIDDEN), _rope_table(g).to(device), [0.1 * randn(HIDDEN) for _ in range(6)]
-    ref, ours = _ReferenceOps(w, table, tp_size), _PathOps(path, w, table, tp_size)
+    ref, ours = _ReferenceOps(w, table, units), _PathOps(path, w, table, units)
     xd = x.to(path.dtype)
     q, k, v = randn(TOKENS, LOCAL_HEADS, HEAD_DIM), randn(TOKENS, LOCAL_HEADS, HEAD_DIM), randn(1, LOCAL_HEADS, TOKENS, HEAD_DIM)
     qk_ref, qk_ours = (q.clone(), k.clone()), (q.to(path.dtype), k.to(path.dtype))
@@ -125,10 +130,10 @@ def _updates(x, mods, ops) -> torch.Tensor:
     return torch.cat([out["attn_update"], out["mlp_update"]])
 
 
-def _weights(tp_size: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """fp32 weights of a block at tp_size x the local widths, fan-in scaled."""
+def _weights(units: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """fp32 weights of a block of `units` x the local widths, fan-in scaled."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    inner, ffn = tp_size * LOCAL_HEADS * HEAD_DIM, tp_size * LOCAL_FFN
+    inner, ffn = units * LOCAL_HEADS * HEAD_DIM, units * LOCAL_FFN
 
     def lin(n, k):
         return (torch.randn(n, k, generator=g) / math.sqrt(k)).to(device)
@@ -143,12 +148,17 @@ def _rope_table(g: torch.Generator) -> torch.Tensor:
     return torch.stack([torch.stack([c, -s], -1), torch.stack([s, c], -1)], -2).view(1, TOKENS, 1, ROPE_PAIRS, 2, 2)
 
 
-def _rank_rows(name: str, rank: int, tp_size: int) -> list[slice]:
+def _columns(name: str, rank: int, units: Shares) -> slice:
+    """Rank `rank`'s slice of a split width: the heads' (qkv, out) or the FFN's (fc1, fc2), per packed part."""
+    per_unit = LOCAL_HEADS * HEAD_DIM if name in ("qkv", "out") else LOCAL_FFN
+    return slice(sum(units[:rank]) * per_unit, sum(units[: rank + 1]) * per_unit)
+
+
+def _rank_rows(name: str, rank: int, units: Shares) -> list[slice]:
     """Rows of a column-parallel weight that rank `rank` holds (per packed part)."""
-    parts = {"qkv": 3, "fc1": 2}[name]
-    width = (LOCAL_HEADS * HEAD_DIM if name == "qkv" else LOCAL_FFN) * tp_size
-    local = width // tp_size
-    return [slice(p * width + rank * local, p * width + (rank + 1) * local) for p in range(parts)]
+    parts, mine = {"qkv": 3, "fc1": 2}[name], _columns(name, rank, units)
+    width = sum(units) * (LOCAL_HEADS * HEAD_DIM if name == "qkv" else LOCAL_FFN)
+    return [slice(p * width + mine.start, p * width + mine.stop) for p in range(parts)]
 
 
 def block(x: torch.Tensor, mods, segments, ops, seen: dict | None = None) -> dict[str, torch.Tensor]:
@@ -200,8 +210,8 @@ class _SimulatedRanks:
 
     head_dim = HEAD_DIM
 
-    def __init__(self, w: dict[str, torch.Tensor], table: torch.Tensor, tp_size: int):
-        self.w, self.table, self.tp_size, self.ranks = w, table, tp_size, range(tp_size)
+    def __init__(self, w: dict[str, torch.Tensor], table: torch.Tensor, units: Shares):
+        self.w, self.table, self.units, self.ranks = w, table, units, range(len(units))
 
     def norm(self, x, which, scale1, shift):
         return self.norm_modulate(x, self.w["norm"][3 * which, HEAD_DIM:].to(x.dtype), EPS, scale1, shift)
@@ -218,11 +228,6 @@ class _SimulatedRanks:
         return total
 
 
-def _k_slice(name: str, rank: int) -> slice:
-    k = LOCAL_HEADS * HEAD_DIM if name == "out" else LOCAL_FFN
-    return slice(rank * k, (rank + 1) * k)
-
-
 def _norm_modulate(x, w, eps, scale1, shift):
     return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
 
@@ -233,13 +238,13 @@ class _ReferenceOps(_SimulatedRanks):
     norm_modulate = staticmethod(_norm_modulate)
 
     def column(self, name, h, rank):
-        return F.linear(h, torch.cat([self.w[name][r] for r in _rank_rows(name, rank, self.tp_size)]))
+        return F.linear(h, torch.cat([self.w[name][r] for r in _rank_rows(name, rank, self.units)]))
 
     def row(self, name, a, rank, input_act=None):
         if input_act == "swiglu":
             gate, up = a.chunk(2, dim=-1)
             a = F.silu(gate) * up
-        return F.linear(a, self.w[name][:, _k_slice(name, rank)])
+        return F.linear(a, self.w[name][:, _columns(name, rank, self.units)])
 
     @staticmethod
     def qk_norm_rope(q, k, table, qw, kw, eps):
@@ -258,21 +263,21 @@ class _ReferenceOps(_SimulatedRanks):
 class _PathOps(_SimulatedRanks):
     """The rank's path: int8 slices through `path.gemm`, its rope, attention and norm kernels."""
 
-    def __init__(self, path: BlockPath, w: dict[str, torch.Tensor], table: torch.Tensor, tp_size: int):
-        super().__init__(w, table, tp_size)
+    def __init__(self, path: BlockPath, w: dict[str, torch.Tensor], table: torch.Tensor, units: Shares):
+        super().__init__(w, table, units)
         self.p, self.q8 = path, {n: path.quantize_weight(t, 256) for n, t in w.items() if n != "norm"}
         self.norm_modulate, self.attention = path.norm_modulate or _norm_modulate, path.attention
 
     def column(self, name, h, rank):
         q, s = self.q8[name]
-        rows = _rank_rows(name, rank, self.tp_size)
+        rows = _rank_rows(name, rank, self.units)
         return self.p.gemm(h, torch.cat([q[r] for r in rows]), torch.cat([s[r] for r in rows]), None, h.dtype, 256, None)
 
     def row(self, name, a, rank, input_act=None):
         """This rank's K slice of an int8 row-parallel weight (per-row scales kept; the K slices are whole ConvRot
         groups), its partial sum in the reduce dtype, through the core's own local GEMM (tp2.layers.local_linear)."""
         q, s = self.q8[name]
-        weight = Int8Weight(q[:, _k_slice(name, rank)].contiguous(), s, 256)
+        weight = Int8Weight(q[:, _columns(name, rank, self.units)].contiguous(), s, 256)
         return local_linear(a, weight, None, self.p.reduce_dtype, self.p.gemm, input_act)
 
     def qk_norm_rope(self, q, k, table, qw, kw, eps):

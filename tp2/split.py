@@ -4,6 +4,7 @@
     cut(total, unit, shares)      per-rank [start, end) offsets of a width, as bounds (0, ..., total), or None
     scaled(bounds, total, length) those bounds on a tensor dim that is a multiple of the width (q rows of heads)
     named(shares)                 "3:2", or "even"
+    small(shares)                 the shares in small numbers: a VAE decode round, the numerics check's block
 
 An even split cuts a width into equal slices, or refuses it (the plans say which tp_sizes work): exactly the split
 before shares existed. Uneven shares give each rank whole `unit`s (a ConvRot group, a pair of heads, a KV head) in
@@ -47,6 +48,11 @@ def parse_split(text: str | None, tp_size: int) -> Shares:
             f"e.g. {':'.join(['3'] + ['2'] * (tp_size - 1))}; leave it out for an even split."
         )
     return tuple(int(p) for p in parts)
+
+
+def small(shares: Shares, per_rank: int = 4) -> Shares:
+    """`shares` in small whole numbers (summing to about `per_rank` x tp_size, each at least 1; even: all 1)."""
+    return reduced(tuple(max(1, c) for c in counts(per_rank * len(shares), shares)))
 
 
 def counts(n_units: int, shares: Shares) -> list[int]:

@@ -34,6 +34,13 @@ def test_a_healthy_int8_path_passes_with_margin(tp_size, dtype):
     assert min(report.parts_db.values()) > MIN_DB + 5, report.summary()  # 30+ dB: the threshold is not marginal
 
 
+@pytest.mark.parametrize("shares", [(3, 1), (17, 11), (5, 1, 1, 1)], ids=str)
+def test_uneven_shares_check_each_ranks_own_widths(shares):
+    """Each simulated rank holds its share's widths (3:1: rank 0 six heads, rank 1 two), and the path still passes."""
+    report = check_block(_path(), torch.device("cpu"), len(shares), "cpu", shares=shares)
+    assert report.passed and min(report.parts_db.values()) > MIN_DB + 5, report.summary()
+
+
 def test_swapped_gemm_rows_fail_as_the_gemm():
     good = select_int8_gemm("eager")
     report = check_block(_path(gemm=lambda *a: good(*a).roll(16, 0)), torch.device("cpu"), 2, "cpu")
