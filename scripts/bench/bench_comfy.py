@@ -97,10 +97,11 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
             o
             for o in options - known
             if not ((o[:3] == "nch" and o[3:].isdigit()) or (o[:4] == "nmax" and o[4:].isdigit()) or (o[:5] == "chunk" and o[5:].isdigit()))
+            and not (o[:5] == "split" and o[5:].replace("-", "").isdigit())
         }
         if unknown:
             raise SystemExit(
-                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, chunkN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half, pack, lean, hv with +)"
+                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, chunkN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half, pack, lean, hv, splitA-B with +)"
             )
         for o in options:
             if o.startswith("nch"):  # NCCL tuning: at least N channels
@@ -124,6 +125,8 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
         for o in options:
             if o.startswith("chunk"):  # the sequence-parallel MLP in row chunks of at most N rows (TP2_SP_CHUNK_ROWS)
                 env["TP2_SP_CHUNK_ROWS"] = o[5:]
+            if o.startswith("split"):  # uneven shares, the launcher's --split: split3-1 is 3:1
+                env["TP2_SPLIT"] = o[5:].replace("-", ":")
         if "bf16" in options:
             env["TP2_REDUCE_DTYPE"] = "bf16"
         if "sp" in options:
