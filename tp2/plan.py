@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .checkpoint import CheckpointLayout, convrot_group
 from .errors import PlanError
 from .h3_layout import H3Shape
-from .split import Shares, cut, even, is_even, named, reduced, scaled, workable
+from .split import Shares, cut, even, is_even, named, reduced, refusal, scaled
 
 COLWISE = "colwise"  # Y = X A, A split by output rows; no collective
 COLWISE_PACKED = "colwise_packed"  # the same, per fused part ([q|k|v], [gate|up]): each rank its slice of each
@@ -164,6 +164,8 @@ def resolve_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None =
     """Resolve and validate the plan (shares None: the even split); raises PlanError naming what would work."""
     if not isinstance(tp_size, int) or tp_size < 1:
         raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}. Use the number of GPUs (ranks), e.g. 2.")
+    if shares is not None and len(shares) != tp_size:
+        raise PlanError(f"The split {':'.join(map(str, shares))} names {len(shares)} shares for tp_size={tp_size}: give one per rank.")
     plan, problems = _resolve(layout, tp_size, shares or even(tp_size))
     if problems:
         allowed = allowed_tp_sizes(layout) if shares is None or is_even(shares) else []
@@ -223,27 +225,17 @@ def _pools(layout: CheckpointLayout, dims: H3Shape, tp_size: int, shares: Shares
     group = lambda layer: convrot_group(layout.quant.get(dims.prefix + layer)) or 1  # noqa: E731
     head_unit = math.lcm(dims.head_dim, group("blocks.0.attn.out_proj")) // dims.head_dim
     widths = {
-        "attn": (dims.heads, head_unit, "heads", f"{head_unit} heads" if head_unit > 1 else "a head"),
-        "mlp": (dims.ffn, math.lcm(16, group("blocks.0.mlp.fc2")), "ffn width", None),
-        "adaln": (dims.t_dim, math.lcm(16, group("blocks.0.adaln_proj.linear")), "adaln input", None),
+        "attn": (dims.heads, head_unit, "heads", "blocks.*.attn.qkv_proj"),
+        "mlp": (dims.ffn, math.lcm(16, group("blocks.0.mlp.fc2")), "ffn width", "blocks.*.mlp.fc1"),
+        "adaln": (dims.t_dim, math.lcm(16, group("blocks.0.adaln_proj.linear")), "adaln input", ADALN),
     }
     pools, problems = {}, []
-    if len(shares) != tp_size:
-        return {k: (w[0], None) for k, w in widths.items()}, [
-            f"The split names {len(shares)} shares for tp_size={tp_size}: give one per rank."
-        ]
-    for key, (total, unit, what, unit_name) in widths.items():
+    for key, (total, unit, what, layer) in widths.items():
         pools[key] = (total, cut(total, unit, shares))
         if pools[key][1] is not None or key == "adaln" and dims.adaln_form == "curve":
             continue
-        if is_even(shares):
-            layer = {"attn": "blocks.*.attn.qkv_proj", "mlp": "blocks.*.mlp.fc1", "adaln": ADALN}[key]
-            problems.append(f"Cannot split '{layer}' {what} ({total}) across tp_size={tp_size}: not divisible.")
-            continue
-        problems.append(
-            f"The split {named(shares)} cannot give every rank whole units of the DiT's {what} ({total} = {total // unit} units of "
-            f"{unit_name or unit}): a rank would get none. The nearest split that works is {named(workable(total // unit, shares))}."
-        )
+        even_refusal = f"Cannot split '{layer}' {what} ({total}) across tp_size={tp_size}: not divisible."
+        problems.append(even_refusal if is_even(shares) else refusal(shares, f"DiT's {what}", total, unit))
     return pools, problems
 
 

@@ -86,6 +86,15 @@ def scaled(bounds: tuple[int, ...] | None, total: int, length: int) -> tuple[int
     return tuple(b * length // total for b in bounds)
 
 
+def refusal(shares: Shares, what: str, total: int, unit: int) -> str:
+    """Why uneven `shares` cannot cut `what` (a width of `total`) into whole `unit`s, and the nearest split that can."""
+    n = total // unit
+    return (
+        f"The split {named(shares)} leaves a rank no whole unit of the {what} ({total} = {n} units of {unit}). "
+        f"The nearest split that works is {named(workable(n, shares))}."
+    )
+
+
 def workable(n_units: int, shares: Shares) -> Shares:
     """The nearest shares that leave every rank at least one of `n_units` units: for a refusal to name."""
     got = counts(n_units, shares)

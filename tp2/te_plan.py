@@ -22,7 +22,7 @@ from .checkpoint import CheckpointLayout, convrot_group
 from .errors import PlanError
 from .nvfp4 import BLOCK, nvfp4_logical_shape, nvfp4_split_problem
 from .plan import COLWISE, REPLICATE, ROWWISE, SPLIT, WHOLE, TensorShard, compile_pattern, per_rank, plan_fingerprint
-from .split import Shares, cut, even, is_even, named, scaled, workable
+from .split import Shares, cut, even, is_even, named, refusal, scaled
 
 # ComfyUI's Qwen3VL_32BConfig builds 50 decoder layers: H3's conditioning is the hidden state after layer 50.
 H3_TE_LAYERS = 50
@@ -203,10 +203,7 @@ def _pools(layout: CheckpointLayout, widths, tp_size: int, shares: Shares) -> tu
         ("vocabulary", vocab, 1, "vocab"),
     ):
         if not is_even(shares) and n and pools[key][1] is None:
-            problems.append(
-                f"The split {named(shares)} cannot give every rank whole units of the text encoder's {what} ({n} = {n // unit} "
-                f"units of {unit}): a rank would get none. The nearest split that works is {named(workable(n // unit, shares))}."
-            )
+            problems.append(refusal(shares, f"text encoder's {what}", n, unit))
     return pools, problems
 
 

@@ -215,3 +215,38 @@ def test_a_pdd_head_bank_final_layer_stays_whole_on_every_rank(h3_int8_layout):
         shard = plan.tensors[f"final_layer.{head}.weight"]
         assert plan.linears[f"final_layer.{head}"] == REPLICATE and shard.kind == WHOLE
         assert shard.local_shape(0) == shard.full_shape == tensors[f"final_layer.{head}.weight"][1]
+
+
+def test_uneven_shares_cut_whole_convrot_pairs_and_groups(h3_int8_layout):
+    plan = resolve_plan(h3_int8_layout, 2, (3, 2))
+    heads, ffn = [plan.local_heads(r) for r in (0, 1)], [plan.local_ffn(r) for r in (0, 1)]
+    assert heads == [34, 22] and ffn == [8704, 5632]  # 28 pairs as 17 + 11, 56 groups of 256 as 34 + 22
+    qkv = plan.tensors["blocks.4.attn.qkv_proj.weight"]
+    assert qkv.local_shape(0) == (3 * 34 * 128, 5376) and qkv.bounds == (0, 34 * 128, 56 * 128)
+    assert plan.tensors["blocks.4.attn.out_proj.weight"].local_shape(1) == (5376, 22 * 128)
+    assert plan.tensors["blocks.4.mlp.fc2.weight"].local_shape(1) == (5376, 5632)
+    assert "heads 56->34+22, ffn 14336->8704+5632" in plan.summary()
+
+
+def test_shares_enter_the_fingerprint_only_when_uneven(h3_int8_layout):
+    even = resolve_plan(h3_int8_layout, 2).fingerprint()
+    assert resolve_plan(h3_int8_layout, 2, (1, 1)).fingerprint() == resolve_plan(h3_int8_layout, 2, (2, 2)).fingerprint() == even
+    assert len({even, resolve_plan(h3_int8_layout, 2, (3, 2)).fingerprint(), resolve_plan(h3_int8_layout, 2, (3, 1)).fingerprint()}) == 3
+
+
+def test_a_split_that_leaves_a_rank_no_pair_is_refused_with_the_nearest_that_works(h3_int8_layout):
+    with pytest.raises(
+        PlanError,
+        match=r"The split 60:1 leaves a rank no whole unit of the DiT's heads \(56 = 28 units of 2\)\. The nearest split that works is 27:1\.",
+    ):
+        resolve_plan(h3_int8_layout, 2, (60, 1))
+    resolve_plan(h3_int8_layout, 2, (27, 1))  # the one it names works
+    with pytest.raises(PlanError, match=r"names 3 shares for tp_size=2"):
+        resolve_plan(h3_int8_layout, 2, (1, 1, 1))
+
+
+def test_uneven_shares_at_three_ranks_split_what_even_cannot(h3_int8_layout):
+    with pytest.raises(PlanError, match=r"across tp_size=3"):
+        resolve_plan(h3_int8_layout, 3)
+    plan = resolve_plan(h3_int8_layout, 3, (2, 1, 1))
+    assert [plan.local_heads(r) for r in range(3)] == [28, 14, 14]

@@ -150,3 +150,15 @@ def test_generator_layout_is_what_comfyui_builds():
     ours = {name: list(shape) for name, shape, _ in gen.tensor_specs(gen.TINY)}
     assert ours == built
     assert torch.Size(ours["model.layers.0.self_attn.k_proj.weight"])[0] == gen.TINY["kv_heads"] * gen.TINY["head_dim"]
+
+
+def test_uneven_shares_follow_kv_heads_and_nvfp4_blocks():
+    plan = resolve_te_plan(layout("nvfp4"), 2, (5, 3))
+    d = gen.TINY
+    assert plan.local_config(0)["num_key_value_heads"] == 5 and plan.local_config(1)["num_key_value_heads"] == 3
+    assert plan.local_config(0)["num_attention_heads"] == 5 * d["heads"] // d["kv_heads"]  # each KV head keeps its queries
+    assert [plan.local("ffn", r) % 16 for r in (0, 1)] == [0, 0] and plan.local("ffn", 0) + plan.local("ffn", 1) == d["ffn"]
+    scale = plan.tensors["model.layers.3.mlp.down_proj.weight_scale"]
+    assert scale.bounds == plan.bounds["ffn"]  # block scales cut at the logical K bounds
+    with pytest.raises(PlanError, match=r"text encoder's KV heads \(8 = 8 units of 1\)\. The nearest split that works is 7:1"):
+        resolve_te_plan(layout("nvfp4"), 2, (20, 1))
