@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from comfy_harness import (
     ROOT,
     assert_success,
     call,
+    demo_workflow,
     error_text,
     free_port,
     have_comfyui,
@@ -52,6 +54,7 @@ WIDTHS_3_1 = {
     FULL: "heads 4->3+1, ffn 512->384+128",
 }
 WIDTHS_5_1_1_1 = "heads 16->10+2+2+2, ffn 2048->1280+256+256+256"
+LORA = "h3_tiny_float_wide_lora.safetensors"  # scripts/make_tiny_lora.py: qkv, out_proj, fc1, fc2, adaln, refiner
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +63,16 @@ def base(tmp_path_factory) -> str:
     base = tiny_base(tmp_path_factory.mktemp("uneven"))
     for name, args in CHECKPOINTS.items():
         make_checkpoint(os.path.join(base, "models", "diffusion_models", name), *args)
+    os.makedirs(os.path.join(base, "models", "loras"))
+    lora = [sys.executable, os.path.join(ROOT, "scripts", "make_tiny_lora.py"), "--refiner"]
+    subprocess.run(
+        [*lora, os.path.join(base, "models", "diffusion_models", WIDE_FLOAT), os.path.join(base, "models", "loras", LORA)], check=True
+    )
     return base
 
 
 def _models(base: str) -> dict[str, str]:
-    folders = ("diffusion_models", "h3_conditioning")
+    folders = ("diffusion_models", "h3_conditioning", "loras")
     return {f"{d}/{n}": os.path.join(base, "models", d, n) for d in folders for n in os.listdir(os.path.join(base, "models", d))}
 
 
@@ -99,22 +107,45 @@ def rank_outputs(run_dir: str, rank: int, prefix: str) -> dict[str, bytes]:
     return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d)) if n.startswith(prefix + "_")}
 
 
-@pytest.mark.parametrize("unet", list(WIDTHS_3_1))
-def test_launcher_split_3_1_same_bytes_and_one_servers_result(launched, plain, unet):
-    wf = tiny_workflow(unet, TINY_COND, prefix=f"split31_{unet[:-12]}")
+def bundled_workflow(unet: str, prefix: str) -> dict:
+    """The bundled tiny workflow (workflows/api/h3_tp2_tiny_demo.json) on `unet` (its own tiny model splits only 1:1)."""
+    wf = demo_workflow(prefix, steps=2)
+    next(n for n in wf.values() if n["class_type"] == "UNETLoader")["inputs"]["unet_name"] = unet
+    return wf
+
+
+def queue_on_rank0(launched, plain, wf: dict, prefix: str, int8: bool) -> dict[str, bytes]:
+    """`wf` queued once on rank 0: every rank's bytes equal, and one server's result within the even split's tolerance."""
     status, body = call(launched["urls"][0], "/prompt", {"prompt": wf})
     assert status == 200, body
     for url in launched["urls"]:
         h = wait_done(url, body["prompt_id"], timeout=300)
         assert h["status"]["status_str"] == "success", (url, error_text(h))
-    files = [rank_outputs(launched["run_dir"], r, f"split31_{unet[:-12]}") for r in (0, 1)]
+    files = [rank_outputs(launched["run_dir"], r, prefix) for r in (0, 1)]
     assert len(files[0]) == 2 and files[0] == files[1], "the ranks wrote different bytes"
     histories = run_prompt([plain], wf, 300)
     assert_success([plain], histories)
-    assert_matches_one_server(files[0], output_files(plain, histories[0]), unet == WIDE_INT8)
+    assert_matches_one_server(files[0], output_files(plain, histories[0]), int8)
+    return files[0]
+
+
+@pytest.mark.parametrize("unet", list(WIDTHS_3_1))
+def test_launcher_split_3_1_same_bytes_and_one_servers_result(launched, plain, unet):
+    queue_on_rank0(launched, plain, bundled_workflow(unet, f"split31_{unet[:-12]}"), f"split31_{unet[:-12]}", unet == WIDE_INT8)
     for r in (0, 1):
         log = open(os.path.join(launched["run_dir"], f"rank{r}.log")).read()
         assert "split 3:1: " in log and WIDTHS_3_1[unet] in log, f"rank {r} did not build the 3:1 widths"
+
+
+def test_a_lora_at_3_1_is_sliced_by_the_shares(launched, plain):
+    wf = bundled_workflow(WIDE_FLOAT, "split31_lora")
+    loader = next(k for k, n in wf.items() if n["class_type"] == "UNETLoader")
+    wf["99"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": [loader, 0], "lora_name": LORA, "strength_model": 1.0}}
+    next(n for n in wf.values() if n["class_type"] == "KSampler")["inputs"]["model"] = ["99", 0]
+    with_lora = latents(queue_on_rank0(launched, plain, wf, "split31_lora", int8=False))["video"]
+    off = run_prompt([plain], bundled_workflow(WIDE_FLOAT, "split31_lora_off"), 300)
+    without = latents(output_files(plain, off[0]))["video"]
+    assert float((with_lora - without).abs().max() / without.abs().max()) > 0.05, "the LoRA changed nothing"
 
 
 def test_status_and_panel_routes_show_the_split(launched):
