@@ -9,7 +9,8 @@ detect_te_model). The tiny dims (TINY) are not ones ComfyUI's stock Qwen3VL_32BC
 load the fixture tests/comfy/fixtures/h3_tiny_text_encoder, which swaps ComfyUI's config and vision tables
 for TINY's (the pack passes the per-rank widths on top, as it does for the real file). Formats, as the
 released files store them: int8 (int8_tensorwise, one fp32 scale per output row, comfy-kitchen's quantiser),
-fp8 (float8_e4m3fn, one fp32 scale per tensor), nvfp4 (with AWQ pre_quant_scale; tp2/nvfp4.py), bf16.
+fp8 (float8_e4m3fn, one fp32 scale per tensor), nvfp4 (with AWQ pre_quant_scale: `quantize_nvfp4_awq`, in the layout
+tp2/nvfp4.py describes; `slice_nvfp4`: what a file of one rank's slice stores, for the tests), bf16.
 Only the decoder's seven linears per layer are quantised; the embedding, norms and vision tower stay bf16.
 At --full-size the quantised data is random (with realistic scales) instead of quantised from floats.
 """
@@ -26,6 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
+from tp2.nvfp4 import BLOCK, nvfp4_logical_shape, nvfp4_split_problem, slice_block_scales, swizzle_block_scales  # noqa: E402
 from tp2.safetensors_io import PendingTensor, write_streaming  # noqa: E402
 
 # decoder: hidden, query heads, KV heads, head_dim, FFN; vision tower: hidden, depth, FFN, heads
@@ -117,13 +119,126 @@ def quantise(fmt: str, w: torch.Tensor, seed: int, name: str) -> dict[str, torch
         scale = w.abs().amax().float() / 448.0
         return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale.reshape(())}
     if fmt == "nvfp4":
-        from tp2.nvfp4 import quantize_nvfp4_awq
-
         awq = 0.5 + torch.rand(w.shape[1], generator=_gen(seed, name + ":awq"))
         parts = quantize_nvfp4_awq(w, awq)
         parts.pop("comfy_quant")  # written with the other formats' markers
         return parts
     raise ValueError(fmt)
+
+
+# nvfp4 files: the quantiser (comfy-kitchen's bytes) and a rank's slice as a file of the local layer stores it
+F4_E2M1_MAX = 6.0
+F8_E4M3_MAX = 448.0
+# Midpoints between consecutive E2M1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6); a value on midpoint i rounds up to
+# code i + 1 only when that code is even (round half to even, as comfy-kitchen's _f32_to_floatx_unpacked does).
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "comfy_quant")
+COMFY_QUANT = json.dumps({"format": "nvfp4"}).encode()
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], n: int, k: int) -> None:
+    unknown = sorted(set(tensors) - set(SUFFIXES))
+    if unknown or "weight" not in tensors or "weight_scale" not in tensors:
+        raise ValueError(
+            f"slice_nvfp4 takes the tensors of one nvfp4 linear keyed by suffix ({', '.join(SUFFIXES)}; weight and "
+            f"weight_scale required), got {sorted(tensors)}. Slice a bias like any plain tensor."
+        )
+    weight = tensors["weight"]
+    stored = (_roundup(n, 16), _roundup(k, 16) // 2)
+    if weight.dtype != torch.uint8 or tuple(weight.shape) != stored:
+        raise ValueError(
+            f"nvfp4 weight is {weight.dtype} {list(weight.shape)}, but a layer of logical shape [{n}, {k}] stores "
+            f"uint8 {list(stored)} (two fp4 values a byte, padded to multiples of 16). Pass the module's "
+            "(out_features, in_features) as shape= when they are not multiples of 16."
+        )
+
+
+def slice_nvfp4(
+    tensors: dict[str, torch.Tensor], dim: int, tp_rank: int, tp_size: int, *, shape: tuple[int, int] | None = None
+) -> dict[str, torch.Tensor]:
+    """This rank's tensors of ONE nvfp4 linear, keyed by suffix: dim 0 (colwise) cuts the output rows, dim 1
+    (rowwise) the input columns and pre_quant_scale; the scalars and comfy_quant stay whole. The result is what a
+    ComfyUI file for the local layer would store (weight rows padded to 16, scales re-swizzled). `shape` is the
+    logical [n, k]; by default the stored weight's (padding included)."""
+    weight = tensors.get("weight")
+    if shape is None and weight is not None:
+        shape = nvfp4_logical_shape(weight.shape)
+    n, k = shape or (0, 0)
+    _check_tensors(tensors, n, k)
+    problem = nvfp4_split_problem(n, k, dim, tp_size)
+    if problem:
+        raise ValueError(f"Cannot split an nvfp4 weight [{n}, {k}] along dim {dim}: {problem}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}.")
+    out = dict(tensors)
+    width = (n if dim == 0 else k) // tp_size
+    out["weight_scale"] = slice_block_scales(tensors["weight_scale"], n, k, dim, tp_rank * width, (tp_rank + 1) * width)
+    if dim == 0:
+        local = n // tp_size
+        mine = weight.narrow(0, tp_rank * local, local)
+        out["weight"] = torch.zeros((_roundup(local, 16), weight.shape[1]), dtype=torch.uint8, device=weight.device)
+        out["weight"][:local] = mine
+        return out
+    local = k // tp_size
+    out["weight"] = weight.narrow(1, tp_rank * local // 2, local // 2).contiguous()
+    if "pre_quant_scale" in tensors:
+        out["pre_quant_scale"] = tensors["pre_quant_scale"].narrow(-1, tp_rank * local, local).contiguous()
+    return out
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """float32 values already in [-6, 6] -> 4-bit E2M1 codes (sign in bit 3), round half to even; -0 keeps its sign."""
+    mag = x.abs()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for i, mid in enumerate(_E2M1_MIDPOINTS):
+        code += (mag > mid) | ((mag == mid) & (i % 2 == 1))
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def _quantize_blocks(w: torch.Tensor, per_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """comfy-kitchen's eager quantize_nvfp4 (pad_16x): packed codes [rows, cols/2] and row-major fp8 scales."""
+    rows, cols = _roundup(w.shape[0], 16), _roundup(w.shape[1], 16)
+    w = torch.nn.functional.pad(w, (0, cols - w.shape[1], 0, rows - w.shape[0]))
+    blocks = w.reshape(rows, cols // BLOCK, BLOCK)
+    scales = torch.clamp(blocks.abs().amax(dim=-1).to(torch.float32) / F4_E2M1_MAX / per_tensor, max=F8_E4M3_MAX)
+    scales_fp8 = scales.to(torch.float8_e4m3fn)
+    total = per_tensor * scales_fp8.to(torch.float32)
+    zero = total == 0  # all-zero blocks (padding): 0 / 0 would be NaN
+    data = blocks.float() / torch.where(zero, torch.ones_like(total), total).unsqueeze(-1)
+    data = torch.where(zero.unsqueeze(-1), torch.zeros_like(data), data)
+    codes = _e2m1_codes(torch.clamp(data, -F4_E2M1_MAX, F4_E2M1_MAX).reshape(rows, cols))
+    return (codes[:, 0::2] << 4) | codes[:, 1::2], scales_fp8
+
+
+def quantize_nvfp4_awq(
+    w: torch.Tensor, pre_quant_scale: torch.Tensor | None, *, input_scale: torch.Tensor | float | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors a ComfyUI nvfp4 file stores for the linear weight `w` [n, k], keyed by suffix. With AWQ the
+    quantised weight is w / pre_quant_scale (per input column, in float32), since the layer multiplies its input by
+    pre_quant_scale; that is stored as given. Bit for bit comfy-kitchen's quantize_nvfp4 with ComfyUI's
+    weight_scale_2 = amax(|w|) / (448 * 6) (comfy/quant_ops.py TensorCoreNVFP4Layout.quantize)."""
+    if w.dim() != 2:
+        raise ValueError(f"nvfp4 quantises 2-D weights, got shape {list(w.shape)}.")
+    if pre_quant_scale is not None and tuple(pre_quant_scale.shape) != (w.shape[1],):
+        raise ValueError(f"pre_quant_scale has shape {list(pre_quant_scale.shape)}; the weight has K={w.shape[1]}.")
+    smoothed = w if pre_quant_scale is None else w.float() / pre_quant_scale.float()
+    per_tensor = (smoothed.abs().amax() / (F8_E4M3_MAX * F4_E2M1_MAX)).to(torch.float32)
+    packed, scales = _quantize_blocks(smoothed, per_tensor)
+    out = {
+        "weight": packed,
+        "weight_scale": swizzle_block_scales(scales),
+        "weight_scale_2": per_tensor,
+        "comfy_quant": torch.frombuffer(bytearray(COMFY_QUANT), dtype=torch.uint8),
+    }
+    if input_scale is not None:
+        out["input_scale"] = torch.as_tensor(input_scale, dtype=torch.float32).reshape(())
+    if pre_quant_scale is not None:
+        out["pre_quant_scale"] = pre_quant_scale
+    return out
+
+
+def _roundup(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
 
 
 def pending_tensors(d: dict, fmt: str, seed: int, full_size: bool) -> list[PendingTensor]:

@@ -44,7 +44,7 @@ def _setup(comfy_dir, root):
     return mod, tp
 
 
-MODULES = ("nodes.parallel", "nodes.state", "tp2.collectives", "tp2.layers", "tp2.nvfp4", "tp2.sequence_layout", "tp2.settings")
+MODULES = ("nodes.parallel", "nodes.state", "tp2.collectives", "tp2.layers", "tp2.sequence_layout", "tp2.settings")
 
 
 def _worker(tp_rank, tp_size, comfy_dir, root):
@@ -98,13 +98,24 @@ def _te_linear(comfy, tensors: dict, k: int):
     return layer
 
 
+def _nvfp4_writer(root: str):
+    """scripts/make_tiny_qwen3vl.py, whose nvfp4 writer makes a quantised layer and a rank's slice of it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_qwen3vl", os.path.join(root, "scripts", "make_tiny_qwen3vl.py"))
+    writer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writer)
+    return writer
+
+
 def _te_worker(tp_rank, tp_size, comfy_dir, root):
     mod, tp = _setup(comfy_dir, root)
     g = torch.Generator().manual_seed(1)
     w, pqs = torch.randn(TE_N, TE_K, generator=g).to(torch.bfloat16), (torch.rand(TE_K, generator=g) + 0.5).to(torch.bfloat16)
-    full = mod.nvfp4.quantize_nvfp4_awq(w, pqs)
+    writer = _nvfp4_writer(root)
+    full = writer.quantize_nvfp4_awq(w, pqs)
     k = TE_K // tp_size
-    mine, whole = _te_linear(mod.comfy, mod.nvfp4.slice_nvfp4(full, 1, tp_rank, tp_size), k), _te_linear(mod.comfy, full, TE_K)
+    mine, whole = _te_linear(mod.comfy, writer.slice_nvfp4(full, 1, tp_rank, tp_size), k), _te_linear(mod.comfy, full, TE_K)
     x, w_full = torch.randn(2, 9, TE_K, generator=g), whole.weight.to(dtype=torch.float32).dequantize().double()
     out = {}
     with torch.inference_mode():

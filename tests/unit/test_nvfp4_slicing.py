@@ -1,8 +1,10 @@
-"""tp2.nvfp4 against comfy-kitchen 0.2.31 and ComfyUI on CPU: the quantiser writes comfy-kitchen's bytes, every
+"""tp2.nvfp4 and the test generator's nvfp4 writer (scripts/make_tiny_qwen3vl.py) against comfy-kitchen 0.2.31 and
+ComfyUI on CPU: the quantiser writes comfy-kitchen's bytes, every
 rank's slice loads through ComfyUI's own MixedPrecisionOps.Linear and dequantises to exactly the slice of the full
 weight (and is what quantising that slice alone would store), K-sliced partial products sum to the full layer's
 output, and the shapes that cannot be split are refused. ComfyUI is imported in this process, in CPU mode."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -12,16 +14,14 @@ import torch
 
 ck = pytest.importorskip("comfy_kitchen")
 from comfy_kitchen.float_utils import from_blocked, to_blocked  # noqa: E402
-from conftest import COMFYUI_DIR  # noqa: E402
+from conftest import COMFYUI_DIR, ROOT  # noqa: E402
 
-from tp2.nvfp4 import (  # noqa: E402
-    nvfp4_split_problem,
-    quantize_nvfp4_awq,
-    slice_block_scales,
-    slice_nvfp4,
-    swizzle_block_scales,
-    unswizzle_block_scales,
-)
+from tp2.nvfp4 import nvfp4_split_problem, slice_block_scales, swizzle_block_scales, unswizzle_block_scales  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("make_tiny_qwen3vl", os.path.join(ROOT, "scripts", "make_tiny_qwen3vl.py"))
+_writer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_writer)
+quantize_nvfp4_awq, slice_nvfp4 = _writer.quantize_nvfp4_awq, _writer.slice_nvfp4
 
 # (n, k): aligned; N not a multiple of 128; N not a multiple of 16 with K/16 = 5 (not a multiple of 4); K/16 = 6
 SHAPES = [(256, 128), (200, 96), (1000, 80), (96, 192)]
