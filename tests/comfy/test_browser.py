@@ -211,7 +211,8 @@ async def _panel_and_status_run(url: str, workflow: dict, profile: str, shot) ->
             if len(rows) == 2 and all(r["health"] == "healthy" for r in rows):
                 break
             await asyncio.sleep(0.2)
-        seen["before"] = {"rows": rows, "summary": await page.eval("document.getElementById('tp2-summary')?.innerText")}
+        seen["before"] = {"rows": rows, "summary": await page.eval("document.getElementById('tp2-summary')?.innerText"),
+                          "title": await page.eval("document.getElementById('tp2-summary')?.previousElementSibling?.innerText")}  # fmt: skip
         await page.eval(f"window.app.loadGraphData({json.dumps(workflow)})")
         await page.eval(ADD_STATUS_NODE)
         await page.eval("window.app.queuePrompt(0, 1)")
@@ -248,7 +249,7 @@ def test_tp_panel_shows_both_ranks_and_rank1_progress_and_status_node_text(ranks
     print(f"screenshot: {shot}")
     before = seen["before"]
     assert [(r["rank"], r["health"]) for r in before["rows"]] == [(0, "healthy"), (1, "healthy")], before
-    assert before["summary"] == "2 of 2 ranks healthy", before
+    assert before["summary"] == "2 of 2 ranks healthy" and before["title"] == "Tensor parallel: 2 ranks, split even", before
     assert len(seen["prompt_ids"]) == 1, seen["prompt_ids"]
     pid = seen["prompt_ids"][0]
     rank1 = [row for rows in seen["rows"] for row in rows if row["rank"] == 1 and row["prompt"] == pid]
