@@ -148,6 +148,24 @@ def test_a_lora_at_3_1_is_sliced_by_the_shares(launched, plain):
     assert float((with_lora - without).abs().max() / without.abs().max()) > 0.05, "the LoRA changed nothing"
 
 
+def test_sequence_parallel_at_3_1_gives_plain_3_1s_bytes(request, tmp_path_factory, base, launched):
+    """TP2_SEQUENCE_PARALLEL=1 keeps an even row layout under uneven heads: the same latents as without it."""
+    env = dict(TP_ENV, TP2_SPLIT="3:1", TP2_SEQUENCE_PARALLEL="1")
+    ranks = servers_for(request, tmp_path_factory, _models(base), "split31_sp", 2, env)
+    for unet in (WIDE_INT8, WIDE_FLOAT):
+        prefix = f"split31sp_{unet[:-12]}"
+        histories = run_prompt(ranks, bundled_workflow(unet, prefix), 300)
+        assert_success(ranks, histories)
+        sp = [output_files(s, h) for s, h in zip(ranks, histories)]
+        assert sp[0] == sp[1], "the ranks wrote different bytes"
+        status, body = call(launched["urls"][0], "/prompt", {"prompt": bundled_workflow(unet, prefix)})
+        assert status == 200 and wait_done(launched["urls"][0], body["prompt_id"], timeout=300)["status"]["status_str"] == "success"
+        wait_done(launched["urls"][1], body["prompt_id"], timeout=300)
+        plain = latents(rank_outputs(launched["run_dir"], 0, prefix))
+        assert all(torch.equal(t, plain[kind]) for kind, t in latents(sp[0]).items()), unet
+    assert " sequence parallel: " in open(ranks[0].log_path).read(), "sequence parallelism did not run"
+
+
 def test_status_and_panel_routes_show_the_split(launched):
     status, cluster = call(launched["urls"][0], "/tp2/cluster")
     assert status == 200 and cluster["split"].startswith("3:1 (rank 0 75%, rank 1 25%)"), cluster.get("split")
