@@ -7,7 +7,7 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
-from ..tp2.split import named
+from ..tp2.split import even, is_even, named
 from .patches import PATCHES
 from .state import STATE
 
@@ -35,12 +35,9 @@ def unique_models() -> list[tuple[object, int]]:
 
 def split_named() -> str:
     """The ranks' shares: "even", or as --split takes them with each rank's part ("3:2 (rank 0 60%, rank 1 40%)")."""
-    shares = STATE.shares or (1,) * STATE.env.tp_size
-    return (
-        named(shares)
-        if len(set(shares)) == 1
-        else f"{named(shares)} ({', '.join(f'rank {r} {s / sum(shares):.0%}' for r, s in enumerate(shares))})"
-    )
+    shares = STATE.shares or even(STATE.env.tp_size)
+    parts = "" if is_even(shares) else f" ({', '.join(f'rank {r} {s / sum(shares):.0%}' for r, s in enumerate(shares))})"
+    return named(shares) + parts
 
 
 def status_text() -> str:

@@ -21,7 +21,7 @@ import time
 import comfy.model_management as mm
 
 from ..tp2 import __version__, settings
-from ..tp2.chunk_decode import RoundRobinDecoder, rank_shares, spatial_tiles, temporal_chunks
+from ..tp2.chunk_decode import RoundRobinDecoder, spatial_tiles, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
 from .faults import inject_fault
 from .patches import PATCHES
@@ -106,7 +106,7 @@ def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
         if not had_own:
             del vae._decode_pixels
     STATE.prompt.split_decodes += 1
-    shares = "; ".join(f"rank {r}: {len(s)}" for r, s in enumerate(rank_shares(len(units), STATE.shares or (1,) * group.tp_size)))
+    shares = "; ".join(f"rank {r}: {n}" for r, n in enumerate(decoder.units_per_rank()))
     log.info(
         "%s VAE decode split over %d ranks: %d chunks, %d tiles (%s), %.2f s",
         STATE.tag, group.tp_size, num_chunks, len(units), shares, time.monotonic() - t0,

@@ -41,12 +41,6 @@ def round_owners(shares: Shares) -> list[int]:
     return [r for r in range(len(shares)) for _ in range(per_rank[r])]
 
 
-def rank_shares(num_chunks: int, shares: Shares) -> list[list[int]]:
-    """Each rank's unit indices, in rank order."""
-    owners = round_owners(shares)
-    return [[i for i in range(num_chunks) if owners[i % len(owners)] == r] for r in range(len(shares))]
-
-
 class RoundRobinDecoder:
     """Serve unit decodes in order 0..n-1, a round at a time (round_owners(shares): even shares, unit i on rank
     i % tp_size), each broadcast from its owner. `mark()` is called as each round starts and as this rank's decodes
@@ -68,6 +62,10 @@ class RoundRobinDecoder:
         self.owners = round_owners(shares or even(tp.tp_size))
         self.served = 0
         self._round: dict[int, torch.Tensor] = {}
+
+    def units_per_rank(self) -> list[int]:
+        """How many of the units each rank decodes, in rank order."""
+        return [sum(self.owners[i % len(self.owners)] == r for i in range(len(self.clips))) for r in range(self.tp.tp_size)]
 
     @property
     def done(self) -> bool:
