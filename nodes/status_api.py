@@ -1,6 +1,6 @@
 """Read-only status routes for the web UI's TP panel (web/tp2_panel.js) and anyone else who asks.
 
-    GET /tp2/status    this rank: tp_rank, tp_size, boot, process group, last agreement, the prompt it runs and
+    GET /tp2/status    this rank: tp_rank, tp_size, boot, process group (and its link, measured as it formed), last agreement, the prompt it runs and
                        its progress (ComfyUI's own progress registry), peer heartbeats, the pack's settings
     GET /tp2/cluster   every rank's /tp2/status as this rank reaches them (the front door's rank URLs), each
                        with a health verdict; rank 0's UI polls it
@@ -38,6 +38,7 @@ def rank_status() -> dict:
             "generation": session.generation,
             "formed": bool(session.healthy),
             "backend": group.backend if group is not None else None,
+            "link": link_status(session),
         },
         "stop_reason": session.stop_reason(),
         "last_agreement": STATE.last_agreement,
@@ -48,6 +49,15 @@ def rank_status() -> dict:
         "models": [{"source": m.source, "plan": m.plan_summary, "loads": n} for m, n in unique_models()],
         "text": status_text(),
     }
+
+
+def link_status(session) -> dict | None:
+    """The link the current (or last) group measured as it formed (tp2/link.py), with the speed-up predicted from it."""
+    link = session.link
+    if link is None:
+        return None
+    return {"bus_gbps": round(link.bus_gbps, 2), "kind": link.kind, "mib": link.mib, "ms": round(link.seconds * 1e3, 2),
+            "prediction": session.link_prediction}  # fmt: skip
 
 
 def prompt_progress() -> dict | None:

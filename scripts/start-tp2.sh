@@ -7,6 +7,7 @@
 #   scripts/start-tp2.sh stop    --run-dir DIR
 #   scripts/start-tp2.sh status  --run-dir DIR
 #   scripts/start-tp2.sh restart --run-dir DIR --rank N
+#   scripts/start-tp2.sh check   [--tp-size N] [--gpus 0,1 | --cpu] [--split S]   will it run, how fast (no ComfyUI started)
 #
 # Each rank r gets CUDA_VISIBLE_DEVICES=<its GPU>, HTTP port base-port + r, and its own output, temp, user
 # directories and sqlite database under the run dir (default ./tp2-run); logs are RUN_DIR/rank<r>.log and the
@@ -64,7 +65,7 @@ case "$(uname -s)" in  # Git Bash, MSYS2 and Cygwin run this script on native Wi
 esac
 
 cmd=start
-if [[ $# -gt 0 && ( "$1" == stop || "$1" == status || "$1" == restart || "$1" == _supervise ) ]]; then cmd=$1; shift; fi
+if [[ $# -gt 0 && ( "$1" == stop || "$1" == status || "$1" == restart || "$1" == check || "$1" == _supervise ) ]]; then cmd=$1; shift; fi
 RANK_ARG=""
 COMFYUI_ARG=""; CKPT=""; TP_SIZE=2; SPLIT="${TP2_SPLIT:-}"; GPUS=""; CPU=0; BASE_PORT=18188; RUN_DIR="$PWD/tp2-run"; BASE_DIR=""
 LISTEN=127.0.0.1; ALLOW_REMOTE=0; EXTRA=(); PYTHON_ARG=""
@@ -336,6 +337,8 @@ echo "ComfyUI: $COMFYUI ($COMFYUI_FROM)"
 COMFYUI="$(cd "$COMFYUI" && pwd)"
 choose_python
 echo "Python: $PY ($PY_FROM)"
+[[ "$cmd" == check ]] && exec env PYTHONPATH="$PACK_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$PACK_DIR/scripts/lib/check.py" \
+  --tp-size "$TP_SIZE" --gpus "$GPUS" --split "$SPLIT" $([[ $CPU -eq 1 ]] && echo --cpu)  # per GPU, link, capacity, speed-up
 ALLOCATOR="ComfyUI's (cudaMallocAsync where it chooses it)"
 if [[ $LEAN_MEMORY -eq 1 ]]; then
   [[ "${PYTORCH_CUDA_ALLOC_CONF:-}" == *cudaMallocAsync* ]] \

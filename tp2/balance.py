@@ -3,11 +3,14 @@ its free memory holds (scripts/lib/balance.py measures each GPU before any rank 
 
     auto_shares(seconds, free)    whole shares from each rank's block time and free GiB (None: a CPU, no cap)
     describe_auto(...)            that decision, a line per rank, and the slowest rank at the shares chosen
+    H3_BLOCK, CPU_BLOCK           the block timed on a GPU, and its narrow stand-in on the CPU
 
 Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .capacity import WEIGHTS_GIB
 from .split import Shares, even, named, workable
@@ -17,6 +20,22 @@ MIN_USABLE_GIB = 0.25  # a rank with less usable memory still gets a (tiny) cap,
 H3_BLOCKS = 50  # DiT blocks per step: a predicted step is a block's time x fraction x this
 AUTO_SHARE_TOTAL = 100  # auto shares sum to at most this
 AUTO_TOLERANCE = 0.005  # how far a rank's share may stray from its fraction where a smaller total can be found
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """The block scripts/lib/balance.py times: full width, `tokens` rows (int8 ConvRot on a GPU, float32 on the CPU)."""
+
+    hidden: int
+    heads: int
+    head_dim: int
+    ffn: int
+    tokens: int
+    int8: bool
+
+
+H3_BLOCK = BlockShape(hidden=5376, heads=56, head_dim=128, ffn=14336, tokens=4096, int8=True)
+CPU_BLOCK = BlockShape(hidden=5376 // 16, heads=14, head_dim=32, ffn=14336 // 16, tokens=256, int8=False)
 
 
 def memory_caps(free_gib: list[float | None]) -> list[float]:

@@ -28,8 +28,9 @@ import torch.distributed as dist
 from .collectives import TPEnv, TPGroup, init_tp_group
 from .errors import PeerLostError
 from .handshake import DETAIL
+from .link import Link, measure_link, prediction
 from .rendezvous import PRIVATE, Rendezvous
-from .settings import NCCL_ERROR_HANDLING, set_for_libraries
+from .settings import NCCL_ERROR_HANDLING, set_for_libraries, visible_gpus
 from .signing import signed_counter
 from .watch import Watcher
 
@@ -76,7 +77,8 @@ class TPSession(Rendezvous):
         self._stale = False  # the store connection may be dead (rank 0 restarted): reconnect at the next use
         self._listener: socket.socket | None = None  # rank 0: the store's socket, bound to MASTER_ADDR only
         self.group: TPGroup | None = None
-        self.generation = 0
+        self.link: Link | None = None  # measured as each group forms (tp2/link.py)
+        self.link_prediction = ""
         self.healthy = False
         self._epoch_seen = 0  # the highest signed cache epoch this rank read or wrote
         self._retired: list[tuple[float, list]] = []  # (when, [groups]) given up, kept until their waits are over
@@ -189,8 +191,10 @@ class TPSession(Rendezvous):
         self.group = init_tp_group(
             self.env, self.device, store=store, stop_check=self.watcher.stop_reason, loss_check=self.watcher.explain_loss
         )
+        self.link = measure_link(self.group, visible_gpus())
+        self.link_prediction = prediction(self.link, self.env.tp_size, self.group.device.type)
         self.generation, self.healthy = generation, True
-        log.info("%s process group generation %d formed", self.tag, generation)
+        log.info("%s process group generation %d formed; link: %s; %s", self.tag, generation, self.link.text(), self.link_prediction)
         if self.env.tp_rank == 0:
             self._forget_earlier_generations(generation)
 

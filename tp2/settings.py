@@ -4,6 +4,7 @@
     SETTINGS                      name -> Setting (kind, default, what it does, launcher-exported, user setting or seam)
     value(name, environ=None)     the typed value of one setting (its default when unset); SettingError otherwise
     read_tp_env(environ=None)     this rank's TPEnv, or None when TP2_RANK and TP2_WORLD_SIZE are unset
+    visible_gpus()                CUDA_VISIBLE_DEVICES (read, never set: it names the ranks' link)
     torch_allocator_conf()        PYTORCH_CUDA_ALLOC_CONF (read, never set: the capacity check names the allocator from it)
     set_for_libraries(...)        what the pack sets for PyTorch (NCCL error handling) and gloo (its interface)
 
@@ -73,6 +74,7 @@ SETTINGS: dict[str, Setting] = {
             "a rank's slices cut once to disk, then mapped (auto: cut with dynamic VRAM, use files already cut)",
             ("auto", "on", "off"),
         ),
+        Setting("TP2_BLOCK_MS", "list", None, "each rank's H3 block, ms (`start-tp2.sh check` prints it): predicts the speed-up"),
         Setting("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),
         Setting("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
         Setting("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once", seam=True),
@@ -182,6 +184,11 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> str:
     """TP2_CACHE_DIR, else $XDG_CACHE_HOME/minimax-h3-tp2, else ~/.cache/minimax-h3-tp2."""
     env = _env(environ)
     return value("TP2_CACHE_DIR", env) or os.path.join(env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimax-h3-tp2")
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES ("" unset): the launcher gives each rank its GPU's index, which names the ranks' link."""
+    return _env(environ).get("CUDA_VISIBLE_DEVICES", "")
 
 
 def torch_allocator_conf(environ: Mapping[str, str] | None = None) -> str:

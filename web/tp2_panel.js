@@ -39,6 +39,12 @@ function groupText(status) {
   return g.generation ? `given up after generation ${g.generation}; re-forms at the next sampler` : "not formed yet (forms at the first sampler)";
 }
 
+// the link the group measured as it formed (tp2/link.py), with the speed-up predicted from it
+function linkText(status) {
+  const l = status?.group?.link;
+  return l ? `${l.bus_gbps} GB/s (${l.kind}); ${l.prediction}` : "not measured yet (at the first sampler, as the group forms)";
+}
+
 const HEALTH_COLOURS = { healthy: "#2e7d32", starting: "#9a7d0a", stopping: "#b35900", silent: "#b71c1c", wrong: "#b71c1c", unreachable: "#b71c1c" };
 
 function line(label, value, className) {
@@ -55,6 +61,7 @@ function rankCard(r) {
                      style: { border: "1px solid var(--border-color, #444)", borderRadius: "4px", padding: "4px 6px", margin: "0 0 6px" } },
     el("div", { style: { marginBottom: "2px" } }, el("b", {}, `rank ${r.tp_rank} `), link, " ", health, el("span", { style: { opacity: 0.7 } }, ` (${r.why})`)),
     line("process group", groupText(s), "tp2-group"),
+    line("link", linkText(s), "tp2-link"),
     line("progress", s ? progressText(s) : r.why, "tp2-progress"),
     line("last agreement", s?.last_agreement ?? "", "tp2-agreement"));
 }

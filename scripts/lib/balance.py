@@ -16,26 +16,11 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 from tp2 import settings
-from tp2.balance import auto_shares, describe_auto
+from tp2.balance import CPU_BLOCK, H3_BLOCK, BlockShape, auto_shares, describe_auto
 
 WARMUP, MEASUREMENTS = 3, 9
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    hidden: int
-    heads: int
-    head_dim: int
-    ffn: int
-    tokens: int
-    int8: bool
-
-
-H3_BLOCK = BlockShape(hidden=5376, heads=56, head_dim=128, ffn=14336, tokens=4096, int8=True)
-CPU_BLOCK = BlockShape(hidden=5376 // 16, heads=14, head_dim=32, ffn=14336 // 16, tokens=256, int8=False)
 
 
 def block_weights(shape: BlockShape, device, dtype):
@@ -125,6 +110,47 @@ def measure(cpu: bool, gpus: list[str]) -> tuple[list[str], list[float], list[fl
         del timer  # its weights
         torch.cuda.empty_cache()
     return names, seconds, free
+
+
+def _link_rank(tp_rank: int, gpus: list[str], port: int, results) -> None:
+    """One process of measure_link_between: its GPU alone visible (as a rank's), the group formed, the link timed."""
+    import torch
+
+    from tp2.collectives import init_tp_group
+    from tp2.link import measure_link
+    from tp2.settings import TPEnv
+
+    cuda = bool(gpus[tp_rank])
+    if cuda:
+        torch.cuda.set_device(0)
+    env = TPEnv(tp_rank, len(gpus), "127.0.0.1", port, 60.0)
+    try:
+        link = measure_link(init_tp_group(env, torch.device("cuda", 0) if cuda else torch.device("cpu")), gpus[tp_rank])
+        results.put((tp_rank, link))
+    except Exception as e:  # the parent reports it
+        results.put((tp_rank, f"{type(e).__name__}: {e}"))
+
+
+def measure_link_between(cpu: bool, gpus: list[str]):
+    """tp2.link.Link between one process per rank (gloo on the CPU, NCCL on the GPUs), as the ranks measure it."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results, procs = ctx.Queue(), []
+    for r, gpu in enumerate(gpus):
+        os.environ["CUDA_VISIBLE_DEVICES"] = "" if cpu else gpu  # what the child's torch sees, like a rank's
+        procs.append(ctx.Process(target=_link_rank, args=(r, [""] * len(gpus) if cpu else gpus, port, results), daemon=True))
+        procs[-1].start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(10)
+    if not all(hasattr(v, "bus_gbps") for v in got.values()):
+        raise RuntimeError(f"the link between the ranks could not be measured: {got}")
+    return got[0]
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,104 @@
+"""`scripts/start-tp2.sh check`: will H3 run on this machine, and how fast? Seconds, no ComfyUI started, no model files.
+
+    check.py --tp-size N [--gpus 0,1 | --cpu] [--split 3:2|auto]
+
+Per GPU: its name, compute capability, the compute dtype the pack will use, free memory, and one H3-shaped block's
+time at its share (scripts/lib/balance.py's block; on the CPU its narrow stand-in); the link between the ranks (one
+process per rank, the all-reduce every rank times as its group forms: tp2/link.py); the longest video per resolution,
+weights resident and streamed (tp2/capacity.py at each GPU's free memory; 22 GiB per rank on the CPU); the predicted
+speed-up against the fastest card alone (tp2/link.py's model of a pair). Exit 1 with a one-line reason when it cannot
+measure. Run with the pack's folder on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import balance
+
+from tp2 import capacity, settings
+from tp2.balance import CPU_BLOCK, H3_BLOCK, auto_shares
+from tp2.link import predict_speedup, verdict
+from tp2.split import even, parse_split
+
+CPU_STAND_IN_GIB = 22.0  # the capacity table without a GPU: a 2080 Ti 22 GB per rank
+
+
+def gpu_lines(gpus: list[str], block_s: list[float], free: list[float | None], shares) -> list[str]:
+    """A line per rank's device: name, capability, compute dtype, free memory, the block at its share."""
+    import torch
+
+    lines = []
+    for r, gpu in enumerate(gpus):
+        at_share = f"one block at its share {shares[r]}/{sum(shares)}: {block_s[r] * shares[r] / sum(shares) * 1e3:.2f} ms"
+        if free[r] is None:
+            lines.append(f"rank {r}: CPU (the stand-in block), compute dtype float32, {at_share}")
+            continue
+        p = torch.cuda.get_device_properties(list(dict.fromkeys(gpus)).index(gpu))
+        lines.append(f"rank {r}: GPU {gpu} {p.name}, compute capability {p.major}.{p.minor}, compute dtype "
+                     f"{compute_dtype((p.major, p.minor))}, {free[r]:.1f} of {p.total_memory / 2**30:.1f} GiB free, {at_share}")  # fmt: skip
+    return lines
+
+
+def compute_dtype(capability: tuple[int, int]) -> str:
+    return "bf16"  # until the dtype choice per architecture (issue 40, items 1-2) is merged
+
+
+def capacity_lines(free_gib: list[float], shares, cpu: bool) -> list[str]:
+    """The longest video per resolution on every rank at `shares`, weights resident and streamed."""
+    where = f"{CPU_STAND_IN_GIB:g} GiB per rank (no GPU here)" if cpu else "each GPU's free memory"
+    lines = [f"longest video on {where}, split {':'.join(map(str, shares))}: frames (seconds at 24 fps)"]
+    for w, h in capacity.RESOLUTIONS:
+        cells = []
+        for label, streamed in (("resident (--highvram)", False), ("streamed (dynamic VRAM)", True)):
+            frames, _ = capacity.longest_on_every_rank(w, h, free_gib, shares, streamed)
+            cells.append(f"{label} {frames} ({frames / 24:.1f} s)" if frames else f"{label} none")
+        lines.append(f"  {w}x{h}: " + ", ".join(cells))
+    return lines
+
+
+def speed_lines(block_s: list[float], free: list[float | None], link, chosen, cpu: bool) -> list[str]:
+    """The predicted speed-up at the even split, at --split auto's shares and at `chosen` (--split), each once."""
+    shape = CPU_BLOCK if cpu else H3_BLOCK
+    reduce_bytes = 2 if settings.value("TP2_REDUCE_DTYPE") == "bf16" else 4
+    lines, shown = [], set()
+    for label, shares in (("even", even(len(block_s))), ("--split auto", auto_shares(block_s, free)), ("--split", chosen)):
+        if shares is None or shares in shown:
+            continue
+        shown.add(shares)
+        speedup, comm = predict_speedup(block_s, shares, link.bus_gbps, shape.tokens, shape.hidden, reduce_bytes)
+        lines.append(f"{label}: {verdict(speedup, shares)} (collectives {comm * 1e3:.2f} ms per block of {shape.tokens} tokens)")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="start-tp2.sh check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp-size", type=int, default=2)
+    ap.add_argument("--gpus", default="")
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--split", default="")
+    a = ap.parse_args(argv)
+    gpus = a.gpus.split(",") if a.gpus else [str(r) for r in range(a.tp_size)]
+    if len(gpus) != a.tp_size or not all(g.isdigit() for g in gpus):
+        ap.error(f"--gpus {a.gpus} must list {a.tp_size} GPU indices (one per rank)")
+    try:
+        chosen = None if a.split in ("", "auto") else parse_split(a.split, a.tp_size)
+        if not a.cpu:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(gpus))
+        _, block_s, free = balance.measure(a.cpu, gpus)
+        link = balance.measure_link_between(a.cpu, gpus)
+    except Exception as e:  # one line: what could not be measured, and why
+        print(f"check: could not measure {'the CPU' if a.cpu else 'GPUs ' + ','.join(gpus)}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    shares = chosen or (auto_shares(block_s, free) if a.split == "auto" else even(a.tp_size))
+    free_gib = [CPU_STAND_IN_GIB if f is None else f for f in free]
+    print("\n".join([*gpu_lines(gpus, block_s, free, shares), f"link: {link.text()}",
+                     *capacity_lines(free_gib, shares, a.cpu), *speed_lines(block_s, free, link, chosen, a.cpu),
+                     f"for the ranks' log: TP2_BLOCK_MS={','.join(f'{s * 1e3:.3f}' for s in block_s)}"]))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
