@@ -285,3 +285,30 @@ def test_native_windows_is_refused_at_once_with_the_wsl2_pointer(tmp_path):
     res, took = _launch(tmp_path, _comfyui_with_pack(tmp_path), "--cpu", path=f"{fake}{os.pathsep}{os.environ['PATH']}")
     assert res.returncode == 1 and "native Windows is not supported" in res.stderr and "WSL2" in res.stderr, res.stderr
     assert took < 10
+
+
+def test_check_on_the_cpu_answers_in_seconds_without_comfyui_or_model_files(tmp_path):
+    """`start-tp2.sh check --cpu`: no ComfyUI started (a stand-in folder, no custom_nodes, no models), no run folder;
+    each rank's block at its share, the link from a real gloo all-reduce between two processes, the capacity table,
+    and the speed-up. Rank 1 slowed threefold (TP2_TEST_BLOCK_REPEATS): the even split runs at its pace, under the
+    fastest card alone, and the output says plainly that TP buys memory there; --split auto's 3:1 predicts more."""
+    comfy = tmp_path / "ComfyUI"
+    comfy.mkdir()
+    (comfy / "main.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TP2_")} | {"PYTHON": sys.executable, "TP2_TEST_BLOCK_REPEATS": "1,3"}
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", LAUNCHER, "check", "--comfyui", str(comfy), "--cpu", "--run-dir", str(tmp_path / "run")],
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    took = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert took < 60, f"check took {took:.0f} s: seconds, not minutes"
+    assert "rank 0: CPU" in out and "rank 1: CPU" in out and "compute dtype float32" in out, out
+    link = next(ln for ln in out.splitlines() if ln.startswith("link: "))
+    assert "(gloo, host memory; one 8 MiB all-reduce in" in link and float(link.split()[1]) > 0, link
+    assert "1920x1088: resident (--highvram) 175 (7.3 s), streamed (dynamic VRAM) 362 (15.1 s)" in out, out
+    even = next(ln for ln in out.splitlines() if ln.startswith("even: predicted "))
+    auto = next(ln for ln in out.splitlines() if ln.startswith("--split auto: predicted "))
+    assert "TP buys memory here, not speed" in even and float(even.split()[2].rstrip("x")) < 0.8, even
+    assert " at 3:1" in auto and float(auto.split()[3].rstrip("x")) > float(even.split()[2].rstrip("x")), auto
+    assert "TP2_BLOCK_MS=" in out and not (tmp_path / "run").exists() and "starting" not in out
