@@ -79,6 +79,7 @@ class TPSession(Rendezvous):
         self.group: TPGroup | None = None
         self.link: Link | None = None  # measured as each group forms (tp2/link.py)
         self.link_prediction = ""
+        self.generation = 0
         self.healthy = False
         self._epoch_seen = 0  # the highest signed cache epoch this rank read or wrote
         self._retired: list[tuple[float, list]] = []  # (when, [groups]) given up, kept until their waits are over

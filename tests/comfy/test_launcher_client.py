@@ -16,7 +16,7 @@ import time
 import urllib.request
 
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, free_port, have_comfyui, launch, stop_launched, tiny_base
+from comfy_harness import COMFYUI_DIR, ROOT, call, free_port, have_comfyui, launch, stop_launched, tiny_base
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -57,7 +57,8 @@ def ranks(tmp_path_factory):
     run = tmp_path_factory.mktemp("launcher")
     base = tiny_base(run)
     _placeholders(base)
-    launched = launch(run, base, {"TP2_PROMPT_TIMEOUT_S": "15", "TP2_TIMEOUT_S": "20"})
+    # TP2_BLOCK_MS: rank 1's block three times rank 0's, for the link's speed-up prediction
+    launched = launch(run, base, {"TP2_PROMPT_TIMEOUT_S": "15", "TP2_TIMEOUT_S": "20", "TP2_BLOCK_MS": "10,30"})
     assert "rank 0: http://127.0.0.1:" in launched["stdout"] and "settings: TP2_INT8_KERNEL=auto" in launched["stdout"]
     yield dict(launched, run=run)
     stop = stop_launched(launched)
@@ -101,6 +102,22 @@ def test_submit_tiny_workflow_identical_hashes(ranks, tmp_path):
     hashes = _hashes(res.stdout)
     assert len(hashes) == 4 and hashes[0] == hashes[1] and hashes[2] == hashes[3]
     assert os.path.exists(tmp_path / "rank1" / "latents")
+
+
+def test_the_link_measured_as_the_group_formed_is_in_status_and_log(ranks, tmp_path):
+    """As the group forms (at the first sampler), the ranks time one all-reduce: every rank's /tp2/status names the link
+    (gloo through host memory here) with a bus bandwidth, and the speed-up predicted from TP2_BLOCK_MS (10 and 30 ms:
+    the even split runs at the slow rank's pace, under the fastest card alone) says plainly that TP buys memory."""
+    res = submit(ranks, TINY, "--out", str(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    for url in ranks["urls"]:
+        _, status = call(url, "/tp2/status")
+        link = status["group"]["link"]
+        assert link["kind"] == "gloo, host memory" and link["mib"] == 8 and 0 < link["bus_gbps"] < 1000 and link["ms"] > 0, link
+        assert link["prediction"].startswith("predicted 0.") and "at 1:1: TP buys memory here, not speed" in link["prediction"], link
+    with open(os.path.join(ranks["run_dir"], "rank0.log")) as f:
+        log = f.read()
+    assert "formed; link: " in log and "GB/s bus bandwidth (gloo, host memory; one 8 MiB all-reduce in" in log, log[-3000:]
 
 
 def test_submit_names_every_missing_model_file_and_its_folder(ranks, tmp_path):
