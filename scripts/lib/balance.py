@@ -6,8 +6,10 @@ time, and print the shares tp2.balance.auto_shares chooses.
 Per device: its free memory (torch.cuda.mem_get_info; none on a CPU), and the median time of one MiniMax-H3-shaped
 DiT block's main work at full width: the four big linears as int8 ConvRot weights through the pack's own GEMM
 (kernels.select_int8_gemm, TP2_INT8_KERNEL) and SDPA over the heads, 4096 tokens in bf16. On the CPU a block 16x
-narrower, 256 tokens, float32, F.linear. Stdout: only the shares (e.g. 17:11); stderr: the measurements and the
-decision. Exit 1 with a one-line reason when it cannot measure. Run with the pack's folder on PYTHONPATH.
+narrower, 256 tokens, float32, F.linear. Stdout: only the shares (e.g. 17:11); stderr: the measurements, the
+decision, the link between the ranks (one process per rank, timed as the ranks time it) and the speed-up that
+docs/PERFORMANCE.md's model of a pair predicts from them (tp2/link.py). Exit 1 with a one-line reason when it cannot
+measure. Run with the pack's folder on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 
 from tp2 import settings
 from tp2.balance import CPU_BLOCK, H3_BLOCK, BlockShape, auto_shares, describe_auto
+from tp2.link import predict_speedup, verdict
+from tp2.split import even
 
 WARMUP, MEASUREMENTS = 3, 9
 
@@ -153,6 +157,20 @@ def measure_link_between(cpu: bool, gpus: list[str]):
     return got[0]
 
 
+def speed_lines(block_s: list[float], free: list[float | None], link, chosen, cpu: bool) -> list[str]:
+    """The predicted speed-up at the even split, at --split auto's shares and at `chosen` (--split), each once."""
+    shape = CPU_BLOCK if cpu else H3_BLOCK
+    reduce_bytes = 2 if settings.value("TP2_REDUCE_DTYPE") == "bf16" else 4
+    lines, shown = [], set()
+    for label, shares in (("even", even(len(block_s))), ("--split auto", auto_shares(block_s, free)), ("--split", chosen)):
+        if shares is None or shares in shown:
+            continue
+        shown.add(shares)
+        speedup, comm = predict_speedup(block_s, shares, link.bus_gbps, shape.tokens, shape.hidden, reduce_bytes)
+        lines.append(f"{label}: {verdict(speedup, shares)} (collectives {comm * 1e3:.2f} ms per block of {shape.tokens} tokens)")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("0", "1") or not all(g.isdigit() for g in argv[1:]):
         print(f"balance: usage: balance.py CPU(0|1) GPU... (one GPU index per rank), got {' '.join(argv) or 'nothing'}", file=sys.stderr)
@@ -170,6 +188,11 @@ def main(argv: list[str]) -> int:
     print(f"--split auto: one block at {shape.tokens} tokens, hidden {shape.hidden}, {'int8 ConvRot bf16' if shape.int8 else 'float32'}, "
           f"median of {MEASUREMENTS}", file=sys.stderr)  # fmt: skip
     print(describe_auto(names, seconds, free, shares), file=sys.stderr)
+    try:  # what the link makes of it (docs/PERFORMANCE.md's model of a pair); the shares stand without it
+        link = measure_link_between(cpu, gpus)
+        print("\n".join([f"link: {link.text()}", *speed_lines(seconds, free, link, shares, cpu)]), file=sys.stderr)
+    except Exception as e:
+        print(f"balance: the link between the ranks was not measured ({type(e).__name__}: {e}); no speed-up predicted", file=sys.stderr)
     print(":".join(map(str, shares)))
     return 0
 

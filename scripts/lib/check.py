@@ -18,9 +18,8 @@ import sys
 
 import balance
 
-from tp2 import capacity, settings
-from tp2.balance import CPU_BLOCK, H3_BLOCK, auto_shares
-from tp2.link import predict_speedup, verdict
+from tp2 import capacity
+from tp2.balance import auto_shares
 from tp2.split import even, parse_split
 
 CPU_STAND_IN_GIB = 22.0  # the capacity table without a GPU: a 2080 Ti 22 GB per rank
@@ -59,20 +58,6 @@ def capacity_lines(free_gib: list[float], shares, cpu: bool) -> list[str]:
     return lines
 
 
-def speed_lines(block_s: list[float], free: list[float | None], link, chosen, cpu: bool) -> list[str]:
-    """The predicted speed-up at the even split, at --split auto's shares and at `chosen` (--split), each once."""
-    shape = CPU_BLOCK if cpu else H3_BLOCK
-    reduce_bytes = 2 if settings.value("TP2_REDUCE_DTYPE") == "bf16" else 4
-    lines, shown = [], set()
-    for label, shares in (("even", even(len(block_s))), ("--split auto", auto_shares(block_s, free)), ("--split", chosen)):
-        if shares is None or shares in shown:
-            continue
-        shown.add(shares)
-        speedup, comm = predict_speedup(block_s, shares, link.bus_gbps, shape.tokens, shape.hidden, reduce_bytes)
-        lines.append(f"{label}: {verdict(speedup, shares)} (collectives {comm * 1e3:.2f} ms per block of {shape.tokens} tokens)")
-    return lines
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="start-tp2.sh check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp-size", type=int, default=2)
@@ -95,7 +80,7 @@ def main(argv: list[str]) -> int:
     shares = chosen or (auto_shares(block_s, free) if a.split == "auto" else even(a.tp_size))
     free_gib = [CPU_STAND_IN_GIB if f is None else f for f in free]
     print("\n".join([*gpu_lines(gpus, block_s, free, shares), f"link: {link.text()}",
-                     *capacity_lines(free_gib, shares, a.cpu), *speed_lines(block_s, free, link, chosen, a.cpu),
+                     *capacity_lines(free_gib, shares, a.cpu), *balance.speed_lines(block_s, free, link, chosen, a.cpu),
                      f"for the ranks' log: TP2_BLOCK_MS={','.join(f'{s * 1e3:.3f}' for s in block_s)}"]))  # fmt: skip
     return 0
 

@@ -78,6 +78,11 @@ def test_balance_on_the_cpu_sees_a_slowed_rank():
     assert 2 <= int(found[1]) / int(found[2]) <= 4.5, res.stderr
     times = re.findall(r"^rank (\d): cpu: .*block ([\d.]+) ms", res.stderr, flags=re.M)
     assert [r for r, _ in times] == ["0", "1"] and all(float(ms) > 0 for _, ms in times), res.stderr
+    # --split auto uses the measured link: a gloo all-reduce between two processes, and the speed-up at the shares chosen
+    assert re.search(r"^link: [\d.]+ GB/s bus bandwidth \(gloo, host memory; ", res.stderr, flags=re.M), res.stderr
+    assert re.search(rf"^--split auto: predicted [\d.]+x the fastest card alone at {found[1]}:{found[2]}", res.stderr, flags=re.M), (
+        res.stderr
+    )
 
 
 def test_balance_refuses_bad_arguments_in_one_line():
