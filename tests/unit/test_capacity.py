@@ -35,9 +35,20 @@ def test_the_table_command(capsys):
     # resident, streamed (cudaMallocAsync), streamed with --lean-memory: the README's table
     assert "| 1920x1088 | 175 (7.3 s, 21.4) | 362 (15.1 s, 21.2) | 413 (17.2 s, 21.6) |" in out, out
     assert "| 832x480 |" in out
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read().replace("**", "")
-    rows = [line for line in out.splitlines() if line.startswith("| ") and "x" in line.split("|")[1]]
-    assert len(rows) == 4 and all(row in readme for row in rows), rows  # the README shows what the command prints
+
+
+# the README's "Will it run on my machine?": cards, GiB per rank, split
+README_ROWS = (("2x RTX 2080 Ti 22 GB", [22.0, 22.0], (1, 1)), ("2x RTX 3090 24 GB", [24.0, 24.0], (1, 1)),
+               ("3090 + 2080 Ti", [24.0, 22.0], (7, 6)))  # fmt: skip
+
+
+@pytest.mark.parametrize("cards,gpus,shares", README_ROWS)
+def test_the_readme_shows_what_the_model_predicts_per_card_class(cards, gpus, shares):
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    row = next(line for line in readme.splitlines() if line.startswith(f"  | {cards}"))
+    for w, h in ((1920, 1088), (832, 480)):
+        frames = [capacity.longest_on_every_rank(w, h, gpus, shares, streamed)[0] for streamed in (False, True)]
+        assert f"| {frames[0]} ({frames[0] / 24:.1f} s) / {frames[1]} ({frames[1] / 24:.1f} s) |" in row, (w, h, row)
 
 
 @pytest.mark.parametrize("width,height,frames,tp_size,allocator,live,pooled", capacity.MEASURED_STREAMED)
