@@ -168,7 +168,8 @@ OPEN_PANEL = """(async () => {
 RANK_ROWS = """[...document.querySelectorAll('#tp2-ranks .tp2-rank')].map(r => ({rank: +r.dataset.rank, health: r.dataset.health,
   prompt: r.dataset.prompt, value: r.dataset.value, max: r.dataset.max, running: r.dataset.running,
   progress: r.querySelector('.tp2-progress').innerText.replace(/^progress: /, ''),
-  group: r.querySelector('.tp2-group').innerText.replace(/^process group: /, '')}))"""
+  group: r.querySelector('.tp2-group').innerText.replace(/^process group: /, ''),
+  link: r.querySelector('.tp2-link').innerText.replace(/^link: /, '')}))"""
 
 ADD_STATUS_NODE = """(() => {
   const g = window.app.graph;
@@ -259,6 +260,7 @@ def test_tp_panel_shows_both_ranks_and_rank1_progress_and_status_node_text(ranks
     final = next(r for r in seen["after"] if r["rank"] == 1)
     assert final["prompt"] == pid and final["value"] == final["max"] == str(STEPS) and final["running"] == "false", final
     assert final["group"].startswith("formed, generation"), final
+    assert re.fullmatch(r"[\d.]+ GB/s \(gloo, host memory\); speed-up not predicted: .*", final["link"]), final  # measured as it formed
     status = seen["status"]
     assert status is not None, "the status node's text never appeared on the canvas"
     assert status["visible"], status
