@@ -131,7 +131,7 @@ def prediction(link: Link, tp_size: int, device_type: str) -> str:
     except (PlanError, ValueError) as e:
         return f"speed-up not predicted: {e}"
     if len(block_s) != tp_size or min(block_s) <= 0:
-        return "speed-up not predicted: no block time per rank (start with --split auto, or set TP2_BLOCK_MS from `start-tp2.sh check`)"
+        return "speed-up not predicted: no block time per rank (set TP2_BLOCK_MS as `start-tp2.sh check` prints it)"
     shape = H3_BLOCK if device_type == "cuda" else CPU_BLOCK
     reduce_bytes = 2 if settings.value("TP2_REDUCE_DTYPE") == "bf16" else 4
     speedup, _ = predict_speedup(block_s, shares, link.bus_gbps, shape.tokens, shape.hidden, reduce_bytes)
