@@ -118,6 +118,7 @@ def measure(cpu: bool, gpus: list[str]) -> tuple[list[str], list[float], list[fl
 
 def _link_rank(tp_rank: int, gpus: list[str], port: int, results) -> None:
     """One process of measure_link_between: its GPU alone visible (as a rank's), the group formed, the link timed."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus[tp_rank]  # before CUDA starts in this process
     import torch
 
     from tp2.collectives import init_tp_group
@@ -145,8 +146,7 @@ def measure_link_between(cpu: bool, gpus: list[str]):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results, procs = ctx.Queue(), []
-    for r, gpu in enumerate(gpus):
-        os.environ["CUDA_VISIBLE_DEVICES"] = "" if cpu else gpu  # what the child's torch sees, like a rank's
+    for r in range(len(gpus)):
         procs.append(ctx.Process(target=_link_rank, args=(r, [""] * len(gpus) if cpu else gpus, port, results), daemon=True))
         procs[-1].start()
     got = dict(results.get(timeout=120) for _ in procs)
