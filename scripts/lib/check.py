@@ -75,7 +75,8 @@ def main(argv: list[str]) -> int:
         _, block_s, free = balance.measure(a.cpu, gpus)
         link = balance.measure_link_between(a.cpu, gpus)
     except Exception as e:  # one line: what could not be measured, and why
-        print(f"check: could not measure {'the CPU' if a.cpu else 'GPUs ' + ','.join(gpus)}: {type(e).__name__}: {e}", file=sys.stderr)
+        hint = "" if a.cpu else " (without NVIDIA GPUs: --cpu)"
+        print(f"check: could not measure {'the CPU' if a.cpu else 'GPUs ' + ','.join(gpus)}: {type(e).__name__}: {e}{hint}", file=sys.stderr)
         return 1
     shares = chosen or (auto_shares(block_s, free) if a.split == "auto" else even(a.tp_size))
     free_gib = [CPU_STAND_IN_GIB if f is None else f for f in free]
