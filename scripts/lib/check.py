@@ -42,7 +42,9 @@ def gpu_lines(gpus: list[str], block_s: list[float], free: list[float | None], s
 
 
 def compute_dtype(capability: tuple[int, int]) -> str:
-    return "bf16"  # until the dtype choice per architecture (issue 40, items 1-2) is merged
+    """What the DiT computes in today: ComfyUI's choice, bf16 (emulated below 8.0) until the pack's own per-architecture
+    choice (issue 40, items 1-2) replaces this."""
+    return "bf16" if capability >= (8, 0) else "bf16 (emulated: no bf16 tensor cores below 8.0)"
 
 
 def capacity_lines(free_gib: list[float], shares, cpu: bool) -> list[str]:
