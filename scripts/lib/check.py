@@ -20,6 +20,7 @@ import balance
 
 from tp2 import capacity
 from tp2.balance import auto_shares
+from tp2.errors import PlanError
 from tp2.split import even, parse_split
 
 CPU_STAND_IN_GIB = 22.0  # the capacity table without a GPU: a 2080 Ti 22 GB per rank
@@ -72,6 +73,9 @@ def main(argv: list[str]) -> int:
         ap.error(f"--gpus {a.gpus} must list {a.tp_size} GPU indices (one per rank)")
     try:
         chosen = None if a.split in ("", "auto") else parse_split(a.split, a.tp_size)
+    except PlanError as e:
+        ap.error(str(e))
+    try:
         if not a.cpu:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(gpus))
         _, block_s, free = balance.measure(a.cpu, gpus)
