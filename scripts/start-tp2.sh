@@ -68,22 +68,23 @@ if [[ $# -gt 0 && ( "$1" == stop || "$1" == status || "$1" == restart || "$1" ==
 RANK_ARG=""
 COMFYUI_ARG=""; CKPT=""; TP_SIZE=2; SPLIT="${TP2_SPLIT:-}"; GPUS=""; CPU=0; BASE_PORT=18188; RUN_DIR="$PWD/tp2-run"; BASE_DIR=""
 LISTEN=127.0.0.1; ALLOW_REMOTE=0; EXTRA=(); PYTHON_ARG=""
+need() { [[ $# -ge 2 && "$2" != --* ]] || die "$1 needs a value (see --help)"; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --comfyui) COMFYUI_ARG="$2"; shift 2 ;;
-    --ckpt) CKPT="$2"; shift 2 ;;
-    --tp-size) TP_SIZE="$2"; shift 2 ;;
-    --split) SPLIT="$2"; shift 2 ;;
-    --gpus) GPUS="$2"; shift 2 ;;
+    --comfyui) need "$@"; COMFYUI_ARG="$2"; shift 2 ;;
+    --ckpt) need "$@"; CKPT="$2"; shift 2 ;;
+    --tp-size) need "$@"; TP_SIZE="$2"; shift 2 ;;
+    --split) need "$@"; SPLIT="$2"; shift 2 ;;
+    --gpus) need "$@"; GPUS="$2"; shift 2 ;;
     --cpu) CPU=1; shift ;;
     --fast|--lean-memory) shift ;;  # read above
-    --base-port) BASE_PORT="$2"; shift 2 ;;
-    --run-dir) RUN_DIR="$2"; shift 2 ;;
-    --base-dir) BASE_DIR="$2"; shift 2 ;;
-    --listen) LISTEN="$2"; shift 2 ;;
+    --base-port) need "$@"; BASE_PORT="$2"; shift 2 ;;
+    --run-dir) need "$@"; RUN_DIR="$2"; shift 2 ;;
+    --base-dir) need "$@"; BASE_DIR="$2"; shift 2 ;;
+    --listen) need "$@"; LISTEN="$2"; shift 2 ;;
     --allow-remote) ALLOW_REMOTE=1; shift ;;
-    --rank) RANK_ARG="$2"; shift 2 ;;
-    --python) PYTHON_ARG="$2"; shift 2 ;;
+    --rank) need "$@"; RANK_ARG="$2"; shift 2 ;;
+    --python) need "$@"; PYTHON_ARG="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo pipefail/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
@@ -169,6 +170,7 @@ check_tp_size() {  # before any rank starts: refuse a tp_size or split that the 
   case $rc in
     0) ;;
     2) die "tp_size $TP_SIZE${SPLIT:+, split $SPLIT,} refused before starting any rank: the model named above cannot be split that way; use a tp_size or split named above" ;;
+    3) die "the check of tp_size $TP_SIZE${SPLIT:+, split $SPLIT,} against the file named above did not finish: not starting (move that file away, or name a checkpoint with --ckpt)" ;;
     *) echo "start-tp2: WARNING: could not check tp_size $TP_SIZE against the checkpoints ($PY failed, above); starting anyway" >&2 ;;
   esac
 }
