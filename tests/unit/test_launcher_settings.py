@@ -291,7 +291,9 @@ def test_native_windows_is_refused_at_once_with_the_wsl2_pointer(tmp_path):
 def test_an_option_without_its_value_is_refused(tmp_path, args):
     """`--split --cpu` took --cpu as the split before (issue 39): an option that takes a value refuses a missing one."""
     res, _ = _launch(tmp_path, _comfyui_with_pack(tmp_path), *args)
-    assert res.returncode == 1 and res.stderr == f"start-tp2: {args[0] if args[0] != '--cpu' else '--split'} needs a value (see --help)\n", res.stderr
+    assert (
+        res.returncode == 1 and res.stderr == f"start-tp2: {args[0] if args[0] != '--cpu' else '--split'} needs a value (see --help)\n"
+    ), res.stderr
 
 
 def test_a_split_with_fewer_units_than_ranks_is_refused_fast(tmp_path):
@@ -312,9 +314,7 @@ def test_a_check_that_does_not_end_names_its_file(tmp_path):
     expires (CHECK_TIMEOUT_S, shortened here), and the check ends with 3, which the launcher refuses."""
     fifo = tmp_path / "stalled.safetensors"
     os.mkfifo(fifo)
-    code = (
-        "import sys, check_tp_size as c; c.CHECK_TIMEOUT_S = 1.0; sys.exit(c.main(['2', '', '1', sys.argv[1]]))"
-    )
+    code = "import sys, check_tp_size as c; c.CHECK_TIMEOUT_S = 1.0; sys.exit(c.main(['2', '', '1', sys.argv[1]]))"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.path.join(ROOT, 'scripts', 'lib')}")
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-c", code, str(fifo)], env=env, capture_output=True, text=True, timeout=60)
