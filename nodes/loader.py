@@ -24,7 +24,7 @@ from ..tp2.errors import PlanError, UnknownPrefixError
 from ..tp2.h3_layout import find_prefix
 from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan
 from ..tp2.rank_cache import open_rank_shard
-from ..tp2.safetensors_io import read_header
+from ..tp2.safetensors_io import read_header, read_tensors
 from . import sequence_parallel
 from .model_wrappers import install_model_wrappers
 from .numerics_check import check_int8_path
@@ -50,11 +50,13 @@ def is_h3_file(path: str) -> bool:
 def rank_cache_args() -> tuple[str | None, object, bool]:
     """(cache dir, file reader, whether to cut a missing file) for tp2.rank_cache; the cache dir is None when the rank
     cache is off. TP2_RANK_CACHE=auto uses the files already there and cuts missing ones only when ComfyUI runs with
-    dynamic VRAM (tp2/rank_cache.py says why). The reader is ComfyUI's own, so the cached slices are mapped exactly
-    as a whole checkpoint would be."""
+    dynamic VRAM (tp2/rank_cache.py says why). With dynamic VRAM the reader is ComfyUI's own, so the cached slices are
+    mapped as a whole checkpoint would be; else they are read (a mapped file that another process cuts short would end
+    the process with SIGBUS, and the weights are copied to the GPU or used from memory either way)."""
     mode = settings.value("TP2_RANK_CACHE")
-    cut = mode == "on" or (mode == "auto" and comfy.memory_management.aimdo_enabled)
-    read_all = lambda path: comfy.utils.load_torch_file(path, safe_load=True)  # noqa: E731
+    dynamic = comfy.memory_management.aimdo_enabled
+    cut = mode == "on" or (mode == "auto" and dynamic)
+    read_all = (lambda path: comfy.utils.load_torch_file(path, safe_load=True)) if dynamic else read_tensors  # noqa: E731
     return (None if mode == "off" else settings.cache_dir()), read_all, cut
 
 
