@@ -87,7 +87,7 @@ def _install_hooks(secret: str | None) -> None:
     track_prompts()
     install_interrupt_deferral()
     install_front_door(secret)
-    install_queue_journal()
+    install_queue_journal(secret)
     install_status_routes(PromptServer.instance.routes)  # read-only GETs, with or without the front door
     install_parallel_vae_decode()
     install_same_outputs()
