@@ -124,15 +124,13 @@ def _parsed_header(path: str, _inode: int, size: int, _mtime_ns: int) -> Safeten
         raise CheckpointFormatError(f"Cannot read checkpoint '{path}': {e}.") from e
     try:
         doc = json.loads(header_bytes)
-    except ValueError as e:
-        raise CheckpointFormatError(f"'{path}' has no valid safetensors JSON header ({e}).") from e
-    metadata = doc.pop("__metadata__", None) or {}
-    base = 8 + n
-    tensors = {}
-    for name, entry in doc.items():
-        if entry["dtype"] not in DTYPES:
-            raise CheckpointFormatError(f"Tensor '{name}' in '{path}' has dtype {entry['dtype']}, which this pack cannot read.")
-        tensors[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), base + entry["data_offsets"][0])
+        metadata = doc.pop("__metadata__", None) or {}
+        tensors = {name: TensorInfo(e["dtype"], tuple(e["shape"]), 8 + n + e["data_offsets"][0]) for name, e in doc.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise CheckpointFormatError(f"'{path}' has no valid safetensors JSON header ({type(e).__name__}: {e}).") from e
+    for name, info in tensors.items():
+        if info.dtype not in DTYPES:
+            raise CheckpointFormatError(f"Tensor '{name}' in '{path}' has dtype {info.dtype}, which this pack cannot read.")
     return SafetensorsHeader(path, tensors, metadata, header_bytes, size)
 
 
