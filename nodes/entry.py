@@ -27,7 +27,8 @@ def activate() -> None:
         return
     env = read_tp_env()
     if env is None:
-        log.debug("minimax-h3-tp2: TP env not set; the pack stays inactive")
+        log.info("minimax-h3-tp2: tensor parallelism is off in this ComfyUI (not started as a rank); start one ComfyUI per GPU "
+                 "with <pack>/scripts/start-tp2.sh (README: Start, queue, watch, stop)")
         return
     settings.freeze()  # every setting read once, now: a bad value is refused at start-up
     import comfy.model_management
@@ -87,7 +88,7 @@ def _install_hooks(secret: str | None) -> None:
     track_prompts()
     install_interrupt_deferral()
     install_front_door(secret)
-    install_queue_journal()
+    install_queue_journal(secret)
     install_status_routes(PromptServer.instance.routes)  # read-only GETs, with or without the front door
     install_parallel_vae_decode()
     install_same_outputs()

@@ -24,7 +24,7 @@ from ..tp2.errors import PlanError, UnknownPrefixError
 from ..tp2.h3_layout import find_prefix
 from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan
 from ..tp2.rank_cache import open_rank_shard
-from ..tp2.safetensors_io import read_header
+from ..tp2.safetensors_io import read_header, read_tensors
 from . import sequence_parallel
 from .model_wrappers import install_model_wrappers
 from .numerics_check import check_int8_path
@@ -50,12 +50,18 @@ def is_h3_file(path: str) -> bool:
 def rank_cache_args() -> tuple[str | None, object, bool]:
     """(cache dir, file reader, whether to cut a missing file) for tp2.rank_cache; the cache dir is None when the rank
     cache is off. TP2_RANK_CACHE=auto uses the files already there and cuts missing ones only when ComfyUI runs with
-    dynamic VRAM (tp2/rank_cache.py says why). The reader is ComfyUI's own, so the cached slices are mapped exactly
-    as a whole checkpoint would be."""
-    mode = settings.value("TP2_RANK_CACHE")
-    cut = mode == "on" or (mode == "auto" and comfy.memory_management.aimdo_enabled)
-    read_all = lambda path: comfy.utils.load_torch_file(path, safe_load=True)  # noqa: E731
-    return (None if mode == "off" else settings.cache_dir()), read_all, cut
+    dynamic VRAM (tp2/rank_cache.py says why). The reader is ComfyUI's own (a mapping, as for any checkpoint), but
+    cache files without dynamic VRAM are read (tp2's pread): a mapped file that another process cuts short would end
+    the process with SIGBUS, and those weights are copied to the GPU or used from memory either way."""
+    mode, cache_dir = settings.value("TP2_RANK_CACHE"), settings.cache_dir()
+    dynamic = comfy.memory_management.aimdo_enabled
+    cut = mode == "on" or (mode == "auto" and dynamic)
+    cached = os.path.join(cache_dir, "rank_cache", "")
+
+    def read_all(path: str) -> dict:
+        return read_tensors(path) if not dynamic and path.startswith(cached) else comfy.utils.load_torch_file(path, safe_load=True)
+
+    return (None if mode == "off" else cache_dir), read_all, cut
 
 
 def _hooked_load_diffusion_model(original):

@@ -39,7 +39,7 @@ def install_model_wrappers(patcher, plan: Plan, checkpoint_fp: str, sequence_par
     """Wire one loaded TP model: wrappers on the patcher, the refiner broadcast on the model instance.
     `sequence_parallel`: whether this model's blocks run the sequence-parallel forward (compared across ranks)."""
     model_fields = {
-        **model_fingerprint(plan.fingerprint(), checkpoint_fp, plan.tp_size),
+        **model_fingerprint(plan.fingerprint(), checkpoint_fp, plan.tp_size, plan.shares),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
         "sequence_parallel": (  # the collectives (and the norm kernels) differ
             f"{sequence_parallel}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"

@@ -24,7 +24,6 @@ import execution
 from ..tp2.handshake import prompt_details
 from . import front_door
 from .patches import PATCHES
-from .queue_journal import LOST
 from .state import STATE, Prompt, log
 
 SEEN = SimpleNamespace(cache_epoch=0, boots=None)  # what this rank saw at its last prompt: the cache epoch, every rank's boot id
@@ -63,8 +62,6 @@ async def _run_id(prompt, prompt_id, extra_data, execute_outputs) -> tuple[str, 
     if STATE.env.tp_rank != 0:
         order = door.take_order(prompt_id) or {"run": prompt_id, "reset": _caches_may_differ()}
         return order["run"], order["reset"], None, ({0: order["boot"]} if "boot" in order else {})
-    if extra_data.get(LOST) is not None:  # never handed to the followers: it fails here, with the reason
-        return prompt_id, False, extra_data[LOST], {}
     return (*await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, _caches_may_differ()), {})
 
 

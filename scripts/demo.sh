@@ -5,7 +5,8 @@
 #
 #   scripts/demo.sh [--comfyui DIR] [--base-port N] [--run-dir DIR] [--cpu]
 #
-#   --comfyui DIR  the ComfyUI to run (else $COMFYUI_DIR, else the one scripts/install.sh remembered, else ~/ComfyUI)
+#   --comfyui DIR  the ComfyUI to run (else scripts/lib/comfyui_dir.sh's rule: $COMFYUI_DIR, the ComfyUI whose
+#                  custom_nodes holds the pack, the one scripts/install.sh remembered, ~/ComfyUI); its Python likewise
 #   --base-port N  rank 0's HTTP port; rank 1 gets N + 1 (default: $TP2_DEMO_PORT, else 18288)
 #   --run-dir DIR  the ranks' logs, outputs and the downloaded results (default: ./tp2-demo)
 #   --cpu          both ranks on the CPU even when there are two GPUs
@@ -29,23 +30,28 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ "$BASE_PORT" =~ ^[0-9]+$ && $BASE_PORT -ge 1 && $BASE_PORT -le 65534 ]] || die "--base-port must be a port number (1-65534), got '$BASE_PORT'"
-PY="${PYTHON:-$PACK_DIR/.venv/bin/python}"
-[[ -x "$PY" ]] || die "no $PY; run $PACK_DIR/scripts/install.sh first"
 # shellcheck source=lib/comfyui_dir.sh
 source "$PACK_DIR/scripts/lib/comfyui_dir.sh"
 resolve_comfyui "$COMFYUI_ARG"
 echo "ComfyUI: $COMFYUI ($COMFYUI_FROM)"
 [[ -f "$COMFYUI/main.py" ]] || die "no ComfyUI at '$COMFYUI' ($COMFYUI_FROM): give --comfyui DIR, or run $PACK_DIR/scripts/install.sh --comfyui DIR"
 COMFYUI="$(cd "$COMFYUI" && pwd)"
+resolve_python
+echo "Python: $PY ($PY_FROM)"
+"$PY" -c "import torch, safetensors, comfy_kitchen" 2>/dev/null \
+  || die "$PY ($PY_FROM) lacks torch, safetensors or comfy_kitchen: run $PACK_DIR/scripts/install.sh (it installs the pack's requirements into the Python your ComfyUI runs with)"
 mkdir -p "$RUN_DIR"; RUN_DIR="$(cd "$RUN_DIR" && pwd)"
 
 echo "1/4 synthetic H3 checkpoint and conditioning, in $COMFYUI/models"
 CKPT="$COMFYUI/models/diffusion_models/h3_tiny_int8.safetensors"
 COND="$COMFYUI/models/h3_conditioning/h3_tiny_cond.safetensors"
 mkdir -p "$(dirname "$CKPT")" "$(dirname "$COND")" || die "cannot write into $COMFYUI/models: use a ComfyUI you can write to (--comfyui DIR)"
-# written under a temporary name and moved, so a stopped demo never leaves half a file where ComfyUI lists models
-"$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$CKPT.part" --int8 && mv -f "$CKPT.part" "$CKPT"
-"$PY" "$PACK_DIR/scripts/make_tiny_h3.py" --conditioning "$COND.part" && mv -f "$COND.part" "$COND"
+# written under a temporary name and moved, so a stopped or failed demo never leaves half a file among the models
+trap 'rm -f "$CKPT".part* "$COND".part*' EXIT
+"$PY" "$PACK_DIR/scripts/make_tiny_h3.py" "$CKPT.part" --int8 || die "making the tiny checkpoint failed (above)"
+mv -f "$CKPT.part" "$CKPT"
+"$PY" "$PACK_DIR/scripts/make_tiny_h3.py" --conditioning "$COND.part" || die "making the tiny conditioning failed (above)"
+mv -f "$COND.part" "$COND"
 BASE="$RUN_DIR/base"
 mkdir -p "$BASE/custom_nodes" "$BASE/models/diffusion_models" "$BASE/models/h3_conditioning" "$BASE/input"
 ln -sfn "$PACK_DIR" "$BASE/custom_nodes/minimax-h3-tp2"

@@ -16,7 +16,8 @@
 # A rank whose process exits is started again (at most TP2_MAX_RESTARTS times in a row; RUN_DIR/rank<r>.restarts
 # says when and why, and `status` shows it); the ranks form a new group at the next prompt. `restart --rank N`
 # restarts one rank by hand.
-# --comfyui DIR: else $COMFYUI_DIR, else the ComfyUI scripts/install.sh remembered, else ~/ComfyUI (it says which).
+# --comfyui DIR: else $COMFYUI_DIR, else the ComfyUI whose custom_nodes holds the pack, else the one scripts/install.sh
+# remembered, else ~/ComfyUI (it says which).
 # Before any rank starts, tp_size is checked (as `python -m tp2.inspect` does) against --ckpt NAME (a file in
 # models/diffusion_models or models/unet, or a path), else against every MiniMax-H3 file in those folders; a
 # tp_size that no such file can be split into is refused with the sizes that work. The MiniMax-H3 text encoders in
@@ -28,9 +29,9 @@
 # --base-dir passes ComfyUI's --base-directory (models and custom_nodes from there; the demo uses it).
 # --fast starts with the fastest measured settings (bf16 reduce, sequence parallelism, fused Triton kernels; about
 # 1.9x one GPU at 832x480 on 2x H200, docs/PERFORMANCE.md) instead of the exact defaults; a variable set in the
-# environment still wins. ComfyUI runs under --python PATH, else $PYTHON, else the Python ComfyUI runs with (its venv/ or
-# .venv/, or the active virtualenv or conda environment), else the pack's .venv (scripts/install.sh), else python3; it
-# is checked for what the pack needs (torch, comfy-kitchen's int8 kernels, ComfyUI with H3) before any rank starts.
+# environment still wins. ComfyUI runs under the Python of scripts/lib/comfyui_dir.sh's rule (--python PATH, $PYTHON,
+# ComfyUI's venv/ or .venv/, the active environment, the pack's .venv); it is checked for what the pack needs
+# (torch, comfy-kitchen's int8 kernels, ComfyUI with H3) before any rank starts.
 # --lean-memory: torch's own CUDA allocator (ComfyUI's --disable-cuda-malloc) instead of ComfyUI's cudaMallocAsync: for
 # the longest videos on small cards (at 1920x1088x362 a rank's pool held 1.24x its 14.1 GiB of tensors where
 # cudaMallocAsync held ~1.39x; the same speed, docs/PERFORMANCE.md). Without expandable segments:
@@ -69,22 +70,23 @@ if [[ $# -gt 0 && ( "$1" == stop || "$1" == status || "$1" == restart || "$1" ==
 RANK_ARG=""
 COMFYUI_ARG=""; CKPT=""; TP_SIZE=2; SPLIT="${TP2_SPLIT:-}"; GPUS=""; CPU=0; BASE_PORT=18188; RUN_DIR="$PWD/tp2-run"; BASE_DIR=""
 LISTEN=127.0.0.1; ALLOW_REMOTE=0; EXTRA=(); PYTHON_ARG=""
+need() { [[ $# -ge 2 && "$2" != --* ]] || die "$1 needs a value (see --help)"; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --comfyui) COMFYUI_ARG="$2"; shift 2 ;;
-    --ckpt) CKPT="$2"; shift 2 ;;
-    --tp-size) TP_SIZE="$2"; shift 2 ;;
-    --split) SPLIT="$2"; shift 2 ;;
-    --gpus) GPUS="$2"; shift 2 ;;
+    --comfyui) need "$@"; COMFYUI_ARG="$2"; shift 2 ;;
+    --ckpt) need "$@"; CKPT="$2"; shift 2 ;;
+    --tp-size) need "$@"; TP_SIZE="$2"; shift 2 ;;
+    --split) need "$@"; SPLIT="$2"; shift 2 ;;
+    --gpus) need "$@"; GPUS="$2"; shift 2 ;;
     --cpu) CPU=1; shift ;;
     --fast|--lean-memory) shift ;;  # read above
-    --base-port) BASE_PORT="$2"; shift 2 ;;
-    --run-dir) RUN_DIR="$2"; shift 2 ;;
-    --base-dir) BASE_DIR="$2"; shift 2 ;;
-    --listen) LISTEN="$2"; shift 2 ;;
+    --base-port) need "$@"; BASE_PORT="$2"; shift 2 ;;
+    --run-dir) need "$@"; RUN_DIR="$2"; shift 2 ;;
+    --base-dir) need "$@"; BASE_DIR="$2"; shift 2 ;;
+    --listen) need "$@"; LISTEN="$2"; shift 2 ;;
     --allow-remote) ALLOW_REMOTE=1; shift ;;
-    --rank) RANK_ARG="$2"; shift 2 ;;
-    --python) PYTHON_ARG="$2"; shift 2 ;;
+    --rank) need "$@"; RANK_ARG="$2"; shift 2 ;;
+    --python) need "$@"; PYTHON_ARG="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo pipefail/p' "$0" | sed -n 's/^# \{0,1\}//p'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
@@ -108,24 +110,13 @@ import sys, urllib.request
 urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/system_stats", timeout=2).read()
 EOF
 }
-PY="${PYTHON:-}"  # for stop/status; a start chooses again once it knows ComfyUI (choose_python)
+port_free() {  # PORT [ADDR]: nothing listens on it (sockets in TIME-WAIT do not count: the servers bind with SO_REUSEADDR)
+  "$PY" -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[2], int(sys.argv[1])))' \
+    "$1" "${2:-127.0.0.1}" 2>/dev/null
+}
+PY="${PYTHON:-}"  # for stop/status; a start chooses again once it knows ComfyUI (resolve_python)
 [[ -z "$PY" && -x "$PACK_DIR/.venv/bin/python" ]] && PY="$PACK_DIR/.venv/bin/python"
 [[ -z "$PY" ]] && PY=python3
-
-choose_python() {  # the Python the ranks run under: --python, $PYTHON, the one ComfyUI runs with, the pack's own .venv
-  local v env_py
-  if [[ -n "$PYTHON_ARG" ]]; then PY="$PYTHON_ARG" PY_FROM="--python"; return; fi
-  if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON" PY_FROM='$PYTHON'; return; fi
-  for v in venv .venv; do
-    [[ -x "$COMFYUI/$v/bin/python" ]] && { PY="$COMFYUI/$v/bin/python" PY_FROM="ComfyUI's own $v"; return; }
-  done
-  env_py="${VIRTUAL_ENV:-${CONDA_PREFIX:-}}/bin/python"
-  if [[ -n "${VIRTUAL_ENV:-}${CONDA_PREFIX:-}" && -x "$env_py" ]] && "$env_py" -c "import torch, aiohttp" 2>/dev/null; then
-    PY="$env_py" PY_FROM="the active environment"; return
-  fi
-  if [[ -x "$PACK_DIR/.venv/bin/python" ]]; then PY="$PACK_DIR/.venv/bin/python" PY_FROM="the pack's .venv (scripts/install.sh)"; return; fi
-  PY=python3 PY_FROM="python3 on PATH"
-}
 
 check_python() {  # before any rank starts: this Python has what the pack needs, else say what to install
   local missing
@@ -141,9 +132,13 @@ import comfy_kitchen, torch
 if not hasattr(comfy_kitchen, "int8_linear"):
     print(f"comfy_kitchen with the int8 kernels (this one is {getattr(comfy_kitchen, '__version__', 'older')})")
 elif sys.argv[1] == "0" and not torch.cuda.is_available():
-    print(f"a torch with CUDA (this one is {torch.__version__}, which sees no GPU)")
+    print(f"NOGPU torch {torch.__version__}")
 EOF
 )" || missing="a Python that runs (it failed: run $PY -c 'import torch, comfy_kitchen' to see why)"
+  if [[ "$missing" == NOGPU* ]]; then
+    command -v nvidia-smi >/dev/null 2>&1 || die "--gpus ${GPUS}: there is no GPU here (no nvidia-smi: no NVIDIA driver); use --cpu for a (slow) CPU run"
+    die "${missing#NOGPU } under $PY sees no GPU (a CPU build of torch, or CUDA_VISIBLE_DEVICES hides them; nvidia-smi -L lists $(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')): install a CUDA build of torch there, or use --cpu"
+  fi
   [[ -z "$missing" ]] || die "$PY ($PY_FROM) lacks $missing: install the pack's requirements into it ($PY -m pip install -r $PACK_DIR/requirements.txt), or choose another with --python PATH"
 }
 
@@ -170,6 +165,7 @@ check_tp_size() {  # before any rank starts: refuse a tp_size or split that the 
   case $rc in
     0) ;;
     2) die "tp_size $TP_SIZE${SPLIT:+, split $SPLIT,} refused before starting any rank: the model named above cannot be split that way; use a tp_size or split named above" ;;
+    3) die "the check of tp_size $TP_SIZE${SPLIT:+, split $SPLIT,} against the file named above did not finish: not starting (move that file away, or name a checkpoint with --ckpt)" ;;
     *) echo "start-tp2: WARNING: could not check tp_size $TP_SIZE against the checkpoints ($PY failed, above); starting anyway" >&2 ;;
   esac
 }
@@ -210,6 +206,12 @@ stop_ranks() {
   while read -r rank pid port; do
     if alive "$pid"; then kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true; echo "rank $rank (pid $pid) killed"; fi
   done < "$PIDS"
+  for _ in $(seq 1 60); do  # returned only once a new start could bind the same ports
+    local busy=0
+    while read -r rank pid port; do port_free "$port" "$LISTEN" || busy=1; done < "$PIDS"
+    [[ $busy -eq 0 ]] && break
+    sleep 0.25
+  done
   echo "stopped the ranks of $RUN_DIR"
   rm -f "$PIDS" "$RUN_DIR/stopping"
 }
@@ -335,7 +337,7 @@ resolve_comfyui "$COMFYUI_ARG"
 echo "ComfyUI: $COMFYUI ($COMFYUI_FROM)"
 [[ -f "$COMFYUI/main.py" ]] || die "no ComfyUI at '$COMFYUI' ($COMFYUI_FROM): give --comfyui DIR, or run $(pack_cmd install.sh) --comfyui DIR (it clones ComfyUI into DIR when there is none)"
 COMFYUI="$(cd "$COMFYUI" && pwd)"
-choose_python
+resolve_python "$PYTHON_ARG"
 echo "Python: $PY ($PY_FROM)"
 [[ "$cmd" == check ]] && exec env PYTHONPATH="$PACK_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$PACK_DIR/scripts/lib/check.py" \
   --tp-size "$TP_SIZE" --gpus "$GPUS" --split "$SPLIT" $([[ $CPU -eq 1 ]] && echo --cpu)  # per GPU, link, capacity, speed-up
@@ -393,14 +395,12 @@ if [[ "$SPLIT" == auto ]]; then  # measured before any rank starts (each GPU alo
   check_tp_size
 fi
 for (( r = 0; r < TP_SIZE; r++ )); do  # a taken port would otherwise surface only after every rank's start-up
-  "$PY" -c 'import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((sys.argv[1], int(sys.argv[2])))' \
-    "$LISTEN" $((BASE_PORT + r)) 2>/dev/null \
+  port_free $((BASE_PORT + r)) "$LISTEN" \
     || die "port $((BASE_PORT + r)) (rank $r) is in use on $LISTEN: stop what holds it, or start with --base-port N (rank r gets N + r)"
 done
 if [[ -n "${MASTER_PORT:-}" ]]; then  # the user's choice (e.g. a port their firewall allows); refused if it is taken
   [[ "$MASTER_PORT" =~ ^[0-9]+$ && $MASTER_PORT -ge 1 && $MASTER_PORT -le 65535 ]] || die "MASTER_PORT=$MASTER_PORT is not a port number"
-  "$PY" -c 'import socket, sys; s=socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1])))' "$MASTER_PORT" 2>/dev/null \
-    || die "MASTER_PORT=$MASTER_PORT is in use on 127.0.0.1: unset it (a free port is picked) or choose another"
+  port_free "$MASTER_PORT" || die "MASTER_PORT=$MASTER_PORT is in use on 127.0.0.1: unset it (a free port is picked) or choose another"
 else
   MASTER_PORT="$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 fi

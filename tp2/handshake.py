@@ -12,11 +12,13 @@ import json
 
 from . import __version__
 from .errors import RankMismatchError
+from .split import Shares, named
 
 
-def model_fingerprint(plan_fingerprint: str, checkpoint_fingerprint: str, tp_size: int) -> dict[str, str]:
-    """The fields ranks must share before they load and run a model."""
-    return {"pack_version": __version__, "plan": plan_fingerprint, "checkpoint": checkpoint_fingerprint, "tp_size": str(tp_size)}
+def model_fingerprint(plan_fingerprint: str, checkpoint_fingerprint: str, tp_size: int, shares: Shares = ()) -> dict[str, str]:
+    """The fields ranks must share before they load and run a model (shares: the plan's; () the even split)."""
+    fields = {"pack_version": __version__, "plan": plan_fingerprint, "checkpoint": checkpoint_fingerprint, "tp_size": str(tp_size)}
+    return {**fields, "split": named(shares) if shares else "even"}
 
 
 DETAIL = "detail:"  # a field `<skip_prefix>detail:<key>` holds JSON {label: short value} explaining field <key>
@@ -25,7 +27,14 @@ DETAIL = "detail:"  # a field `<skip_prefix>detail:<key>` holds JSON {label: sho
 def compare_fields(everyone: list[dict[str, str]], tag: str, what: str, skip_prefix: str = "\0") -> None:
     """Raise RankMismatchError naming every field whose value differs between ranks (ranks in list order). A differing
     field that comes with details (`<skip_prefix>detail:<field>`, e.g. the prompt's nodes and inputs) is explained by
-    the labels whose values differ: "node 5 (KSampler) input 'seed' (rank 0: 1, rank 1: 2)"."""
+    the labels whose values differ: "node 5 (KSampler) input 'seed' (rank 0: 1, rank 1: 2)". Ranks started with
+    different splits are told so first, without the plans that follow from them."""
+    splits = [f.get("split", "even") for f in everyone]
+    if len(set(splits)) > 1:
+        raise RankMismatchError(
+            f"{tag} ranks were started with different splits, so they cut the model differently: split "
+            f"{', '.join(f'{s} on rank {r}' for r, s in enumerate(splits))}. Start every rank with the same --split (TP2_SPLIT)."
+        )
     diffs = []
     for key, told in _differences(everyone, "'{}'", lambda k: not k.startswith(skip_prefix)):
         diffs.append(told)

@@ -6,14 +6,15 @@ Why: ComfyUI's dynamic VRAM keeps a pinned host copy of every weight. A tensor m
 from the file and nothing else is held; a tensor in ordinary memory (shard-on-read slices) is copied, and both copies stay
 alive. A cache file is named by the checkpoint's name and fingerprint, the plan's fingerprint, this rank and tp_size, and
 its header records them; it carries a digest per tensor, computed as it is written and checked (a tensor at a time) on
-load after a change of its size or mtime (tp2.checked_files). A file that fails a check is deleted and cut again; a disk
-without room leaves the rank on shard-on-read, with a warning. Imports nothing from `comfy`: `read_all(path) -> state
+load after a change of its size or mtime (tp2.checked_files). A file that fails a check or cannot be read (cut short,
+malformed) is deleted, with a warning naming it, and cut again; a disk without room leaves the rank on shard-on-read. Imports nothing from `comfy`: `read_all(path) -> state
 dict` is the loader's own file reader.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ import torch
 from . import __version__, settings
 from .checked_files import remember_verified, verified_before
 from .checkpoint import CheckpointLayout
-from .errors import ShardMismatchError, TP2Error
+from .errors import CheckpointFormatError, ShardMismatchError, TP2Error
 from .plan import Plan, TensorShard, resolve_plan
 from .safetensors_io import DTYPES, IO_WORKERS, PendingTensor, TensorReader, file_fingerprint, hashed_tensors, read_header, write_streaming
 from .shard import check_rank, read_shard, read_shard_tensor
@@ -108,7 +109,11 @@ def write_cache_file(
         ]
         pending.sort(key=lambda t: math.prod(t.shape) * t.dtype.itemsize % ALIGN != 0)  # whole-ALIGN tensors first
         metadata = {**identity, META_VERSION: __version__}
-        write_streaming(out, pending, metadata, progress=progress, digests_key=META_DIGESTS, workers=IO_WORKERS, align=ALIGN)
+        try:
+            write_streaming(out, pending, metadata, progress=progress, digests_key=META_DIGESTS, workers=IO_WORKERS, align=ALIGN)
+        except OSError as e:  # the disk filled while cutting (the part written is removed): as no room at all
+            log.warning("rank cache: writing %s failed (%s): this rank reads its slices from the checkpoint", out, e)
+            return False
     remember_verified(out, read_header(out).metadata[META_DIGESTS])  # hashed as written: the first load needs no re-read
     log.info("rank cache: wrote %s (%.2f GB) in %.1f s", out, need / 1e9, time.monotonic() - t0)
     return True
@@ -120,6 +125,9 @@ def load_cache_file(
     """This rank's tensors from a cache file, checked against `identity` and, once per file, against its digests."""
     header = read_header(path)
     md, name = header.metadata, os.path.basename(path)
+    end = max((i.start + math.prod(i.shape) * DTYPES[i.dtype].itemsize for i in header.tensors.values()), default=0)
+    if end > header.file_size:
+        raise ShardMismatchError(f"rank cache file '{name}' is {header.file_size} bytes, its header needs {end}: it was cut short")
     wrong = {k: (md.get(k), v) for k, v in identity.items() if md.get(k) != v}
     if wrong or set(header.tensors) != set(tensors) or META_DIGESTS not in md:
         raise ShardMismatchError(f"rank cache file '{name}' is not this rank's cut of its checkpoint ({wrong or 'its tensors differ'})")
@@ -166,10 +174,12 @@ def read_rank_slices(
                 dict(header.metadata),
                 f"rank cache {os.path.basename(path)}",
             )
-        except ShardMismatchError as e:
+        except (ShardMismatchError, CheckpointFormatError, OSError) as e:  # as a digest mismatch: never the checkpoint's fault
             again = attempt == 1 and cut
-            log.warning("%s: deleting it and %s", e, "cutting it again" if again else "reading from the checkpoint")
-            os.remove(path)
+            then = "cutting it again" if again else "reading from the checkpoint"
+            log.warning("rank cache file %s cannot be used (%s): deleting it and %s", path, e, then)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     return (*read_shard(source, tensors, tp_rank, tp_size, what), "shard-on-read")
 
 
@@ -234,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             print(file=sys.stderr)
             print(f"{out}  ({os.path.getsize(out) / 1e9:.2f} GB, {time.monotonic() - t0:.1f} s)")
     except TP2Error as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"\nerror: {e}", file=sys.stderr)  # after a progress line
+        return 2
+    except OSError as e:  # a disk that fills while cutting (ENOSPC), a folder it cannot write: one line, no traceback
+        print(f"\nerror: cutting into {cache_dir} failed: {e} (free space there, or choose another with --cache-dir)", file=sys.stderr)
         return 2
     return 0
 

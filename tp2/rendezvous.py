@@ -38,15 +38,18 @@ class Rendezvous:
         keys = [f"{base}/rank{r}" for r in range(self.env.tp_size)]
         mine = signed(self.watcher.secret, keys[self.env.tp_rank], json.dumps(fields, sort_keys=True))
         self._store_op(timeout_s, lambda s: s.set(keys[self.env.tp_rank], mine))
-        self._wait_for_all(key, base, keys, run, timeout_s, abort)
-        try:
-            raws = self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])
-        except (RuntimeError, dist.DistError):  # a peer took its key back between our check and our read: it saw a stop
-            why = self._verdict(base, None, timeout_s) or self.watcher.stop_reason() or (self.watcher.read_stop(run) if run else None)
-            if why:
-                raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}") from None
-            raise
-        everyone = [self._record(k, raw) for k, raw in zip(keys, raws)]
+        everyone, deadline = [None], time.monotonic() + timeout_s
+        while None in everyone:  # a record no rank signed is ignored: its rank writes its own again (_wait_for_all)
+            self._forged(everyone, keys, deadline)
+            self._wait_for_all(key, base, keys, run, timeout_s, abort, mine)
+            try:
+                raws = self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])
+            except (RuntimeError, dist.DistError):  # a peer took its key back between our check and our read: it saw a stop
+                why = self._verdict(base, None, timeout_s) or self.watcher.stop_reason() or (self.watcher.read_stop(run) if run else None)
+                if why:
+                    raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}") from None
+                raise
+            everyone = [self._record(k, raw) for k, raw in zip(keys, raws)]
         own = abort() if abort is not None else None
         verdict = self._verdict(base, own or self.watcher.stop_reason() or "go", timeout_s)
         if self._store_op(timeout_s, lambda s: s.add(f"{base}/read", 1)) == self.env.tp_size:
@@ -58,12 +61,16 @@ class Rendezvous:
             raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {verdict}")
         return everyone
 
-    def _wait_for_all(self, key: str, base: str, keys: list[str], run: str | None, timeout_s: float, abort) -> None:
+    def _wait_for_all(self, key: str, base: str, keys: list[str], run: str | None, timeout_s: float, abort, mine: str) -> None:
         """Until every rank's record is in the store, or raise: a stop (the verdict, unless some rank already took
-        "go"), a peer that finished the run without this step, or one that never started it."""
-        deadline, polls = time.monotonic() + timeout_s, 0
+        "go"), a peer that finished the run without this step, or one that never started it. This rank's own record
+        (`mine`) is written again when it is gone (set into a store that a restarted rank 0 replaced) or replaced."""
+        deadline, polls, me = time.monotonic() + timeout_s, 0, keys[self.env.tp_rank]
         while True:
             present = self._store_op(timeout_s, lambda s: [s.check([k]) for k in keys])
+            if not present[self.env.tp_rank] or self._store_op(timeout_s, lambda s: s.get(me).decode()) != mine:
+                self._store_op(timeout_s, lambda s: s.set(me, mine))
+                present[self.env.tp_rank] = True
             own = abort() if abort is not None else None
             stop = own or self.watcher.stop_reason()
             if stop and self._verdict(base, stop, timeout_s) != "go":
@@ -101,17 +108,27 @@ class Rendezvous:
             return "the rank store holds a rendezvous verdict no rank of this set wrote; restart the ranks with scripts/start-tp2.sh"
         return verdict
 
-    def _record(self, key: str, raw: bytes) -> dict[str, str]:
-        """A rank's rendezvous record, checked against the run's secret; a record no rank signed is refused without
-        showing what it says (something other than the ranks writes to the rank store)."""
+    def _record(self, key: str, raw: bytes) -> dict[str, str] | None:
+        """A rank's rendezvous record, checked against the run's secret; None (ignored, never shown) for a record no
+        rank signed: something other than the ranks wrote to the rank store."""
         text = unsigned(self.watcher.secret, key, raw.decode())
         if text is None:
             log.warning("%s the rendezvous record at %s is not signed by a rank: ignored", self.tag, key)
+            return None
+        return json.loads(text)
+
+    def _forged(self, everyone: list, keys: list[str], deadline: float) -> None:
+        """Between reads that found a record no rank signed: wait a poll, or past `deadline` refuse the run."""
+        if everyone == [None]:  # the first read is still to come
+            return
+        if time.monotonic() > deadline:
+            key = keys[everyone.index(None)]
             raise RankMismatchError(
                 f"{self.tag} the record at '{key}' in the rank store was not written by a rank of this set (no valid "
-                "signature): something else writes to the store. Restart the ranks with scripts/start-tp2.sh."
+                "signature), and its rank did not write it again: something else writes to the store. Restart the ranks "
+                "with scripts/start-tp2.sh."
             )
-        return json.loads(text)
+        time.sleep(POLL_S)
 
     def _give_up(self, key: str, run: str | None, finished: list[int], missing: list[int], timeout_s: float) -> None:
         """Raise why the rendezvous at `key` ends without the `missing` peers (`finished`: those done with the run)."""

@@ -8,6 +8,7 @@ so `ordered_map` runs them on IO_WORKERS threads, results in order. Imports torc
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -123,15 +124,13 @@ def _parsed_header(path: str, _inode: int, size: int, _mtime_ns: int) -> Safeten
         raise CheckpointFormatError(f"Cannot read checkpoint '{path}': {e}.") from e
     try:
         doc = json.loads(header_bytes)
-    except ValueError as e:
-        raise CheckpointFormatError(f"'{path}' has no valid safetensors JSON header ({e}).") from e
-    metadata = doc.pop("__metadata__", None) or {}
-    base = 8 + n
-    tensors = {}
-    for name, entry in doc.items():
-        if entry["dtype"] not in DTYPES:
-            raise CheckpointFormatError(f"Tensor '{name}' in '{path}' has dtype {entry['dtype']}, which this pack cannot read.")
-        tensors[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]), base + entry["data_offsets"][0])
+        metadata = doc.pop("__metadata__", None) or {}
+        tensors = {name: TensorInfo(e["dtype"], tuple(e["shape"]), 8 + n + e["data_offsets"][0]) for name, e in doc.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise CheckpointFormatError(f"'{path}' has no valid safetensors JSON header ({type(e).__name__}: {e}).") from e
+    for name, info in tensors.items():
+        if info.dtype not in DTYPES:
+            raise CheckpointFormatError(f"Tensor '{name}' in '{path}' has dtype {info.dtype}, which this pack cannot read.")
     return SafetensorsHeader(path, tensors, metadata, header_bytes, size)
 
 
@@ -140,7 +139,7 @@ def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
     while done < len(buf):
         got = os.preadv(fd, [buf[done:]], offset + done)
         if got <= 0:
-            raise CheckpointFormatError(f"Unexpected end of file at byte {offset + done}: the checkpoint is truncated.")
+            raise CheckpointFormatError(f"Unexpected end of file at byte {offset + done}: the file is truncated.")
         done += got
 
 
@@ -167,7 +166,10 @@ class TensorReader:
     def _read_into(self, info: TensorInfo, start: int, out: torch.Tensor) -> torch.Tensor:
         """Fill the contiguous tensor `out` with the bytes at `start` (relative to the tensor's data)."""
         if out.numel():
-            _pread_into(self._fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.start + start)
+            try:
+                _pread_into(self._fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.start + start)
+            except (CheckpointFormatError, OSError) as e:
+                raise CheckpointFormatError(f"'{self.header.path}': {e}") from e
         return out
 
     def read(self, name: str) -> torch.Tensor:
@@ -199,6 +201,14 @@ class TensorReader:
             buf = chunk[: (r_end - r) * row_bytes].view(info.torch_dtype).view(r_end - r, cols)
             out[r:r_end] = self.read_rows(name, r, r_end, out=buf)[:, col_start:col_end]
         return out
+
+
+def read_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of `path` read into memory this process owns (pread on IO_WORKERS threads, not a mapping: a file
+    another process cuts short raises CheckpointFormatError here, never SIGBUS later)."""
+    with TensorReader(path) as reader:
+        names = list(reader.header.tensors)
+        return dict(zip(names, ordered_map(reader.read, names)))
 
 
 @dataclass(frozen=True)
@@ -241,7 +251,7 @@ def write_streaming(
     blob = _header_blob(tensors, metadata, digests_key, digests, align)
     tmp = path + ".partial"
     produced = functools.partial(_produced, hashed=digests_key is not None)
-    with open(tmp, "wb") as f:
+    with _removed_on_error(tmp), open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for i, (data, digest) in enumerate(ordered_map(produced, tensors, workers)):
@@ -258,6 +268,17 @@ def write_streaming(
             f.seek(8)
             f.write(final)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _removed_on_error(path: str):
+    """`path` deleted when the block raises (a full disk: the part written would hold the space it needs)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise
 
 
 def _produced(t: PendingTensor, hashed: bool) -> tuple[torch.Tensor, str | None]:

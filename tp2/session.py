@@ -224,15 +224,16 @@ class TPSession(Rendezvous):
 
     def cache_epoch(self, bump: bool = False) -> int | None:
         """A counter every rank can raise when ranks may have run different nodes (a failed rendezvous or collective),
-        signed like every store entry; None when the store is not reachable now, or holds an epoch no rank signed."""
+        signed like every store entry; None when the store is not reachable now. An epoch no rank signed is raised over."""
         if self._store is None or self.watcher.store_problem() is not None:
             return None
         try:
             epoch = self._store_op(5.0, lambda s: signed_counter(s, "tp2/cache_epoch", self.watcher.secret, bump, self._epoch_seen))
         except (RuntimeError, dist.DistError, PeerLostError):
             return None
-        if epoch is None:
-            log.warning("%s the cache epoch in the rank store is not signed by a rank: ignored", self.tag)
+        if epoch is None:  # read as a raise (every rank clears its node cache: safe), and written over, signed
+            log.warning("%s the cache epoch in the rank store is not signed by a rank: raised over it", self.tag)
+            epoch = self.cache_epoch(bump=True)
         self._epoch_seen = max(self._epoch_seen, epoch or 0)
         return epoch
 

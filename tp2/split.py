@@ -88,15 +88,18 @@ def scaled(bounds: tuple[int, ...] | None, total: int, length: int) -> tuple[int
 
 def refusal(shares: Shares, what: str, total: int, unit: int) -> str:
     """Why uneven `shares` cannot cut `what` (a width of `total`) into whole `unit`s, and the nearest split that can."""
-    n = total // unit
-    return (
-        f"The split {named(shares)} leaves a rank no whole unit of the {what} ({total} = {n} units of {unit}). "
-        f"The nearest split that works is {named(workable(n, shares))}."
-    )
+    n, ranks = total // unit, len(shares)
+    said = f"The split {named(shares)} leaves a rank no whole unit of the {what} ({total} = {n} units of {unit})."
+    if n < ranks:
+        return f"{said} No uneven split of {ranks} ranks can: leave --split out (the even split), or use at most {n} rank(s)."
+    return f"{said} The nearest split that works is {named(workable(n, shares))}."
 
 
 def workable(n_units: int, shares: Shares) -> Shares:
-    """The nearest shares that leave every rank at least one of `n_units` units: for a refusal to name."""
+    """The nearest shares that leave every rank at least one of `n_units` units: for a refusal to name. Refused when
+    there are fewer units than ranks (no such shares)."""
+    if n_units < len(shares):
+        raise PlanError(f"{n_units} whole unit(s) cannot give each of {len(shares)} ranks one: use at most {n_units} rank(s).")
     got = counts(n_units, shares)
     while min(got) < 1:
         got[got.index(max(got))] -= 1

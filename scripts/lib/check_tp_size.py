@@ -7,13 +7,14 @@ encoders by tp2.te_plan), over several files in one process, so torch is importe
 SPLIT: the launcher's --split ("" for even). EXPLICIT 1: the files were named (--ckpt), each must split; 0: a scan of
 the model folders, where only MiniMax-H3 DiTs and text encoders count and, of each kind, one that splits is enough
 (the others get a warning). Exit 0: fits (or nothing to judge); 2: refused, with each file's reason and what works on
-stderr. Run with the pack's folder on PYTHONPATH.
+stderr; 3: a file's check ran past CHECK_TIMEOUT_S (named on stderr). Run with the pack's folder on PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from tp2.checkpoint import CheckpointLayout
 from tp2.errors import TP2Error
@@ -21,6 +22,20 @@ from tp2.h3_layout import find_prefix
 from tp2.plan import resolve_plan
 from tp2.split import is_even, named, parse_split
 from tp2.te_plan import is_h3_text_encoder, resolve_te_plan
+
+CHECK_TIMEOUT_S = 60.0  # a header read takes well under a second: a check this long is stuck (a stalled mount, a bug)
+
+
+def _watchdog(path: str) -> threading.Timer:
+    """Started around one file's check: past CHECK_TIMEOUT_S it names the file and ends the process (exit 3)."""
+
+    def expire() -> None:
+        print(f"start-tp2: checking {path} took more than {CHECK_TIMEOUT_S:.0f} s: stopped", file=sys.stderr, flush=True)
+        os._exit(3)
+
+    timer = threading.Timer(CHECK_TIMEOUT_S, expire)
+    timer.daemon = True
+    return timer
 
 
 def judge(path: str, tp_size: int, shares, explicit: bool) -> tuple[str | None, str | None]:
@@ -48,7 +63,10 @@ def main(argv: list[str]) -> int:
         return 2
     fits, refused = {"dit": [], "encoder": []}, {"dit": [], "encoder": []}
     for path in paths:
+        watchdog = _watchdog(path)
+        watchdog.start()
         kind, why = judge(path, tp_size, shares, explicit)
+        watchdog.cancel()
         if kind:
             (refused[kind].append(f"{os.path.basename(path)}: {why}") if why else fits[kind].append(os.path.basename(path)))
     how = f"tp_size {tp_size}" + ("" if is_even(shares) else f", split {named(shares)}")

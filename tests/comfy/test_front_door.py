@@ -228,3 +228,72 @@ def test_a_forged_future_order_costs_no_prompt_and_a_malformed_one_is_refused(fr
         assert all(h["status"]["status_str"] == "success" for h in hs), [error_text(h) for h in hs]
         a, b = outputs(front, 0, f"after_forged{i}"), outputs(front, 1, f"after_forged{i}")
         assert len(a) == 2 and a == b
+
+
+def _restart_rank0(front) -> None:
+    res = subprocess.run(
+        [os.path.join(ROOT, "scripts", "start-tp2.sh"), "restart", "--run-dir", str(front["run"]), "--rank", "0"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert res.returncode == 0 and "rank 0: up again" in res.stdout, res.stdout + res.stderr
+
+
+def _journal_line(front, row: list, sign: bool = True) -> str:
+    from tp2.signing import signed
+
+    text = json.dumps(row)
+    return (signed(front["secret"], "tp2/queue_journal", text) if sign else f"{text}|{'0' * 32}") + "\n"
+
+
+def test_a_damaged_queue_journal_fails_what_it_cannot_run_and_the_pack_still_loads(front):
+    """Rank 0 restarted over a journal holding, after the real one (with the record of a prompt that finished before):
+    a signed pending prompt, an injected unsigned one, a signed entry of the wrong shape, the prompt that was running,
+    and a line cut short (issue 39: a wrong shape disabled the pack; a cut file dropped its prompts without a word).
+    The finished prompt's record survives, the pending prompt runs on both ranks, each of the others gets a failed
+    record naming why, the file is moved aside, and the journal rank 0 writes next is readable by this user only."""
+    import uuid
+
+    journal = front["run"] / "rank0.queue.json"
+    done = call(front["urls"][0], "/prompt", {"prompt": workflow("before_restart")})[1]["prompt_id"]
+    assert wait_done(front["urls"][0], done)["status"]["status_str"] == "success"
+    assert oct(journal.stat().st_mode & 0o777) == "0o600"
+    ids = {k: str(uuid.uuid4()) for k in ("pending", "unsigned", "shape", "running", "cut")}
+    cut = _journal_line(front, ["pending", 104, ids["cut"], workflow("cut"), {}, ["7", "8"]])
+    journal.write_text(
+        journal.read_text()
+        + _journal_line(front, ["pending", 100, ids["pending"], workflow("from_journal"), {}, ["7", "8"]])
+        + _journal_line(front, ["pending", 101, ids["unsigned"], workflow("injected"), {}, ["7", "8"]], sign=False)
+        + _journal_line(front, ["pending", 102, ids["shape"], "not a prompt", {}, ["7", "8"]])
+        + _journal_line(front, ["running", 103, ids["running"], workflow("was_running"), {}, ["7", "8"]])
+        + cut[: len(cut) // 2]
+    )
+    _restart_rank0(front)
+    assert call(front["urls"][0], f"/history/{done}")[1][done]["status"]["status_str"] == "success"
+    for u in front["urls"]:
+        assert wait_done(u, ids["pending"], timeout=90)["status"]["status_str"] == "success"
+    assert outputs(front, 0, "from_journal") == outputs(front, 1, "from_journal") != {}
+    expected = {
+        "unsigned": "its signature does not verify: rank 0 of this run did not write it",
+        "shape": "an entry of a shape the pack does not write",
+        "running": "rank 0's process ended while this prompt ran",
+        "cut": "not a journal entry (cut short, or not written by the pack)",
+    }
+    for key, why in expected.items():
+        h = wait_done(front["urls"][0], ids[key], timeout=10)
+        assert h["status"]["status_str"] == "error" and why in error_text(h), (key, error_text(h))
+    assert outputs(front, 0, "injected") == {} and outputs(front, 1, "injected") == {}
+    assert len(list(front["run"].glob("rank0.queue.json.unreadable-*"))) == 1
+    assert "the queue journal" in (front["run"] / "rank0.log").read_text()
+    assert oct(journal.stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("content", ["[]", "", '{"running": [], "pending": [[1]]}'], ids=["list", "empty", "old_shape"])
+def test_a_journal_of_another_shape_never_disables_the_pack(front, content):
+    """`[]` in the journal made the pack fail to load on the restarted rank 0 ("list index out of range"), so every H3
+    prompt was refused (issue 39). Whatever it holds, rank 0 comes back with the pack and runs an H3 prompt."""
+    (front["run"] / "rank0.queue.json").write_text(content)
+    _restart_rank0(front)
+    status, body = call(front["urls"][0], "/prompt", {"prompt": workflow(f"after_{len(content)}")})
+    assert status == 200, body
+    for u in front["urls"]:
+        assert wait_done(u, body["prompt_id"], timeout=90)["status"]["status_str"] == "success"

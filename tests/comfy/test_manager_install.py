@@ -1,9 +1,11 @@
 """The ComfyUI-Manager way, from a fresh clone, as the README writes it: a ComfyUI with its own virtualenv (torch and
 ComfyUI's requirements, no pack), the pack cloned into its custom_nodes/ and its requirements installed with pip into
-that virtualenv. scripts/start-tp2.sh --tp-size 2 --cpu then runs both ranks under that virtualenv's Python (said in
-its first lines), scripts/tp2-submit finds that Python by itself and proves both ranks wrote the same bytes of the
-tiny demo workflow, and no second torch is installed anywhere: the virtualenv's own folder holds none (it sees the
-suite's packages through a .pth file, so nothing is downloaded) and the clone has no .venv."""
+that virtualenv; then, from the pack's folder, with nothing remembered, no --comfyui and no PYTHON: scripts/demo.sh
+runs; scripts/start-tp2.sh --tp-size 2 --cpu finds that ComfyUI and runs both ranks under that virtualenv's Python (said
+in its first lines); scripts/tp2-submit finds that Python by itself and proves both ranks wrote the same bytes of the
+tiny demo workflow; a fixed MASTER_PORT comes up again right after `stop`; and no second torch is installed anywhere:
+the virtualenv's own folder holds none (it sees the suite's packages through a .pth file, so nothing is downloaded)
+and the clone has no .venv."""
 
 from __future__ import annotations
 
@@ -51,19 +53,31 @@ def test_the_manager_way_runs_under_comfyuis_own_virtualenv(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX", "COMFYUI_DIR", "TP2_VENV")}
     env["PATH"] = "/usr/bin:/bin"  # the user's python3, not this suite's
+    demo = subprocess.run([os.path.join(pack, "scripts", "demo.sh"), "--cpu", "--base-port", str(free_port())], env=env, cwd=pack,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert f"ComfyUI: {comfy} (the ComfyUI whose custom_nodes holds the pack)" in demo.stdout, demo.stdout
+    assert f"Python: {venv_py} (ComfyUI's own venv)" in demo.stdout, demo.stdout
+    assert not glob.glob(os.path.join(comfy, "models", "*", "*.part*")), "the demo left partial files among the models"
     run_dir, port = str(tmp_path / "tp2-run"), free_port()
+    env["MASTER_PORT"] = str(free_port(0))  # the user's fixed port: a start right after `stop` must get it again
     launcher = os.path.join(pack, "scripts", "start-tp2.sh")
     # --base-dir: the copy links ComfyUI's code, whose folder_paths resolves its real folder; a real checkout needs none
-    start = subprocess.run([launcher, "--comfyui", comfy, "--base-dir", comfy, "--tp-size", "2", "--cpu", "--run-dir", run_dir,
-                            "--base-port", str(port), "--", "--disable-api-nodes"], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    start = [launcher, "--base-dir", comfy, "--tp-size", "2", "--cpu", "--run-dir", run_dir, "--base-port", str(port), "--", "--disable-api-nodes"]  # fmt: skip
+    first = subprocess.run(start, env=env, capture_output=True, text=True, timeout=300, cwd=pack)
     try:
-        assert start.returncode == 0, start.stdout + start.stderr
-        assert f"Python: {venv_py} (ComfyUI's own venv)" in start.stdout, start.stdout
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert f"ComfyUI: {comfy} (the ComfyUI whose custom_nodes holds the pack)" in first.stdout, first.stdout
+        assert f"Python: {venv_py} (ComfyUI's own venv)" in first.stdout, first.stdout
         submit = subprocess.run([os.path.join(pack, "scripts", "tp2-submit"), os.path.join(pack, "workflows", "api", "h3_tp2_tiny_demo.json"),
                                  "--run-dir", run_dir, "--out", str(tmp_path / "outputs")], env=env, capture_output=True, text=True,
                                 cwd=pack, timeout=300)  # fmt: skip
         assert submit.returncode == 0, submit.stdout + submit.stderr
         assert submit.stdout.count(": identical") == 2 and "DIFFERENT" not in submit.stdout, submit.stdout
+        stop = subprocess.run([launcher, "stop", "--run-dir", run_dir], env=env, capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        again = subprocess.run(start, env=env, capture_output=True, text=True, timeout=300, cwd=pack)  # at once, same ports
+        assert again.returncode == 0, again.stdout + again.stderr
     finally:
         subprocess.run([launcher, "stop", "--run-dir", run_dir], env=env, capture_output=True, timeout=120)
     assert not os.path.exists(os.path.join(pack, ".venv")), "a second virtualenv was made for the pack"

@@ -247,3 +247,21 @@ def test_demo_launcher_submit_status_stop(fresh):
     assert not [pid for _, pid, _ in ranks if _alive(pid)], f"ranks still running after stop: {ranks}"
     left = subprocess.run(["pgrep", "-f", fresh["root"]], capture_output=True, text=True).stdout.split()
     assert not [p for p in left if int(p) != os.getpid()], f"processes of the fresh clone left running: {left}"
+
+
+def test_newest_allowed_comfy_kitchen_imports_in_a_clean_venv(tmp_path):
+    """A fresh install gets what the pack imports: a clean virtualenv with torch (the CPU build, ComfyUI's part) and the
+    pack's requirements.txt at their newest allowed versions (pip's choice, not ComfyUI's pins) imports every pack
+    module that imports comfy-kitchen. comfy-kitchen 0.2.40 imports `packaging` without declaring it."""
+    venv = str(tmp_path / "venv")
+    py = os.path.join(venv, "bin", "python")
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    torch = subprocess.run([*pip, "torch==2.13.0"], capture_output=True, text=True, timeout=900)  # the CPU file on disk
+    assert torch.returncode == 0, torch.stderr[-2000:]
+    reqs = subprocess.run([*pip, "--upgrade", "-r", os.path.join(ROOT, "requirements.txt")], capture_output=True, text=True, timeout=600)
+    assert reqs.returncode == 0, reqs.stderr[-2000:]
+    probe = "import importlib.metadata as m, comfy_kitchen, kernels.int8_gemm, kernels.int8_split; print(m.version('comfy-kitchen'))"
+    res = subprocess.run([py, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"the pack does not import in a clean install:\n{res.stderr[-3000:]}"
+    print(f"\n[clean venv] comfy-kitchen {res.stdout.strip()} imports with the pack's requirements alone")

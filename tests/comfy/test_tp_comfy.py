@@ -259,3 +259,27 @@ def test_unsplittable_tp_size_refused(tp4):
         assert h["status"]["status_str"] == "error" and "PlanError" in msg, msg
         assert "local K (128) is not a multiple of its ConvRot group (256)" in msg and "Use tp_size 1 or 2." in msg
     ok(tp4, run(tp4, tiny_workflow(FLOAT, COND, prefix="tp4_after_refusal")))
+
+
+def test_a_rank_cache_file_cut_short_costs_no_prompt_and_is_named(tp2, models, precut):
+    """Rank 1's cache file cut short while its slices are in use (a mapped file crashed a rank with SIGBUS; the ranks
+    without dynamic VRAM now read it), then at the next load (it failed every prompt with "the checkpoint is truncated",
+    blaming the intact checkpoint, issue 39): the rank names the cache file, deletes it and reads the checkpoint, and
+    the bytes equal those from the whole cache file."""
+    unet = sharded(INT8)
+    (path,) = [os.path.join(precut, "rank_cache", f) for f in os.listdir(os.path.join(precut, "rank_cache"))
+               if f.startswith(unet[: -len(".safetensors")] + ".") and f.endswith(".tp2-rank1.safetensors")]  # fmt: skip
+    try:
+        first = ok(tp2, run(tp2, tiny_workflow(unet, COND, seed=11, prefix="cut_cache_a")))
+        os.truncate(path, os.path.getsize(path) // 2)
+        ok(tp2, run(tp2, tiny_workflow(unet, COND, seed=12, prefix="cut_cache_b")))  # the model in memory: runs
+        assert tp2[0].post("/free", {"unload_models": True, "free_memory": True})[0] == 200
+        time.sleep(1.0)
+        again = ok(tp2, run(tp2, tiny_workflow(unet, COND, seed=11, prefix="cut_cache_c")))
+        log = open(tp2[1].log_path).read()
+        assert f"rank cache file {path} cannot be used" in log and "reading from the checkpoint" in log, tp2[1].tail()
+        assert "checkpoint is truncated" not in log
+        for kind in ("video", "audio"):
+            assert torch.equal(latent(first[0], kind), latent(again[0], kind)), kind
+    finally:
+        cut_ahead(models[f"diffusion_models/{unet}"], 2, 1, precut)  # as the other tests expect it

@@ -12,10 +12,10 @@ import os
 
 import pytest
 import torch
+from conftest import COMFYUI_DIR
 from harness import run_ranks, values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR", os.path.expanduser("~/ComfyUI"))
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(COMFYUI_DIR, "comfy", "ops.py")), reason=f"needs ComfyUI at {COMFYUI_DIR}")
 M, K, N = 37, 64, 48  # an odd row count: the reduce-scatter pads
 

@@ -54,6 +54,25 @@ def test_mismatch_refused_on_every_rank_then_next_prompt_works():
         assert total == 2.0
 
 
+def _split_mismatch(tp_rank, tp_size):
+    from tp2.errors import RankMismatchError
+    from tp2.handshake import model_fingerprint
+
+    plan = ["9a347807", "94918c4c"][tp_rank]  # a split changes the plan: its hash says nothing to a user
+    try:
+        _session().agree("prompt-s/sampler", model_fingerprint(plan, "ckpt", tp_size, [(3, 1), (1, 1)][tp_rank]), timeout_s=20)
+        return "agreed on different splits?!"
+    except RankMismatchError as e:
+        return str(e)
+
+
+def test_ranks_started_with_different_splits_are_refused_naming_the_split():
+    """Issue 39: this was "'plan' (rank 0: 9a347807..., rank 1: 94918c4c...)", never saying "split"."""
+    for msg in values(run_ranks(_split_mismatch, 2)):
+        assert "ranks were started with different splits" in msg and "split 3:1 on rank 0, even on rank 1" in msg, msg
+        assert "'plan'" not in msg and "--split" in msg, msg
+
+
 def _rank0_waits_alone_then_agrees(tp_rank, tp_size, go):
     from tp2.collectives import all_reduce
     from tp2.errors import PeerLostError

@@ -12,10 +12,10 @@ import os
 import sys
 
 import pytest
+from conftest import COMFYUI_DIR
 from harness import run_ranks, values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-COMFYUI_DIR = os.environ.get("COMFYUI_DIR", os.path.expanduser("~/ComfyUI"))
 FIXTURE = os.path.join(ROOT, "tests", "comfy", "fixtures", "h3_small_vae", "__init__.py")
 
 pytestmark = pytest.mark.skipif(

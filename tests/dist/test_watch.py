@@ -236,8 +236,6 @@ def test_the_store_does_not_grow_with_the_prompts():
 def _forgery(tp_rank, tp_size):
     import torch.distributed as dist
 
-    from tp2.errors import RankMismatchError
-
     s = _session()
     s.begin_run("run-f")
     if tp_rank == 1:
@@ -255,25 +253,28 @@ def _forgery(tp_rank, tp_size):
     else:
         time.sleep(3.5)
     stopped = s.stop_reason()
-    try:
-        s._record("tp2/rv/run-f/x/rank1", b'{"prompt": "text the forger wants shown"}')
-        refused = "accepted?!"
-    except RankMismatchError as e:
-        refused = str(e)
+    if tp_rank == 0:  # rank 1 waits here with its record written; the forger replaces it before rank 0 arrives
+        time.sleep(0.5)
+        forger.set("tp2/rv/run-f/forged/rank1", '{"x": "text the forger wants compared"}')
+    met = s.agree("run-f/forged", {"x": "1"}, timeout_s=30) and "agreed"
     forged_epoch = s.cache_epoch()
     s.agree("run-f/read", {"x": "1"}, timeout_s=30)
     bumped = s.cache_epoch(bump=True) if tp_rank == 1 else None  # a rank's raise writes over the forgery
     s.agree("run-f/end", {"x": "1"}, timeout_s=30)
-    return stopped, refused, (signed_epoch, forged_epoch, bumped, s.cache_epoch())
+    return stopped, met, (signed_epoch, forged_epoch, bumped, s.cache_epoch())
 
 
 def test_a_forged_heartbeat_rendezvous_record_or_cache_epoch_changes_nothing():
+    """A forged heartbeat is ignored; a forged rendezvous record is ignored and its rank writes its own again (it
+    failed every prompt before, issue 39); a forged cache epoch reads as a raise (every rank clears its node cache:
+    an epoch overwritten after /free lost a prompt while it was ignored) and is written over, signed."""
     out = values(run_ranks(_forgery, 2, timeout_s=60))
-    for stopped, refused, _ in out:
+    for stopped, met, _ in out:
         assert stopped is None, stopped  # the forged heartbeat did not stop the run
-        assert "was not written by a rank of this set" in refused and "forger" not in refused, refused
-    assert [epochs[:2] for _, _, epochs in out] == [(1, None), (1, None)], out  # the forged epoch is not read as a raise
-    assert out[1][2][2] == 2 and out[0][2][3] == out[1][2][3] == 2, out  # the next signed raise counts from the last
+        assert met == "agreed", met
+    assert [epochs[0] for _, _, epochs in out] == [1, 1] and all(epochs[1] >= 2 for _, _, epochs in out), out
+    final = max(out[0][2][1], out[1][2][1]) + 1  # rank 1's signed raise counts from the last
+    assert out[1][2][2] == final and out[0][2][3] == out[1][2][3] == final, out
 
 
 def test_a_peer_whose_port_refuses_is_gone_and_one_that_only_listens_is_not():

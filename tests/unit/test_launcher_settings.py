@@ -288,6 +288,42 @@ def test_native_windows_is_refused_at_once_with_the_wsl2_pointer(tmp_path):
     assert took < 10
 
 
+@pytest.mark.parametrize("args", [("--split", "--cpu"), ("--cpu", "--split"), ("--ckpt", "--split", "3:1")])
+def test_an_option_without_its_value_is_refused(tmp_path, args):
+    """`--split --cpu` took --cpu as the split before (issue 39): an option that takes a value refuses a missing one."""
+    res, _ = _launch(tmp_path, _comfyui_with_pack(tmp_path), *args)
+    assert (
+        res.returncode == 1 and res.stderr == f"start-tp2: {args[0] if args[0] != '--cpu' else '--split'} needs a value (see --help)\n"
+    ), res.stderr
+
+
+def test_a_split_with_fewer_units_than_ranks_is_refused_fast(tmp_path):
+    """8 heads of 32 in 256-wide ConvRot groups are one unit: 3:1 cannot give rank 1 one. tp2.split.workable moved
+    that unit back and forth for ever (issue 39); now the launcher refuses it, naming the width, before any rank."""
+    comfy = _comfyui_with_pack(tmp_path, [("h8.safetensors", ("--int8", "--heads", "8", "--head-dim", "32"))])
+    res, took = _launch(tmp_path, comfy, "--cpu", "--split", "3:1")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "h8.safetensors: The split 3:1 leaves a rank no whole unit of the DiT's heads (8 = 1 units of 8)" in res.stderr
+    assert "No uneven split of 2 ranks can" in res.stderr and "refused before starting any rank" in res.stderr, res.stderr
+    from conftest import assert_refused_quickly
+
+    assert_refused_quickly(took)
+
+
+def test_a_check_that_does_not_end_names_its_file(tmp_path):
+    """A file whose read blocks (a FIFO with no writer, as a stalled mount would) is named once the check's watchdog
+    expires (CHECK_TIMEOUT_S, shortened here), and the check ends with 3, which the launcher refuses."""
+    fifo = tmp_path / "stalled.safetensors"
+    os.mkfifo(fifo)
+    code = "import sys, check_tp_size as c; c.CHECK_TIMEOUT_S = 1.0; sys.exit(c.main(['2', '', '1', sys.argv[1]]))"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.path.join(ROOT, 'scripts', 'lib')}")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code, str(fifo)], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3 and f"checking {fifo} took more than 1 s: stopped" in res.stderr, res.stderr
+    assert time.monotonic() - t0 < 30
+    assert "3) die " in open(LAUNCHER).read()  # the launcher's refusal of exit 3
+
+
 def test_check_on_the_cpu_answers_in_seconds_without_comfyui_or_model_files(tmp_path):
     """`start-tp2.sh check --cpu`: no ComfyUI started (a stand-in folder, no custom_nodes, no models), no run folder;
     each rank's block at its share, the link from a real gloo all-reduce between two processes, the capacity table,

@@ -224,3 +224,81 @@ def test_a_stopped_cut_leaves_nothing_behind_once_the_next_cut_runs(tiny_int8, t
     assert shard.origin.startswith("rank cache ")
     assert _cache_files(cache) == [partial[: -len(".partial")]]
     assert any("a cut that was stopped before it ended" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.999, 0.001, 0.0, "header"], ids=["half", "last_bytes", "in_header", "empty", "malformed"])
+def test_a_cache_file_cut_short_is_deleted_and_read_again_naming_it(tiny_int8, tmp_path, caplog, keep):
+    """A cache file cut short (issue 39: every prompt failed with "the checkpoint is truncated", blaming the intact
+    checkpoint) is treated as a digest mismatch: the warning names the cache file, the file is cut again, the slices
+    equal shard-on-read. Read by tp2's reader (pread), as ranks without dynamic VRAM do: no mapping, no SIGBUS."""
+    from tp2.safetensors_io import read_tensors
+
+    cache = str(tmp_path / "cache")
+    open_rank_shard(tiny_int8, 1, 2, cache, read_tensors)
+    (name,) = _cache_files(cache)
+    path = os.path.join(cache, "rank_cache", name)
+    if keep == "header":  # a header of the right length that is not a safetensors header
+        with open(path, "r+b") as f:
+            n = int.from_bytes(f.read(8), "little")
+            f.write(b'{"x": {}}'.ljust(n))  # valid JSON, no dtype: a KeyError in the parser before
+    else:
+        os.truncate(path, int(os.path.getsize(path) * keep))
+    with caplog.at_level(logging.WARNING, logger="tp2.rank_cache"):
+        shard = open_rank_shard(tiny_int8, 1, 2, cache, read_tensors)
+    assert f"rank cache file {path} cannot be used" in caplog.text and "cutting it again" in caplog.text, caplog.text
+    assert "checkpoint is truncated" not in caplog.text
+    _equal(shard.state_dict, shard_state_dict(tiny_int8, 2, 1)[0])
+    assert shard.origin.startswith("rank cache ") and os.path.getsize(path) > 1000
+
+
+def test_a_cache_file_cut_short_after_its_check_fails_its_read_not_the_process(tiny_int8, tmp_path, caplog, monkeypatch):
+    """Cut short between the check and the read (another process, while this one loads): the read raises, the file is
+    deleted and, when cutting is off, the slices come from the checkpoint."""
+    from tp2.safetensors_io import read_tensors
+
+    cache = str(tmp_path / "cache")
+    open_rank_shard(tiny_int8, 0, 2, cache, read_tensors)
+    (name,) = _cache_files(cache)
+    path = os.path.join(cache, "rank_cache", name)
+
+    def cut_then_read(p):
+        os.truncate(p, os.path.getsize(p) // 2)
+        return read_tensors(p)
+
+    with caplog.at_level(logging.WARNING, logger="tp2.rank_cache"):
+        shard = open_rank_shard(tiny_int8, 0, 2, cache, cut_then_read, cut=False)
+    assert f"rank cache file {path} cannot be used ('{path}': Unexpected end of file" in caplog.text, caplog.text
+    assert "reading from the checkpoint" in caplog.text and shard.origin == "shard-on-read" and _cache_files(cache) == []
+    _equal(shard.state_dict, shard_state_dict(tiny_int8, 2, 0)[0])
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 256 KiB tmpfs (root only): smaller than any rank's cut of the tiny checkpoints."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where = tmp_path / "full"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], check=True)
+    yield str(where)
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_disk_that_fills_while_cutting_is_one_line_and_leaves_nothing(tiny_int8, full_disk, monkeypatch, capsys, caplog):
+    """The free-space check passed (another writer filled the disk after it, shown here by a negative spare): the
+    write's ENOSPC is one warning and one error line, not a traceback, and no .partial holds the space."""
+    monkeypatch.setattr(rank_cache, "SPARE_BYTES", -(1 << 40))
+    assert rank_cache.main([tiny_int8, "--tp-size", "2", "--tp-rank", "0", "--cache-dir", full_disk]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: not enough free disk in ") and "Traceback" not in err, err
+    assert "failed ([Errno 28] No space left on device)" in caplog.text, caplog.text
+    assert os.listdir(os.path.join(full_disk, "rank_cache")) == []
+
+
+def test_the_cli_on_a_full_disk_says_so_in_one_line(tiny_int8, full_disk):
+    res = subprocess.run(
+        [sys.executable, "-m", "tp2.rank_cache", tiny_int8, "--tp-size", "2", "--cache-dir", full_disk],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "GB needed" in res.stderr, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("error: not enough free disk in "), res.stderr

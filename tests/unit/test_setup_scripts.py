@@ -45,7 +45,7 @@ def run(cmd, home, cwd, **env):
 def resolved(pack, home, *explicit, **env) -> list[str]:
     res = run(["bash", str(pack / "scripts" / "lib" / "comfyui_dir.sh"), "--print", *explicit], home, pack, **env)
     assert res.returncode == 0, res.stderr
-    return res.stdout.splitlines()
+    return res.stdout.splitlines()[:2]
 
 
 def test_precedence_flag_env_remembered_default(pack, tmp_path):
@@ -56,6 +56,26 @@ def test_precedence_flag_env_remembered_default(pack, tmp_path):
     assert resolved(pack, home) == ["/remembered/ComfyUI", f"remembered by scripts/install.sh in {pack}/.comfyui-dir"]
     assert resolved(pack, home, COMFYUI_DIR="/from/env") == ["/from/env", "$COMFYUI_DIR"]
     assert resolved(pack, home, "/from/flag", COMFYUI_DIR="/from/env") == ["/from/flag", "--comfyui"]
+
+
+def test_the_comfyui_holding_the_pack_and_its_python(tmp_path):
+    """The pack in a ComfyUI's custom_nodes/ uses that ComfyUI (over the remembered one) and its venv/'s Python (over
+    the pack's .venv); $COMFYUI_DIR and $PYTHON still win."""
+    home, comfy = tmp_path / "home", tmp_path / "ComfyUI"
+    home.mkdir()
+    stand_in_comfyui(comfy)
+    pack = comfy / "custom_nodes" / "minimax-h3-tp2"
+    shutil.copytree(os.path.join(ROOT, "scripts"), pack / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    (pack / ".comfyui-dir").write_text("/remembered/ComfyUI\n")
+    (comfy / "venv" / "bin").mkdir(parents=True)
+    (comfy / "venv" / "bin" / "python").symlink_to(sys.executable)
+    rule = ["bash", str(pack / "scripts" / "lib" / "comfyui_dir.sh"), "--print"]
+    clean = {k: v for k, v in os.environ.items() if k not in ("COMFYUI_DIR", "PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX")}
+    out = subprocess.run(rule, env=clean | {"HOME": str(home)}, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == [str(comfy), "the ComfyUI whose custom_nodes holds the pack", f"{comfy}/venv/bin/python", "ComfyUI's own venv"]
+    out = subprocess.run(rule, env=clean | {"HOME": str(home), "COMFYUI_DIR": "/from/env", "PYTHON": "/my/python"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+    assert out == ["/from/env", "$COMFYUI_DIR", "/my/python", "$PYTHON"]
 
 
 @pytest.mark.slow  # install.sh twice: about 30 s on 2 cores, most of it importing torch
@@ -137,15 +157,16 @@ def test_demo_port_from_env_or_flag(tmp_path, env, args, says):
     assert res.returncode == 1 and says in res.stderr, res.stderr
 
 
-def test_submit_without_aiohttp_or_venv_says_what_to_do(tmp_path):
-    """tp2-submit under a python3 without aiohttp, and no virtualenv where it looks: a clear message, exit 2."""
+def test_submit_without_aiohttp_or_venv_says_what_to_do(pack, tmp_path):
+    """tp2-submit under a python3 without aiohttp, and no ComfyUI venv/ nor pack .venv by the rule: a clear message, exit 2."""
     base = os.path.join(sys.base_prefix, "bin", "python3")
     if subprocess.run([base, "-c", "import aiohttp"], capture_output=True).returncode == 0:
         pytest.skip(f"{base} has aiohttp")
-    env = {k: v for k, v in os.environ.items() if k != "TP2_SUBMIT_IN_VENV"} | {"TP2_VENV": str(tmp_path / "no-venv")}
-    res = subprocess.run([base, os.path.join(ROOT, "scripts", "tp2-submit"), "--help"], env=env, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("TP2_SUBMIT_IN_VENV", "PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX", "COMFYUI_DIR")}
+    res = subprocess.run([base, str(pack / "scripts" / "tp2-submit"), "--help"], env=env | {"HOME": str(tmp_path)}, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
     assert res.returncode == 2, res.stdout + res.stderr
-    assert f"there is no virtualenv at {tmp_path}/no-venv/bin/python" in res.stderr and "Run scripts/install.sh" in res.stderr, res.stderr
+    assert "needs the Python package aiohttp" in res.stderr and "run scripts/install.sh" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
 
 

@@ -51,3 +51,16 @@ def test_workable_gives_every_rank_a_unit():
     assert workable(3, (10, 1)) == (2, 1)
     assert workable(4, (1, 1, 10)) == (1, 1, 2)
     assert workable(28, (3, 2)) == (17, 11)
+
+
+def test_fewer_units_than_ranks_is_refused_not_searched_for_ever():
+    """workable() moved the only unit between the ranks for ever (issue 39); now it refuses, and the plan's refusal
+    names the width."""
+    with pytest.raises(PlanError, match=r"1 whole unit\(s\) cannot give each of 2 ranks one"):
+        workable(1, (3, 1))
+    from tp2.split import refusal
+
+    assert refusal((3, 1), "DiT's heads", 8, 8) == (
+        "The split 3:1 leaves a rank no whole unit of the DiT's heads (8 = 1 units of 8). "
+        "No uneven split of 2 ranks can: leave --split out (the even split), or use at most 1 rank(s)."
+    )
