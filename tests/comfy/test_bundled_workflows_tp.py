@@ -318,7 +318,7 @@ def test_a_rank_that_decodes_other_bytes_still_writes_the_same_mp4(nudged):
         log = _log(s)
         for stage in ("MiniMaxH3VideoVAE decode", "MiniMaxH3AudioVAE decode"):
             assert f"{stage}: rank(s) 1 decoded other bytes than rank 0; every rank now has rank 0's output" in log, s.tail()
-        assert "video file: rank(s) 1 wrote other bytes than rank 0; every rank now has rank 0's file" in log, s.tail()
+        assert "SaveVideo files: rank(s) 1 wrote other bytes than rank 0; every rank now has rank 0's files" in log, s.tail()
 
 
 def _decode_only(prefix: str) -> dict:

@@ -146,7 +146,7 @@ def test_printed_submit_hint_works_as_printed(ranks, tmp_path):
     cmd = hint.replace("WORKFLOW.json", TINY) + f" --out {tmp_path / 'out'} --quiet"
     res = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, cmd + "\n" + res.stdout + res.stderr
-    assert res.stdout.count("identical") == 2, res.stdout
+    assert res.stdout.count("identical") == 3, res.stdout
     up = subprocess.run(status, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert up.returncode == 0 and up.stdout.count(": up, http://") == 2, up.stdout + up.stderr
 
