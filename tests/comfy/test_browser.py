@@ -103,13 +103,28 @@ async def _in_browser(url: str, profile: str, action) -> object:
         browser.wait(10)
 
 
-async def _queue_from_ui(url: str, workflow: dict, profile: str) -> None:
+SHOWN_WEBP = """(() => {
+  const node = window.app.graph._nodes.find(n => n.type === 'SaveAnimatedWEBP');
+  const srcs = [...(node?.imgs ?? []).map(i => i.src), ...[...document.querySelectorAll('img')].map(i => i.src)];
+  return srcs.filter(s => s.includes('.webp')).map(s => new URL(s).searchParams.get('filename'));
+})()"""
+
+
+async def _queue_from_ui(url: str, workflow: dict, profile: str) -> list[str]:
+    """Load `workflow` into rank 0's canvas and press Queue; the .webp files the page then shows (up to 120 s)."""
+
     async def queue(page):
         await page.eval(f"window.app.loadGraphData({json.dumps(workflow)})")
         assert await page.eval("window.app.graph._nodes.length") == len(workflow["nodes"])
         await page.eval("window.app.queuePrompt(0, 1)")
+        for _ in range(600):
+            shown = await page.eval(SHOWN_WEBP)
+            if shown:
+                return shown
+            await asyncio.sleep(0.2)
+        return []
 
-    await _in_browser(url, profile, queue)
+    return await _in_browser(url, profile, queue)
 
 
 async def _banner_text(url: str, profile: str) -> str | None:
@@ -138,7 +153,12 @@ def _latents(run, rank: int) -> dict[str, bytes]:
 
 def test_queue_in_rank0_browser_runs_on_every_rank(ranks):
     workflow = json.load(open(os.path.join(ROOT, "workflows", "h3_tp2_tiny_demo.json")))
-    asyncio.run(_queue_from_ui(ranks["urls"][0], workflow, str(ranks["tmp"] / "chromium-profile")))
+    shown = asyncio.run(_queue_from_ui(ranks["urls"][0], workflow, str(ranks["tmp"] / "chromium-profile")))
+    webps = [sorted(p.name for p in (ranks["run"] / f"rank{r}" / "output").glob("h3_tiny_demo_*.webp")) for r in (0, 1)]
+    assert shown and set(shown) <= set(webps[0]), f"rank 0's page shows no animated WEBP of the run: {shown}, saved {webps}"
+    assert webps[0] == webps[1] and all(
+        (ranks["run"] / "rank0" / "output" / n).read_bytes() == (ranks["run"] / "rank1" / "output" / n).read_bytes() for n in webps[0]
+    ), "the ranks' animated WEBPs differ"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         outs = [_latents(ranks["run"], r) for r in (0, 1)]
