@@ -243,8 +243,11 @@ async def _panel_and_status_run(url: str, workflow: dict, profile: str, shot) ->
                 seen["status"] = status
                 break
             await asyncio.sleep(0.1)
-        await asyncio.sleep(1.5)  # the panel's next poll after the run
-        seen["after"] = await page.eval(RANK_ROWS)
+        for _ in range(150):  # the run ends (the decode and the saves come after the status node): the panel's next polls
+            await asyncio.sleep(0.2)
+            seen["after"] = await page.eval(RANK_ROWS)
+            if all(r["running"] == "false" for r in seen["after"]):
+                break
         seen["prompt_ids"] = await page.eval("window.__tp2_started")
         seen["dialogs"] = await page.eval(DIALOGS)
         for _ in range(3):  # a fresh profile's template browser may have opened over the canvas
