@@ -257,6 +257,7 @@ def main(argv=None) -> int:
         print(f"{a.conditioning}: cond [1, {a.tokens}, {a.text_dim}], token_tags [{a.tokens}]")
         return 0
     if a.vae:
+        os.makedirs(os.path.dirname(os.path.abspath(a.vae)), exist_ok=True)
         write_vae(a.vae, a.seed)
         print(f"{a.vae}: a small video VAE, {os.path.getsize(a.vae) / 1e6:.1f} MB")
         return 0
