@@ -44,10 +44,11 @@ def nudge_output(rank: int, t: torch.Tensor) -> None:
     flat[at] += 1.0 / 255
 
 
-def nudge_metadata(rank: int, save_kwargs: dict) -> None:
-    """On a rank listed in TP2_TEST_NUDGE_RANKS: one metadata key more in a video file's save_to keyword arguments."""
+def nudge_file(rank: int, path: str) -> None:
+    """On a rank listed in TP2_TEST_NUDGE_RANKS: one byte more at the end of the output file at `path`."""
     if str(rank) in settings.value("TP2_TEST_NUDGE_RANKS"):
-        save_kwargs["metadata"] = {**(save_kwargs.get("metadata") or {}), "tp2_test_nudge": rank}
+        with open(path, "ab") as f:
+            f.write(b"\0")
 
 
 def inject_fault(rank: int, call: int | str, stop_reason=lambda: None) -> None:

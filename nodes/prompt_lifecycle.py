@@ -70,6 +70,9 @@ def _tracking_execute_async(original):
     async def execute_async(self, prompt, prompt_id, extra_data={}, execute_outputs=[]):  # noqa: B006 - ComfyUI's signature
         session = STATE.session
         mm.interrupt_current_processing(False)  # as ComfyUI does as a prompt starts: an interrupt from now on is for this one
+        # one order of output nodes on every rank (ComfyUI's comes from a set of strings, whose order differs between
+        # processes), so the steps where the ranks meet (decodes, saved files) come in one order
+        execute_outputs = sorted(execute_outputs, key=str)
         run, reset, refused, boots = await _run_id(prompt, prompt_id, extra_data, execute_outputs)
         if reset:
             log.info("%s a rank restarted, failed or freed memory since the last prompt: clearing this rank's node cache", STATE.tag)

@@ -1,12 +1,14 @@
-"""Outputs each rank computes alone (wrapped: comfy.sd.VAE.decode, VAE.decode_tiled, the video file write), made
-identical on every rank before they reach an output node.
+"""Outputs each rank computes alone, made identical on every rank: decodes (wrapped: comfy.sd.VAE.decode,
+VAE.decode_tiled) and every file an output node writes (wrapped: execution.get_output_from_returns, where ComfyUI
+reads a node's UI output, which lists its files).
 
 A VAE decode a rank runs alone (a one-chunk video, TP2_PARALLEL_VAE=0, the audio, a tiled retry after an
-out-of-memory on one rank) equals the other ranks' only if the processes round alike, and the video encoder turns
-one last-bit difference into another MP4. So after such a decode, and after a video file is written, the ranks meet
-(run.agree_step), compare a SHA-256 of the bytes, and where one differs every rank takes rank 0's. A split video
-decode (nodes/vae_decode.py) is identical by construction. A peer that never reaches the decode or the write (its
-node cache served it) leaves this rank's output as it is, with a log line that it may differ.
+out-of-memory on one rank) equals the other ranks' only if the processes round alike; files differ for other causes
+too (a video encoder, the order of a .latent's header, which safetensors takes from a per-process hash map). So after
+such a decode, and after an output node wrote files to the output folder, the ranks meet (run.agree_step), compare
+a SHA-256 of the bytes, and where one differs every rank takes rank 0's. A split video decode (nodes/vae_decode.py)
+is identical by construction. A peer that never reaches the step (its node cache served it) leaves this rank's
+output as it is, with a log line that it may differ.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import os
 import time
 
 import comfy.sd
-from comfy_api.latest import InputImpl
+import execution
+import folder_paths
 
 from ..tp2 import __version__
 from ..tp2.errors import PeerLostError
 from ..tp2.same_bytes import same_blob_everywhere, same_everywhere
-from .faults import nudge_metadata, nudge_output
+from .faults import nudge_file, nudge_output
 from .patches import PATCHES
 from .run import agree_step, in_step, step_key, tensor_digest
 from .state import STATE, log
@@ -32,7 +35,7 @@ def install_same_outputs() -> None:
         return
     PATCHES.install(comfy.sd.VAE, "decode", functools.partial(_hooked, "decode"))
     PATCHES.install(comfy.sd.VAE, "decode_tiled", functools.partial(_hooked, "tiled decode"))
-    PATCHES.install(InputImpl.VideoFromComponents, "save_to", _saved)
+    PATCHES.install(execution, "get_output_from_returns", _files_made_same)
 
 
 def _hooked(how: str, original):
@@ -61,32 +64,42 @@ def _make_same(stage: str, samples, out) -> None:
     _log_compared(stage, differ, t0, "decoded", "output")
 
 
-def _saved(original):
+def _files_made_same(original):
     @functools.wraps(original)
-    def save_to(self, path, *args, **kwargs):
-        nudge_metadata(STATE.env.tp_rank, kwargs)  # tests only (TP2_TEST_NUDGE_RANKS); inert by default
-        out = original(self, path, *args, **kwargs)
-        if isinstance(path, (str, os.PathLike)) and not STATE.prompt.alone:
-            _make_file_same(os.fspath(path))
-        return out
+    def get_output_from_returns(return_values, obj):
+        output, ui, has_subgraph = original(return_values, obj)
+        paths = _output_paths(ui)
+        if paths and not STATE.prompt.alone:
+            _make_files_same(f"{type(obj).__name__} files", paths)
+        return output, ui, has_subgraph
 
-    return save_to
+    return get_output_from_returns
 
 
-def _make_file_same(path: str) -> None:
-    """Every rank's file at `path` (each rank its own output folder) ends as rank 0's bytes."""
-    group = _meet("saved", "video file", {}, "video file")
+def _output_paths(ui: dict) -> list[str]:
+    """The files a node's UI output lists in the output folder (SaveImage, SaveLatent, SaveVideo, SaveAudio, ...)."""
+    base = folder_paths.get_output_directory()
+    entries = [e for v in ui.values() if isinstance(v, list) for e in v if isinstance(e, dict) and "filename" in e]
+    return [os.path.join(base, e.get("subfolder") or "", e["filename"]) for e in entries if e.get("type") == "output"]
+
+
+def _make_files_same(stage: str, paths: list[str]) -> None:
+    """Every rank's files at `paths` (each rank its own output folder) end as rank 0's bytes."""
+    group = _meet("saved", stage, {"files": str(len(paths))}, "files")
     if group is None:
         return
-    t0 = time.monotonic()
+    t0, differ = time.monotonic(), set()
     with in_step():
-        with open(path, "rb") as f:
-            blob, differ = same_blob_everywhere(f.read(), group)
-        if differ and group.tp_rank != 0:
-            with open(path + ".tp2-part", "wb") as f:
-                f.write(blob)
-            os.replace(path + ".tp2-part", path)
-    _log_compared("video file", differ, t0, "wrote", "file")
+        for path in paths:
+            nudge_file(STATE.env.tp_rank, path)  # tests only (TP2_TEST_NUDGE_RANKS); inert by default
+            with open(path, "rb") as f:
+                blob, differ_here = same_blob_everywhere(f.read(), group)
+            if differ_here and group.tp_rank != 0:
+                with open(path + ".tp2-part", "wb") as f:
+                    f.write(blob)
+                os.replace(path + ".tp2-part", path)
+            differ.update(differ_here)
+    _log_compared(stage, sorted(differ), t0, "wrote", "files")
 
 
 def _meet(kind: str, stage: str, fields: dict[str, str], what: str):

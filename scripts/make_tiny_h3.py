@@ -5,6 +5,7 @@
         [--ffn 512] [--layers 2] [--refiner-layers 1] [--text-dim 128] [--adaln curve|full] [--seed 0]
     python scripts/make_tiny_h3.py OUT.safetensors --full-size --int8      # the real 50-block shapes, random int8
     python scripts/make_tiny_h3.py --conditioning OUT.safetensors --text-dim 128 --tokens 16 [--seed 0]
+    python scripts/make_tiny_h3.py --vae OUT.safetensors [--seed 0]   # a 22 MB video VAE for the tiny latents
 
 The key layout is the one ComfyUI 0.33 detects as MiniMax-H3. Init is "strong" on purpose: fan-in scaled
 linears and adaln gate biases of 1, so every block moves the output by tens of percent and a wrong shard or a
@@ -172,10 +173,51 @@ def write_conditioning(path: str, text_dim: int, tokens: int, seed: int) -> None
     )
 
 
+def vae_specs() -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of ComfyUI's tiny video autoencoder (comfy/taesd/taehv.py; ComfyUI knows it by `decoder.22.bias`
+    and sizes it by `decoder.1.weight`) for H3's 24 latent channels: 8x up in space, 4x in time, 11 M weights."""
+    specs = []
+
+    def conv(p: str, n_in: int, n_out: int, k: int = 3, bias: bool = True) -> None:
+        specs.append((f"{p}.weight", (n_out, n_in, k, k)))
+        specs.extend([(f"{p}.bias", (n_out,))] if bias else [])
+
+    def memory_blocks(part: str, first: int, n: int) -> None:
+        for i in range(first, first + 3):
+            conv(f"{part}.{i}.conv.0", 2 * n, n), conv(f"{part}.{i}.conv.2", n, n), conv(f"{part}.{i}.conv.4", n, n)
+
+    conv("encoder.0", 3, 64)
+    for i, time_pool in ((2, 2), (7, 2), (12, 1)):  # a time pool, a 2x down conv, three memory blocks
+        conv(f"encoder.{i}.conv", 64 * time_pool, 64, 1, bias=False), conv(f"encoder.{i + 1}", 64, 64, bias=False)
+        memory_blocks("encoder", i + 2, 64)
+    conv("encoder.17", 64, 24)
+    conv("decoder.1", 24, 256)
+    for i, (n, n_out, time_grow) in zip((3, 9, 15), ((256, 128, 1), (128, 64, 2), (64, 64, 2))):
+        memory_blocks("decoder", i, n)  # then a 2x upsample, a time grow, a conv
+        conv(f"decoder.{i + 4}.conv", n, n * time_grow, 1, bias=False), conv(f"decoder.{i + 5}", n, n_out, bias=False)
+    conv("decoder.22", 64, 3)
+    return specs
+
+
+def write_vae(path: str, seed: int) -> None:
+    """Random weights, fan-in scaled for ReLU, a memory block's last conv and the output conv small: frames of coloured
+    blobs around mid-grey (pixel std ~0.12), not saturated."""
+
+    def make(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name == "decoder.22.bias":
+            return torch.full(shape, 0.5, dtype=torch.bfloat16)
+        gain = 0.05 if name == "decoder.22.weight" else 0.2 if name.endswith("conv.4.weight") else 2**0.5
+        std = gain / math.prod(shape[1:]) ** 0.5 if len(shape) > 1 else 0.02
+        return _randn(seed, name, shape, std, torch.bfloat16)
+
+    write_streaming(path, [PendingTensor(n, torch.bfloat16, s, lambda n=n, s=s: make(n, s)) for n, s in vae_specs()])
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", nargs="?", help="output .safetensors (checkpoint mode)")
     ap.add_argument("--conditioning", metavar="OUT", help="write a conditioning file instead of a checkpoint")
+    ap.add_argument("--vae", metavar="OUT", help="write a small video VAE for the tiny model's latents instead")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--int8", action="store_true", help="int8 ConvRot quantised big linears")
     ap.add_argument("--full-size", action="store_true", help="the real H3 dims (50 blocks, ~20 GB int8)")
@@ -201,10 +243,10 @@ def parse_args(argv=None):
     if a.time_embed_dim is None:
         a.time_embed_dim = 8 if a.adaln == "curve" else a.hidden // 2
     a.torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype or ("bf16" if a.full_size else "fp32")]
-    if not a.conditioning and a.text_dim == a.hidden:
+    if not (a.conditioning or a.vae) and a.text_dim == a.hidden:
         ap.error(f"--text-dim ({a.text_dim}) must differ from --hidden: H3 treats a context of hidden width as already refined")
-    if not a.conditioning and not a.out:
-        ap.error("give OUT.safetensors, or --conditioning OUT.safetensors")
+    if not (a.conditioning or a.vae or a.out):
+        ap.error("give OUT.safetensors, --conditioning OUT.safetensors or --vae OUT.safetensors")
     return a
 
 
@@ -213,6 +255,11 @@ def main(argv=None) -> int:
     if a.conditioning:
         write_conditioning(a.conditioning, a.text_dim, a.tokens, a.seed)
         print(f"{a.conditioning}: cond [1, {a.tokens}, {a.text_dim}], token_tags [{a.tokens}]")
+        return 0
+    if a.vae:
+        os.makedirs(os.path.dirname(os.path.abspath(a.vae)), exist_ok=True)
+        write_vae(a.vae, a.seed)
+        print(f"{a.vae}: a small video VAE, {os.path.getsize(a.vae) / 1e6:.1f} MB")
         return 0
     tensors = pending_tensors(a)
     if a.layout_only:

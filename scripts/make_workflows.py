@@ -59,7 +59,8 @@ def _t2v(width: int, height: int, name: str, first: bool = False, last: bool = F
 
 
 def _tiny() -> dict:
-    """The synthetic-checkpoint demo: conditioning from file, no text encoder, no VAEs, latents saved."""
+    """The synthetic-checkpoint demo: conditioning from file, no text encoder, latents saved, the video latent decoded
+    by a small VAE (scripts/make_tiny_h3.py --vae) to an animated WEBP that the UI previews."""
     return {
         "1": ("UNETLoader", {"unet_name": "h3_tiny_int8.safetensors", "weight_dtype": "default"}),
         "2": ("LoadH3Conditioning", {"file": "h3_tiny_cond.safetensors"}),
@@ -70,6 +71,10 @@ def _tiny() -> dict:
         "6": ("LTXVSeparateAVLatent", {"av_latent": ["5", 0]}),
         "7": ("SaveLatent", {"samples": ["6", 0], "filename_prefix": "latents/h3_tiny_demo_video"}),
         "8": ("SaveLatent", {"samples": ["6", 1], "filename_prefix": "latents/h3_tiny_demo_audio"}),
+        "9": ("VAELoader", {"vae_name": "h3_tiny_vae.safetensors"}),
+        "10": ("VAEDecode", {"samples": ["6", 0], "vae": ["9", 0]}),
+        "11": ("SaveAnimatedWEBP", {"images": ["10", 0], "filename_prefix": "h3_tiny_demo", "fps": 5.0, "lossless": True, "quality": 80,
+                                    "method": "default"}),
     }  # fmt: skip
 
 

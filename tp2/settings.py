@@ -79,7 +79,7 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
         Setting("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once", seam=True),
         Setting("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose", seam=True),
-        Setting("TP2_TEST_NUDGE_RANKS", "list", None, "tests only: these ranks' VAE decodes are 1/255 off in a few values", seam=True),
+        Setting("TP2_TEST_NUDGE_RANKS", "list", None, "tests only: decodes a few 1/255 off, output files 1 byte longer", seam=True),
         Setting(
             "TP2_TEST_BLOCK_REPEATS",
             "list",

@@ -8,6 +8,7 @@ remembered, else ~/ComfyUI).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -189,15 +190,16 @@ def assert_success(servers: list[Server], histories: list[dict]) -> None:
 
 
 def tiny_base(root) -> str:
-    """A ComfyUI --base-directory with this pack linked and the tiny int8 model + conditioning of the demo."""
+    """A ComfyUI --base-directory with this pack linked and the tiny int8 model, conditioning and VAE of the demo."""
     from conftest import make_checkpoint, make_tiny_h3
 
     base = os.path.join(str(root), "base")
-    for sub in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning"):
+    for sub in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning", "models/vae"):
         os.makedirs(os.path.join(base, sub), exist_ok=True)
     os.symlink(ROOT, os.path.join(base, "custom_nodes", "minimax-h3-tp2"))
     make_checkpoint(os.path.join(base, "models/diffusion_models/h3_tiny_int8.safetensors"), "--int8")
     make_tiny_h3.main(["--conditioning", os.path.join(base, "models/h3_conditioning/h3_tiny_cond.safetensors")])
+    make_tiny_h3.main(["--vae", os.path.join(base, "models/vae/h3_tiny_vae.safetensors")])
     return base
 
 
@@ -269,6 +271,13 @@ def error_message(history: dict) -> str:
     return ""
 
 
+def saved_sha256(output_dir: str, history: dict) -> dict[str, str]:
+    """{relative path: sha256 of the bytes} of every file a finished prompt's nodes list in `output_dir`."""
+    entries = [e for out in history.get("outputs", {}).values() for v in out.values() if isinstance(v, list) for e in v]
+    paths = [os.path.join(e.get("subfolder", ""), e["filename"]) for e in entries if isinstance(e, dict) and e.get("type") == "output"]
+    return {p: hashlib.sha256(open(os.path.join(output_dir, p), "rb").read()).hexdigest() for p in paths}
+
+
 def output_files(server: Server, history: dict) -> dict[str, bytes]:
     """Every saved latent, image or conditioning file of a finished prompt: {relative path: bytes}."""
     out = {}
@@ -287,8 +296,6 @@ def _record_digest(server: Server, rel: str, blob: bytes) -> None:
     path = os.environ.get("TP2_RECORD_DIGESTS")
     if not path:
         return
-    import hashlib
-
     import torch
     from safetensors.torch import load
 
@@ -323,12 +330,13 @@ def tiny_workflow(unet: str, cond: str, seed: int = 42, steps: int = 2, prefix: 
 
 
 def demo_workflow(prefix: str, steps: int = 3, seed: int = 145) -> dict:
-    """The bundled tiny API workflow (workflows/api/h3_tp2_tiny_demo.json) with its latents saved under `prefix`."""
+    """The bundled tiny API workflow (workflows/api/h3_tp2_tiny_demo.json) with its files saved under `prefix`."""
     with open(os.path.join(ROOT, "workflows", "api", "h3_tp2_tiny_demo.json")) as f:
         wf = json.load(f)
     wf["5"]["inputs"].update(steps=steps, seed=seed)
     wf["7"]["inputs"]["filename_prefix"] = f"latents/{prefix}_video"
     wf["8"]["inputs"]["filename_prefix"] = f"latents/{prefix}_audio"
+    wf["11"]["inputs"]["filename_prefix"] = prefix
     return wf
 
 
@@ -336,12 +344,3 @@ def cleanup(path: str) -> None:
     """Remove a test's server directories (kept, logs and all, when TP2_KEEP_TEST_DIRS=1)."""
     if os.environ.get("TP2_KEEP_TEST_DIRS") != "1":
         shutil.rmtree(path, ignore_errors=True)
-
-
-def safetensors_content(blob: bytes) -> bytes:
-    """A .latent file with its header keys sorted: safetensors writes metadata from a Rust HashMap whose order
-    differs between processes, so two ranks saving equal tensors and metadata may differ in header order only."""
-    import struct
-
-    (n,) = struct.unpack("<Q", blob[:8])
-    return json.dumps(json.loads(blob[8 : 8 + n]), sort_keys=True).encode() + blob[8 + n :]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, free_port, have_comfyui, launch, safetensors_content, stop_launched, tiny_base
+from comfy_harness import COMFYUI_DIR, ROOT, free_port, have_comfyui, launch, stop_launched, tiny_base
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
@@ -103,13 +103,28 @@ async def _in_browser(url: str, profile: str, action) -> object:
         browser.wait(10)
 
 
-async def _queue_from_ui(url: str, workflow: dict, profile: str) -> None:
+SHOWN_WEBP = """(() => {
+  const node = window.app.graph._nodes.find(n => n.type === 'SaveAnimatedWEBP');
+  const srcs = [...(node?.imgs ?? []).map(i => i.src), ...[...document.querySelectorAll('img')].map(i => i.src)];
+  return srcs.filter(s => s.includes('.webp')).map(s => new URL(s).searchParams.get('filename'));
+})()"""
+
+
+async def _queue_from_ui(url: str, workflow: dict, profile: str) -> list[str]:
+    """Load `workflow` into rank 0's canvas and press Queue; the .webp files the page then shows (up to 120 s)."""
+
     async def queue(page):
         await page.eval(f"window.app.loadGraphData({json.dumps(workflow)})")
         assert await page.eval("window.app.graph._nodes.length") == len(workflow["nodes"])
         await page.eval("window.app.queuePrompt(0, 1)")
+        for _ in range(600):
+            shown = await page.eval(SHOWN_WEBP)
+            if shown:
+                return shown
+            await asyncio.sleep(0.2)
+        return []
 
-    await _in_browser(url, profile, queue)
+    return await _in_browser(url, profile, queue)
 
 
 async def _banner_text(url: str, profile: str) -> str | None:
@@ -138,7 +153,12 @@ def _latents(run, rank: int) -> dict[str, bytes]:
 
 def test_queue_in_rank0_browser_runs_on_every_rank(ranks):
     workflow = json.load(open(os.path.join(ROOT, "workflows", "h3_tp2_tiny_demo.json")))
-    asyncio.run(_queue_from_ui(ranks["urls"][0], workflow, str(ranks["tmp"] / "chromium-profile")))
+    shown = asyncio.run(_queue_from_ui(ranks["urls"][0], workflow, str(ranks["tmp"] / "chromium-profile")))
+    webps = [sorted(p.name for p in (ranks["run"] / f"rank{r}" / "output").glob("h3_tiny_demo_*.webp")) for r in (0, 1)]
+    assert shown and set(shown) <= set(webps[0]), f"rank 0's page shows no animated WEBP of the run: {shown}, saved {webps}"
+    assert webps[0] == webps[1] and all(
+        (ranks["run"] / "rank0" / "output" / n).read_bytes() == (ranks["run"] / "rank1" / "output" / n).read_bytes() for n in webps[0]
+    ), "the ranks' animated WEBPs differ"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         outs = [_latents(ranks["run"], r) for r in (0, 1)]
@@ -146,8 +166,7 @@ def test_queue_in_rank0_browser_runs_on_every_rank(ranks):
             break
         time.sleep(0.5)
     assert all(len(o) == 2 for o in outs), outs
-    assert outs[0].keys() == outs[1].keys()
-    assert all(safetensors_content(outs[0][k]) == safetensors_content(outs[1][k]) for k in outs[0])
+    assert outs[0] == outs[1], "the ranks' .latent files differ"
     with urllib.request.urlopen(ranks["urls"][1] + "/history", timeout=10) as r:
         follower = json.loads(r.read())
     assert len(follower) == 1 and next(iter(follower.values()))["status"]["status_str"] == "success"
@@ -225,8 +244,11 @@ async def _panel_and_status_run(url: str, workflow: dict, profile: str, shot) ->
                 seen["status"] = status
                 break
             await asyncio.sleep(0.1)
-        await asyncio.sleep(1.5)  # the panel's next poll after the run
-        seen["after"] = await page.eval(RANK_ROWS)
+        for _ in range(150):  # the run ends (the decode and the saves come after the status node): the panel's next polls
+            await asyncio.sleep(0.2)
+            seen["after"] = await page.eval(RANK_ROWS)
+            if all(r["running"] == "false" for r in seen["after"]):
+                break
         seen["prompt_ids"] = await page.eval("window.__tp2_started")
         seen["dialogs"] = await page.eval(DIALOGS)
         for _ in range(3):  # a fresh profile's template browser may have opened over the canvas

@@ -308,7 +308,7 @@ def _log(server: Server) -> str:
 
 def test_a_rank_that_decodes_other_bytes_still_writes_the_same_mp4(nudged):
     """Identical by construction: rank 1's video and audio decodes are off in a few hundred values and its video file
-    carries one metadata key more, and the ranks' MP4s are still byte-identical, because every rank takes rank 0's
+    ends with one byte more, and the ranks' MP4s are still byte-identical, because every rank takes rank 0's
     decode and file where the bytes differ (with either comparison off, the MP4s differ)."""
     histories = run_prompt(nudged, bundled("h3_tp2_t2v_832x480", "t2v_nudged"), 600)
     assert_success(nudged, histories)
@@ -318,7 +318,7 @@ def test_a_rank_that_decodes_other_bytes_still_writes_the_same_mp4(nudged):
         log = _log(s)
         for stage in ("MiniMaxH3VideoVAE decode", "MiniMaxH3AudioVAE decode"):
             assert f"{stage}: rank(s) 1 decoded other bytes than rank 0; every rank now has rank 0's output" in log, s.tail()
-        assert "video file: rank(s) 1 wrote other bytes than rank 0; every rank now has rank 0's file" in log, s.tail()
+        assert "SaveVideo files: rank(s) 1 wrote other bytes than rank 0; every rank now has rank 0's files" in log, s.tail()
 
 
 def _decode_only(prefix: str) -> dict:

@@ -98,10 +98,10 @@ def _hashes(stdout: str) -> list[str]:
 def test_submit_tiny_workflow_identical_hashes(ranks, tmp_path):
     res = submit(ranks, TINY, "--out", str(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count("identical") == 2
-    hashes = _hashes(res.stdout)
-    assert len(hashes) == 4 and hashes[0] == hashes[1] and hashes[2] == hashes[3]
-    assert os.path.exists(tmp_path / "rank1" / "latents")
+    assert res.stdout.count("identical") == 3
+    hashes = _hashes(res.stdout)  # sha256 of each whole file: two .latent files and the animated WEBP
+    assert len(hashes) == 6 and hashes[0::2] == hashes[1::2] and all(len(h) == 64 for h in hashes), res.stdout
+    assert os.path.exists(tmp_path / "rank1" / "latents") and len(list(tmp_path.glob("rank1/h3_tiny_demo_*.webp"))) == 1
 
 
 def test_the_link_measured_as_the_group_formed_is_in_status_and_log(ranks, tmp_path):
@@ -163,7 +163,7 @@ def test_printed_submit_hint_works_as_printed(ranks, tmp_path):
     cmd = hint.replace("WORKFLOW.json", TINY) + f" --out {tmp_path / 'out'} --quiet"
     res = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, cmd + "\n" + res.stdout + res.stderr
-    assert res.stdout.count("identical") == 2, res.stdout
+    assert res.stdout.count("identical") == 3, res.stdout
     up = subprocess.run(status, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert up.returncode == 0 and up.stdout.count(": up, http://") == 2, up.stdout + up.stderr
 
@@ -314,8 +314,9 @@ def _comfyui_with_own_models(path) -> str:
 
 def test_demo_command_end_to_end(tmp_path):
     """`scripts/demo.sh --cpu --base-port N --comfyui DIR`: both ranks agree, on the given ports (--base-port wins over
-    TP2_DEMO_PORT), with DIR's ComfyUI, whose models/ keeps the two tiny files where the bundled tiny workflow
-    (workflows/api/h3_tp2_tiny_demo.json) names them; nothing left running."""
+    TP2_DEMO_PORT), with DIR's ComfyUI, whose models/ keeps the three tiny files where the bundled tiny workflow
+    (workflows/api/h3_tp2_tiny_demo.json) names them; the animated WEBP whose path it prints is the same bytes on
+    both ranks; nothing left running."""
     comfy, port = _comfyui_with_own_models(tmp_path / "ComfyUI"), free_port()
     env = dict(os.environ, PYTHON=sys.executable, TP2_DEMO_PORT="1")
     res = subprocess.run(
@@ -324,11 +325,21 @@ def test_demo_command_end_to_end(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.startswith(f"ComfyUI: {comfy} (--comfyui)\n"), res.stdout[:500]
-    assert res.stdout.count("latents[0]: identical") == 2 and "4/4 verified" in res.stdout
+    assert res.stdout.count("latents[0]: identical") == 2 and "images[0]: identical" in res.stdout and "4/4 verified" in res.stdout
     assert f"rank 0: http://127.0.0.1:{port} " in res.stdout and f"rank 1: http://127.0.0.1:{port + 1} " in res.stdout
+    video = res.stdout.split("so coloured noise): ", 1)[1].split("\n", 1)[0]  # the path it prints: an animated WEBP, rank 1's the same
+    assert video.startswith(str(tmp_path / "demo" / "outputs" / "rank0")) and video.endswith(".webp"), res.stdout
+    with open(video, "rb") as f, open(video.replace("/rank0/", "/rank1/"), "rb") as g:
+        blob = f.read()
+        assert blob[:4] == b"RIFF" and b"ANIM" in blob[:64] and blob == g.read()
     tiny = json.load(open(TINY))
     names = {n["class_type"]: n["inputs"] for n in tiny.values()}
-    for folder, name in (("diffusion_models", names["UNETLoader"]["unet_name"]), ("h3_conditioning", names["LoadH3Conditioning"]["file"])):
+    files = (
+        ("diffusion_models", "UNETLoader", "unet_name"),
+        ("h3_conditioning", "LoadH3Conditioning", "file"),
+        ("vae", "VAELoader", "vae_name"),
+    )
+    for folder, name in ((folder, names[node][key]) for folder, node, key in files):
         left_file = os.path.join(comfy, "models", folder, name)
         assert os.path.isfile(left_file) and not os.path.islink(left_file) and os.path.getsize(left_file) > 1000, left_file
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout

@@ -50,6 +50,7 @@ def test_the_manager_way_runs_under_comfyuis_own_virtualenv(tmp_path):
     assert pip.returncode == 0, pip.stdout + pip.stderr
     make_checkpoint(os.path.join(comfy, "models/diffusion_models/h3_tiny_int8.safetensors"), "--int8")
     make_tiny_h3.main(["--conditioning", os.path.join(comfy, "models/h3_conditioning/h3_tiny_cond.safetensors")])
+    make_tiny_h3.main(["--vae", os.path.join(comfy, "models/vae/h3_tiny_vae.safetensors")])
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV", "CONDA_PREFIX", "COMFYUI_DIR", "TP2_VENV")}
     env["PATH"] = "/usr/bin:/bin"  # the user's python3, not this suite's
@@ -73,7 +74,7 @@ def test_the_manager_way_runs_under_comfyuis_own_virtualenv(tmp_path):
                                  "--run-dir", run_dir, "--out", str(tmp_path / "outputs")], env=env, capture_output=True, text=True,
                                 cwd=pack, timeout=300)  # fmt: skip
         assert submit.returncode == 0, submit.stdout + submit.stderr
-        assert submit.stdout.count(": identical") == 2 and "DIFFERENT" not in submit.stdout, submit.stdout
+        assert submit.stdout.count(": identical") == 3 and "DIFFERENT" not in submit.stdout, submit.stdout
         stop = subprocess.run([launcher, "stop", "--run-dir", run_dir], env=env, capture_output=True, text=True, timeout=120)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         again = subprocess.run(start, env=env, capture_output=True, text=True, timeout=300, cwd=pack)  # at once, same ports

@@ -26,7 +26,7 @@ EXPECTED = [
     "comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal",
     "comfy.sd.VAE.decode",
     "comfy.sd.VAE.decode_tiled",
-    "comfy_api.latest._input_impl.video_types.VideoFromComponents.save_to",
+    "execution.get_output_from_returns",
 ]
 
 SCRIPT = r"""
@@ -37,7 +37,6 @@ import comfy.options
 comfy.options.enable_args_parsing()
 import comfy.sd, comfy.ops, comfy.utils, execution
 import comfy.ldm.minimax.vae as vae
-from comfy_api.latest import InputImpl
 targets = {"comfy.sd.load_diffusion_model": (comfy.sd, "load_diffusion_model"),
            "comfy.sd.load_clip": (comfy.sd, "load_clip"),
            "comfy.sd.load_lora_for_models": (comfy.sd, "load_lora_for_models"),
@@ -48,7 +47,7 @@ targets = {"comfy.sd.load_diffusion_model": (comfy.sd, "load_diffusion_model"),
            "execution.PromptExecutor.execute_async": (execution.PromptExecutor, "execute_async"),
            "comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal": (vae.MiniMaxH3VideoVAE, "decode_temporal"),
            "comfy.sd.VAE.decode": (comfy.sd.VAE, "decode"), "comfy.sd.VAE.decode_tiled": (comfy.sd.VAE, "decode_tiled"),
-           "comfy_api.latest._input_impl.video_types.VideoFromComponents.save_to": (InputImpl.VideoFromComponents, "save_to")}
+           "execution.get_output_from_returns": (execution, "get_output_from_returns")}
 originals = {n: getattr(o, a) for n, (o, a) in targets.items()}
 pack = types.ModuleType("tp2pack"); pack.__path__ = [ROOT]; sys.modules["tp2pack"] = pack
 state = importlib.import_module("tp2pack.nodes.state").STATE

@@ -26,7 +26,7 @@ import sys
 import time
 
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, cleanup, free_port, have_comfyui, safetensors_content
+from comfy_harness import COMFYUI_DIR, ROOT, cleanup, free_port, have_comfyui
 
 pytestmark = [
     pytest.mark.comfy,
@@ -126,14 +126,9 @@ def _assert_ranks_run(run_dir: str, comfy: str, venv_python: str, ports: list[in
 
 
 def _latents(folder: str) -> dict[str, bytes]:
-    """Every downloaded file under a rank's folder: {relative path: content} (.latent headers key-sorted)."""
-    out = {}
-    for d, _dirs, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(d, name)
-            blob = open(path, "rb").read()
-            out[os.path.relpath(path, folder)] = safetensors_content(blob) if name.endswith(".latent") else blob
-    return out
+    """Every downloaded file under a rank's folder: {relative path: content}."""
+    walk = [os.path.join(d, name) for d, _dirs, files in os.walk(folder) for name in files]
+    return {os.path.relpath(path, folder): open(path, "rb").read() for path in walk}
 
 
 @pytest.fixture(scope="module")
@@ -188,17 +183,19 @@ def test_demo_launcher_submit_status_stop(fresh):
     demo = _run(f"scripts/demo.sh --base-port {port}", pack, env, 600)
     assert demo.returncode == 0, demo.cmd_text
     assert demo.stdout.splitlines()[0] == remembered, demo.cmd_text
-    assert f"1/4 synthetic H3 checkpoint and conditioning, in {comfy}/models" in demo.stdout, demo.cmd_text
+    assert f"1/4 synthetic H3 checkpoint, conditioning and VAE, in {comfy}/models" in demo.stdout, demo.cmd_text
     assert f"ComfyUI: {comfy} (--comfyui)" in demo.stdout and f"starting 2 ranks of {comfy} under {venv_python}" in demo.stdout, (
         demo.cmd_text
     )
     assert f"rank 0: http://127.0.0.1:{port} " in demo.stdout and f"rank 1: http://127.0.0.1:{port + 1} " in demo.stdout, demo.cmd_text
-    assert demo.stdout.count("latents[0]: identical") == 2 and "4/4 verified" in demo.stdout, demo.cmd_text
+    assert demo.stdout.count("latents[0]: identical") == 2 and "images[0]: identical" in demo.stdout, demo.cmd_text
+    assert "4/4 verified" in demo.stdout and "tp2-demo/outputs/rank0/h3_tiny_demo_" in demo.stdout, demo.cmd_text
     tiny = json.load(open(os.path.join(pack, "workflows", "api", "h3_tp2_tiny_demo.json")))
     inputs = {n["class_type"]: n["inputs"] for n in tiny.values()}
     for folder, name in (
         ("diffusion_models", inputs["UNETLoader"]["unet_name"]),
         ("h3_conditioning", inputs["LoadH3Conditioning"]["file"]),
+        ("vae", inputs["VAELoader"]["vae_name"]),
     ):
         left = os.path.join(comfy, "models", folder, name)
         assert os.path.isfile(left) and not os.path.islink(left), f"the demo left no {left}"
@@ -223,9 +220,9 @@ def test_demo_launcher_submit_status_stop(fresh):
     # tp2-submit, the README's command on the tiny workflow: every rank's files identical
     submit = _run("scripts/tp2-submit workflows/api/h3_tp2_tiny_demo.json --run-dir tp2-run --set KSampler.seed=7", pack, env, 400)
     assert submit.returncode == 0, submit.cmd_text
-    assert submit.stdout.count(": identical") == 2 and "DIFFERENT" not in submit.stdout, submit.cmd_text
+    assert submit.stdout.count(": identical") == 3 and "DIFFERENT" not in submit.stdout, submit.cmd_text
     outputs = [_latents(os.path.join(pack, "tp2-outputs", f"rank{r}")) for r in (0, 1)]
-    assert len(outputs[0]) == 2 and outputs[0] == outputs[1], {r: sorted(o) for r, o in enumerate(outputs)}
+    assert len(outputs[0]) == 3 and outputs[0] == outputs[1], {r: sorted(o) for r, o in enumerate(outputs)}
     _assert_ranks_run(run_dir, comfy, venv_python, [port, port + 1])  # the same ranks of DIR answered it
 
     # status: both ranks of DIR up

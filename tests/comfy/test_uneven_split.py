@@ -72,7 +72,7 @@ def base(tmp_path_factory) -> str:
 
 
 def _models(base: str) -> dict[str, str]:
-    folders = ("diffusion_models", "h3_conditioning", "loras")
+    folders = ("diffusion_models", "h3_conditioning", "loras", "vae")
     return {f"{d}/{n}": os.path.join(base, "models", d, n) for d in folders for n in os.listdir(os.path.join(base, "models", d))}
 
 
