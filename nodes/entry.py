@@ -27,8 +27,10 @@ def activate() -> None:
         return
     env = read_tp_env()
     if env is None:
-        log.info("minimax-h3-tp2: tensor parallelism is off in this ComfyUI (not started as a rank); start one ComfyUI per GPU "
-                 "with <pack>/scripts/start-tp2.sh (README: Start, queue, watch, stop)")
+        log.info(
+            "minimax-h3-tp2: tensor parallelism is off in this ComfyUI (not started as a rank); start one ComfyUI per GPU "
+            "with <pack>/scripts/start-tp2.sh (README: Start, queue, watch, stop)"
+        )
         return
     settings.freeze()  # every setting read once, now: a bad value is refused at start-up
     import comfy.model_management

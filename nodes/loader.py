@@ -99,7 +99,9 @@ def _load_h3(unet_path, model_options, disable_dynamic):
     install_model_wrappers(patcher, plan, source_fp, sequence_parallel=sp)
     secs = time.monotonic() - t0
     STATE.models.append(
-        LoadedModel(os.path.basename(unet_path), plan.summary(), plan.fingerprint(), source_fp, shard.origin, secs, changes_of(dm))
+        LoadedModel(
+            os.path.basename(unet_path), plan.summary(), plan.fingerprint(), source_fp, shard.origin, secs, changes_of(dm), plan.split()
+        )
     )
     log.info("%s loaded %s (%s) in %.1f s: %s", STATE.tag, os.path.basename(unet_path), shard.origin, secs, plan.summary())
     return patcher

@@ -34,10 +34,12 @@ def unique_models() -> list[tuple[object, int]]:
 
 
 def split_named() -> str:
-    """The ranks' shares: "even", or as --split takes them with each rank's part ("3:2 (rank 0 60%, rank 1 40%)")."""
+    """The ranks' shares: "even", or as --split takes them with each rank's part ("3:2 (rank 0 60%, rank 1 40%)"), and
+    each loaded model whose plan cut another split ("; h3_tiny.safetensors cut even (3:1 asked: too few units)")."""
     shares = STATE.shares or even(STATE.env.tp_size)
     parts = "" if is_even(shares) else f" ({', '.join(f'rank {r} {s / sum(shares):.0%}' for r, s in enumerate(shares))})"
-    return named(shares) + parts
+    other = [f"; {m.source} cut {m.split}" for m, _ in unique_models() if m.split != named(shares)]
+    return named(shares) + parts + "".join(other)
 
 
 def status_text() -> str:

@@ -25,6 +25,7 @@ class LoadedModel:
     origin: str  # where its weights came from: "shard-on-read", "rank file ...", "rank cache ...", "mapped whole"
     load_seconds: float
     changes: object = None  # nodes.patches.ModelChanges: what the pack replaced on the model's objects
+    split: str = "even"  # the split its plan really cut (tp2.split.cut_named), which may differ from the one asked for
 
 
 @dataclass

@@ -40,7 +40,7 @@ def rank_status() -> dict:
             "backend": group.backend if group is not None else None,
             "link": link_status(session),
         },
-        "stop_reason": session.stop_reason(),
+        "stop_reason": session.stop_reason() if session.watcher.run is not None else None,  # a finished run's is history
         "last_agreement": STATE.last_agreement,
         "prompt": {"prompt_id": STATE.prompt.prompt_id, "run": STATE.prompt.run, "model_calls": STATE.prompt.model_calls},
         "progress": prompt_progress(),

@@ -81,7 +81,7 @@ def _load_h3_encoder(layout, ckpt_paths, embedding_directory, clip_type, model_o
     wire_text_encoder(clip, plan)
     secs = time.monotonic() - t0
     changes = changes_of(clip.cond_stage_model)
-    STATE.models.append(LoadedModel(os.path.basename(path), plan.summary(), plan.fingerprint(), "-", origin, secs, changes))
+    STATE.models.append(LoadedModel(os.path.basename(path), plan.summary(), plan.fingerprint(), "-", origin, secs, changes, plan.split()))
     log.info("%s loaded text encoder %s (%s) in %.1f s: %s", STATE.tag, os.path.basename(path), origin, secs, plan.summary())
     return clip
 

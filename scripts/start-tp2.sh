@@ -222,10 +222,18 @@ set_pid() {  # rank pid port: this rank's line of the pids file, under a lock (s
   ) 9> "$PIDS.lock"
 }
 
-restarts_of() {  # rank: "N restart(s), last: <when and why>", or nothing
-  local f="$RUN_DIR/rank$1.restarts"
+restarts_of() {  # rank: "N restart(s); last: <when and why>, its log's last line", or nothing
+  local f="$RUN_DIR/rank$1.restarts" last
   [[ -s "$f" ]] || return 0
-  echo "$(grep -c ' exited ' "$f") restart(s); last: $(grep ' exited \| gave up' "$f" | tail -n 1)"
+  last="$(awk '/^    / { tail = $0; next } { entry = $0; tail = "" } END { sub(/^ +/, "", tail); print entry (tail ? "; its log ended: " tail : "") }' "$f")"
+  echo "$(grep -c ' exited \| by hand' "$f") restart(s); last: $last"
+}
+
+split_of() {  # port: the split the ranks run, as rank 0 reports it (the one each model was cut by)
+  "$PY" - "$1" <<'EOF' 2>/dev/null
+import json, sys, urllib.request
+print(json.load(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/tp2/status", timeout=3))["split"])
+EOF
 }
 
 status_ranks() {
@@ -245,6 +253,7 @@ status_ranks() {
     fi
     local r; r="$(restarts_of "$rank")"; [[ -n "$r" ]] && echo "        $r"
   done < "$PIDS"
+  local split; split="$(split_of "$(awk '$1 == 0 { print $3 }' "$PIDS")")" && echo "split: $split"
   return $bad
 }
 

@@ -2,6 +2,7 @@
 its free memory holds (scripts/lib/balance.py measures each GPU before any rank starts; this decides and says why).
 
     auto_shares(seconds, free)    whole shares from each rank's block time and free GiB (None: a CPU, no cap)
+    auto_split(devices, samples, free)  those shares, or even where the timings cannot tell the ranks apart
     describe_auto(...)            that decision, a line per rank, and the slowest rank at the shares chosen
     H3_BLOCK, CPU_BLOCK           the block timed on a GPU, and its narrow stand-in on the CPU
 
@@ -10,6 +11,7 @@ Imports nothing from `comfy`.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from .capacity import WEIGHTS_GIB
@@ -69,6 +71,18 @@ def auto_shares(block_seconds: list[float], free_gib: list[float | None]) -> Sha
         if max(abs(s / sum(shares) - f) for s, f in zip(shares, fractions)) <= AUTO_TOLERANCE:
             return shares
     return shares
+
+
+def auto_split(devices: list[str], samples: list[list[float]], free_gib: list[float | None]) -> tuple[Shares, str | None]:
+    """--split auto's shares from each rank's block timings (several each), with why it kept the even split where the
+    ranks' difference is within the measurement's own noise: one GPU timed for every rank, or every rank's timings
+    overlapping (the slowest rank's fastest no slower than the fastest rank's slowest). On the CPU (a test run) the
+    ranks share the cores, so only the overlap decides."""
+    if len(set(devices)) == 1 and devices[0] != "cpu":
+        return even(len(samples)), f"every rank is {devices[0]}, one device"
+    if max(min(s) for s in samples) <= min(max(s) for s in samples):
+        return even(len(samples)), "the ranks' block timings overlap: their difference is within the measurement's noise"
+    return auto_shares([statistics.median(s) for s in samples], free_gib), None
 
 
 def step_seconds(block_seconds: list[float], shares: Shares) -> list[float]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .checkpoint import CheckpointLayout, convrot_group
 from .errors import PlanError
 from .h3_layout import H3Shape
-from .split import Shares, cut, even, is_even, named, reduced, refusal, scaled
+from .split import Shares, cut, cut_named, even, is_even, reduced, refusal, scaled
 
 COLWISE = "colwise"  # Y = X A, A split by output rows; no collective
 COLWISE_PACKED = "colwise_packed"  # the same, per fused part ([q|k|v], [gate|up]): each rank its slice of each
@@ -141,6 +141,9 @@ class Plan:
     def local_ffn(self, rank: int) -> int:
         return self.ffn_bounds[rank + 1] - self.ffn_bounds[rank]
 
+    def split(self) -> str:
+        return cut_named(self.shares, [self.local_heads(r) for r in range(self.tp_size)])
+
     def fingerprint(self) -> str:
         rows = [[t.name, t.kind, t.dim, t.parts, list(t.full_shape), t.dtype] for t in self.tensors.values()]
         return plan_fingerprint(self.tp_size, rows, self.shares)
@@ -149,7 +152,7 @@ class Plan:
         styles = ", ".join(f"{n} {s}" for s, n in sorted(Counter(self.linears.values()).items()))
         ranks = range(self.tp_size)
         return (
-            f"H3 tp_size={self.tp_size}, split {named(self.shares)}: {self.num_layers} blocks + {self.refiner_layers} refiner, "
+            f"H3 tp_size={self.tp_size}, split {self.split()}: {self.num_layers} blocks + {self.refiner_layers} refiner, "
             f"heads {self.heads}->{per_rank([self.local_heads(r) for r in ranks])}, ffn {self.ffn}->{per_rank([self.local_ffn(r) for r in ranks])}, "
             f"adaln {self.adaln_form}-form; linears: {styles}; plan {self.fingerprint()}"
         )

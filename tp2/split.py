@@ -37,6 +37,12 @@ def named(shares: Shares) -> str:
     return "even" if is_even(shares) else ":".join(map(str, reduced(shares)))
 
 
+def cut_named(shares: Shares, widths: list[int]) -> str:
+    """The split a model was cut by, given the ranks' widths of its heads: an uneven split of a model with too few
+    whole units comes out even, and says so ("even (3:1 asked: too few units)")."""
+    return f"even ({named(shares)} asked: too few units)" if not is_even(shares) and is_even(tuple(widths)) else named(shares)
+
+
 def parse_split(text: str | None, tp_size: int) -> Shares:
     """The shares of `text` ("3:2", one positive integer per rank, rank 0 first); empty or None: the even split."""
     if not text:

@@ -22,7 +22,7 @@ from .checkpoint import CheckpointLayout, convrot_group
 from .errors import PlanError
 from .nvfp4 import BLOCK, nvfp4_logical_shape, nvfp4_split_problem
 from .plan import COLWISE, REPLICATE, ROWWISE, SPLIT, WHOLE, TensorShard, compile_pattern, per_rank, plan_fingerprint
-from .split import Shares, cut, even, is_even, named, refusal, scaled
+from .split import Shares, cut, cut_named, even, is_even, refusal, scaled
 
 # ComfyUI's Qwen3VL_32BConfig builds 50 decoder layers: H3's conditioning is the hidden state after layer 50.
 H3_TE_LAYERS = 50
@@ -91,10 +91,13 @@ class TEPlan:
         rows = [[t.name, t.kind, t.dim, list(t.full_shape), t.dtype] for t in self.tensors.values()]
         return plan_fingerprint(self.tp_size, rows, self.shares)
 
+    def split(self) -> str:
+        return cut_named(self.shares, [self.local("kv", r) for r in range(self.tp_size)])
+
     def summary(self) -> str:
         w = {p: per_rank([self.local(p, r) for r in range(self.tp_size)]) for p in self.bounds}
         return (
-            f"H3 text encoder tp_size={self.tp_size}, split {named(self.shares)}: {H3_TE_LAYERS} layers, vocabulary "
+            f"H3 text encoder tp_size={self.tp_size}, split {self.split()}: {H3_TE_LAYERS} layers, vocabulary "
             f"{self.vocab}->{w['vocab']}, heads {self.heads}->{w['q']}, KV heads {self.kv_heads}->{w['kv']}, "
             f"ffn {self.ffn}->{w['ffn']}; plan {self.fingerprint()}"
         )

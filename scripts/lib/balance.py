@@ -20,7 +20,7 @@ import sys
 import time
 
 from tp2 import settings
-from tp2.balance import CPU_BLOCK, H3_BLOCK, BlockShape, auto_shares, describe_auto
+from tp2.balance import CPU_BLOCK, H3_BLOCK, BlockShape, auto_split, describe_auto
 from tp2.link import predict_speedup, verdict
 from tp2.split import even
 
@@ -92,8 +92,8 @@ def repeats_per_rank(tp_size: int) -> list[int]:
     return [int(listed[r]) if r < len(listed) else 1 for r in range(tp_size)]
 
 
-def measure(cpu: bool, gpus: list[str]) -> tuple[list[str], list[float], list[float | None]]:
-    """(device names, median block seconds, free GiB) per rank. GPUs one after another, memory freed between; on the
+def measure(cpu: bool, gpus: list[str]) -> tuple[list[str], list[list[float]], list[float | None]]:
+    """(device names, block seconds (MEASUREMENTS of them), free GiB) per rank. GPUs one after another, memory freed between; on the
     CPU (tests) the ranks' measurements take turns, so a change in the machine's load meets every rank alike."""
     import torch
 
@@ -102,7 +102,7 @@ def measure(cpu: bool, gpus: list[str]) -> tuple[list[str], list[float], list[fl
         torch.set_num_threads(1)  # steadier beside other work on a shared CPU
         timer = block_timer(torch.device("cpu"), CPU_BLOCK)
         rounds = [[timer(n) for n in repeats] for _ in range(MEASUREMENTS)]
-        return ["cpu"] * len(gpus), [statistics.median(rank) for rank in zip(*rounds)], [None] * len(gpus)
+        return ["cpu"] * len(gpus), [list(rank) for rank in zip(*rounds)], [None] * len(gpus)
     names, seconds, free = [], [], []
     visible = list(dict.fromkeys(gpus))  # a GPU ranks share is made visible once; its free memory is divided among them
     for gpu, n in zip(gpus, repeats):
@@ -110,7 +110,7 @@ def measure(cpu: bool, gpus: list[str]) -> tuple[list[str], list[float], list[fl
         names.append(f"GPU {gpu} ({torch.cuda.get_device_name(device)})")
         free.append(torch.cuda.mem_get_info(device)[0] / 2**30 / gpus.count(gpu))
         timer = block_timer(device, H3_BLOCK)
-        seconds.append(statistics.median(timer(n) for _ in range(MEASUREMENTS)))
+        seconds.append([timer(n) for _ in range(MEASUREMENTS)])
         del timer  # its weights
         torch.cuda.empty_cache()
     return names, seconds, free
@@ -157,12 +157,12 @@ def measure_link_between(cpu: bool, gpus: list[str]):
     return got[0]
 
 
-def speed_lines(block_s: list[float], free: list[float | None], link, chosen, cpu: bool) -> list[str]:
+def speed_lines(block_s: list[float], auto, link, chosen, cpu: bool) -> list[str]:
     """The predicted speed-up at the even split, at --split auto's shares and at `chosen` (--split), each once."""
     shape = CPU_BLOCK if cpu else H3_BLOCK
     reduce_bytes = 2 if settings.value("TP2_REDUCE_DTYPE") == "bf16" else 4
     lines, shown = [], set()
-    for label, shares in (("even", even(len(block_s))), ("--split auto", auto_shares(block_s, free)), ("--split", chosen)):
+    for label, shares in (("even", even(len(block_s))), ("--split auto", auto), ("--split", chosen)):
         if shares is None or shares in shown:
             continue
         shown.add(shares)
@@ -179,8 +179,9 @@ def main(argv: list[str]) -> int:
     if not cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(gpus))  # before torch starts CUDA
     try:
-        names, seconds, free = measure(cpu, gpus)
-        shares = auto_shares(seconds, free)
+        names, samples, free = measure(cpu, gpus)
+        shares, why_even = auto_split(names, samples, free)
+        seconds = [statistics.median(s) for s in samples]
     except Exception as e:  # the launcher shows this line and asks for --split by hand
         print(f"balance: could not measure {'the CPU' if cpu else 'GPUs ' + ','.join(gpus)}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -188,9 +189,11 @@ def main(argv: list[str]) -> int:
     print(f"--split auto: one block at {shape.tokens} tokens, hidden {shape.hidden}, {'int8 ConvRot bf16' if shape.int8 else 'float32'}, "
           f"median of {MEASUREMENTS}", file=sys.stderr)  # fmt: skip
     print(describe_auto(names, seconds, free, shares), file=sys.stderr)
+    if why_even:
+        print(f"--split auto keeps the even split: {why_even}", file=sys.stderr)
     try:  # what the link makes of it (docs/PERFORMANCE.md's model of a pair); the shares stand without it
         link = measure_link_between(cpu, gpus)
-        print("\n".join([f"link: {link.text()}", *speed_lines(seconds, free, link, shares, cpu)]), file=sys.stderr)
+        print("\n".join([f"link: {link.text()}", *speed_lines(seconds, shares, link, shares, cpu)]), file=sys.stderr)
     except Exception as e:
         print(f"balance: the link between the ranks was not measured ({type(e).__name__}: {e}); no speed-up predicted", file=sys.stderr)
     print(":".join(map(str, shares)))

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import balance
 
 from tp2 import capacity
-from tp2.balance import auto_shares
+from tp2.balance import auto_split
 from tp2.errors import PlanError
 from tp2.split import even, parse_split
 
@@ -78,16 +79,19 @@ def main(argv: list[str]) -> int:
     try:
         if not a.cpu:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(gpus))
-        _, block_s, free = balance.measure(a.cpu, gpus)
+        names, samples, free = balance.measure(a.cpu, gpus)
         link = balance.measure_link_between(a.cpu, gpus)
     except Exception as e:  # one line: what could not be measured, and why
         hint = "" if a.cpu else " (without NVIDIA GPUs: --cpu)"
-        print(f"check: could not measure {'the CPU' if a.cpu else 'GPUs ' + ','.join(gpus)}: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+        print(
+            f"check: could not measure {'the CPU' if a.cpu else 'GPUs ' + ','.join(gpus)}: {type(e).__name__}: {e}{hint}", file=sys.stderr
+        )
         return 1
-    shares = chosen or (auto_shares(block_s, free) if a.split == "auto" else even(a.tp_size))
+    block_s, auto = [statistics.median(s) for s in samples], auto_split(names, samples, free)[0]
+    shares = chosen or (auto if a.split == "auto" else even(a.tp_size))
     free_gib = [CPU_STAND_IN_GIB if f is None else f for f in free]
     print("\n".join([*gpu_lines(gpus, block_s, free, shares), f"link: {link.text()}",
-                     *capacity_lines(free_gib, shares, a.cpu), *balance.speed_lines(block_s, free, link, chosen, a.cpu),
+                     *capacity_lines(free_gib, shares, a.cpu), *balance.speed_lines(block_s, auto, link, chosen, a.cpu),
                      f"for the ranks' log: TP2_BLOCK_MS={','.join(f'{s * 1e3:.3f}' for s in block_s)}"]))  # fmt: skip
     return 0
 

@@ -217,3 +217,37 @@ def test_split_auto_gives_the_slower_rank_less(tmp_path, base):
         assert status == 200 and cluster["split"].startswith(f"{a}:{b}"), cluster
     finally:
         subprocess.run([os.path.join(ROOT, "scripts", "start-tp2.sh"), "stop", "--run-dir", str(tmp_path / "ranks")], timeout=60)
+
+
+def test_what_is_shown_is_what_ran(tmp_path, base):
+    """10:9 on the bundled tiny model (2 ConvRot pairs of heads) cuts it 1:1: /tp2/cluster and `status` say so beside
+    the split asked for. A follower killed is restarted and shown healthy again with no prompt queued; `status` shows
+    each restart with its reason, by hand too."""
+    import signal
+    import time
+
+    launched = launch(tmp_path, base, TP_ENV, ("--split", "10:9"))
+    launcher, run_dir = os.path.join(ROOT, "scripts", "start-tp2.sh"), launched["run_dir"]
+    status_of = lambda: subprocess.run([launcher, "status", "--run-dir", run_dir], capture_output=True, text=True, timeout=60).stdout  # noqa: E731
+    try:
+        status, body = call(launched["urls"][0], "/prompt", {"prompt": bundled_workflow(INT8, "shown")})
+        assert status == 200, body
+        assert all(wait_done(u, body["prompt_id"], timeout=300)["status"]["status_str"] == "success" for u in launched["urls"])
+        cut = f"{INT8} cut even (10:9 asked: too few units)"
+        assert cut in call(launched["urls"][0], "/tp2/cluster")[1]["split"]
+        assert f"split: 10:9 (rank 0 53%, rank 1 47%); {cut}" in status_of()
+        pid = int(next(line.split()[1] for line in open(os.path.join(run_dir, "pids")) if line.startswith("1 ")))
+        os.kill(pid, signal.SIGKILL)
+        killed, healthy = time.monotonic(), None
+        while time.monotonic() - killed < 120 and healthy is None:
+            time.sleep(1)
+            cluster = call(launched["urls"][0], "/tp2/cluster")[1]
+            if cluster.get("healthy") == 2 and cluster["ranks"][1]["status"] and cluster["ranks"][1]["status"]["boot"]:
+                healthy = time.monotonic() - killed
+        print(f"\n[shown] rank 1 killed: both ranks healthy again after {healthy} s, no prompt queued")
+        assert healthy is not None, cluster
+        assert "1 restart(s); last: " in status_of() and "exited killed by signal 9 (KILL)" in status_of()
+        subprocess.run([launcher, "restart", "--run-dir", run_dir, "--rank", "1"], capture_output=True, timeout=300, check=True)
+        assert re.search(r"2 restart\(s\); last: \S+ \S+ rank 1 restarted by hand", status_of())
+    finally:
+        stop_launched(launched)
