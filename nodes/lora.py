@@ -21,7 +21,7 @@ import comfy.sd
 import comfy.weight_adapter as weight_adapter
 
 from ..tp2.errors import AdapterPlacementError
-from ..tp2.lora import is_sharded, slice_like_weight, slice_lora_factors, state_dict_digest
+from ..tp2.lora import is_sharded, slice_like_weight, slice_lora_factors, state_dict_digest, unmatched_warning
 from ..tp2.plan import WHOLE, Plan, TensorShard
 from .patches import PATCHES
 from .state import STATE, log
@@ -148,7 +148,7 @@ def _wrap_load_lora(original):
         plan, te_plan = tp_plan(model), te_plan_of(clip)
         if plan is None and te_plan is None:
             return original(model, clip, lora, strength_model, strength_clip, *args, **kwargs)
-        clip_before = {k: len(v) for k, v in clip.patcher.patches.items()} if te_plan is not None else {}
+        clip_before = {k: len(v) for k, v in clip.patcher.patches.items()} if clip is not None else {}
         before = {k: len(v) for k, v in model.patches.items()} if plan is not None else {}
         new_model, new_clip = original(model, clip, lora, strength_model, strength_clip, *args, **kwargs)
         if te_plan is not None and new_clip is not None:
@@ -161,9 +161,24 @@ def _wrap_load_lora(original):
         log.info(
             "%s LoRA %s applied at strength %s: %d patches, sliced for rank %d", STATE.tag, source, strength_model, added, STATE.env.tp_rank
         )
+        te_added = sum(len(v) for v in new_clip.patcher.patches.values()) - sum(clip_before.values()) if new_clip is not None else 0
+        if (warning := unmatched_warning(lora.keys(), added + te_added)) is not None:
+            tell_node(f"LoRA {source}: {warning}")
         return new_model, new_clip
 
     return load_lora_for_models
+
+
+def tell_node(text: str) -> None:
+    """A warning in the log and on the executing node in the web UI (ComfyUI's progress-text message, which
+    scripts/tp2-submit prints too)."""
+    from comfy_execution.utils import get_executing_context
+    from server import PromptServer
+
+    log.warning("%s %s", STATE.tag, text)
+    context = get_executing_context()
+    if context is not None and PromptServer.instance is not None:
+        PromptServer.instance.send_progress_text(text, context.node_id)
 
 
 def _wrap_bypass(original):

@@ -68,3 +68,19 @@ def state_dict_digest(sd: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
         h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+# the key endings that name one patched layer in the LoRA formats ComfyUI loads (its up factor, or a full update)
+LAYER_KEY_ENDS = (".lora_up.weight", ".lora_B.weight", "_lora.up.weight", ".lora.up.weight", ".lora_linear_layer.up.weight",
+                  ".hada_w1_a", ".lokr_w1", ".lokr_w1_a", ".diff", ".set_weight")  # fmt: skip
+
+
+def unmatched_warning(keys, matched: int) -> str | None:
+    """What to tell the user when a LoRA of `keys` patched `matched` weights: nothing (an H3 LoRA was not given),
+    or fewer than its layers; None when every layer it names found a weight."""
+    layers = sum(1 for k in keys if k.endswith(LAYER_KEY_ENDS))
+    if matched == 0:
+        return f"this LoRA patched nothing of the model (0 of its {layers} layers matched): it is not for MiniMax-H3, and the output equals no LoRA"
+    if matched < layers:
+        return f"this LoRA matched {matched} of its {layers} layers; the other {layers - matched} are not in this model and do nothing"
+    return None

@@ -16,12 +16,15 @@ import time
 import urllib.request
 
 import pytest
+import torch
 from comfy_harness import COMFYUI_DIR, ROOT, call, free_port, have_comfyui, launch, stop_launched, tiny_base
+from safetensors.torch import save_file
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
 SCRIPTS = os.path.join(ROOT, "scripts")
 TINY = os.path.join(ROOT, "workflows", "api", "h3_tp2_tiny_demo.json")
+NOT_H3_LORA = "not_h3_lora.safetensors"
 API_FILES = sorted(glob.glob(os.path.join(ROOT, "workflows", "api", "*.json")))
 
 
@@ -47,6 +50,9 @@ def _placeholders(base: str) -> None:
     ):
         os.makedirs(os.path.join(base, "models", folder), exist_ok=True)
         open(os.path.join(base, "models", folder, name), "wb").close()
+    os.makedirs(os.path.join(base, "models", "loras"), exist_ok=True)  # a LoRA of another model: no key is H3's
+    other = {f"lora_unet_down_blocks_{i}_attn1_to_q.{f}.weight": torch.zeros(4, 4) for i in range(3) for f in ("lora_up", "lora_down")}
+    save_file(other, os.path.join(base, "models", "loras", NOT_H3_LORA))
     os.makedirs(os.path.join(base, "input"), exist_ok=True)
     for name in ("h3_first_frame.png", "h3_last_frame.png"):
         Image.new("RGB", (64, 64), (120, 80, 40)).save(os.path.join(base, "input", name))
@@ -63,6 +69,21 @@ def ranks(tmp_path_factory):
     yield dict(launched, run=run)
     stop = stop_launched(launched)
     assert stop.returncode == 0, stop.stderr
+
+
+def test_a_lora_that_patches_nothing_is_a_warning_at_the_client(ranks, tmp_path):
+    """A LoRA of another model (SD-style keys) in LoraLoaderModelOnly patches nothing of H3: tp2-submit prints the
+    node's warning, with how many layers matched, and the run still succeeds identically."""
+    wf = json.load(open(TINY))
+    wf["20"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": NOT_H3_LORA, "strength_model": 1.0}}
+    wf["5"]["inputs"]["model"] = ["20", 0]
+    path = tmp_path / "with_lora.json"
+    path.write_text(json.dumps(wf))
+    res = submit(ranks, str(path), "--out", str(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    warning = "WARNING from LoraLoaderModelOnly (node 20): LoRA "
+    assert warning in res.stderr and "patched nothing of the model (0 of its 3 layers matched)" in res.stderr, res.stderr
+    assert res.stderr.count(warning) == 1, res.stderr  # every rank sends it; said once
 
 
 def test_tp_size_the_checkpoint_cannot_split_is_refused_before_any_rank(tmp_path):

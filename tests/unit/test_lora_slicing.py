@@ -64,3 +64,12 @@ def test_digest_sees_content_names_and_dtypes():
     assert state_dict_digest(changed) != state_dict_digest(sd)
     assert state_dict_digest({"b.lora_A.weight": sd["a.lora_A.weight"], "a.alpha": sd["a.alpha"]}) != state_dict_digest(sd)
     assert state_dict_digest(dict(sd, **{"a.alpha": torch.tensor(2.0, dtype=torch.bfloat16)})) != state_dict_digest(sd)
+
+
+def test_unmatched_warning_counts_the_layers_a_lora_names():
+    from tp2.lora import unmatched_warning
+
+    keys = [f"diffusion_model.blocks.{i}.attn.qkv_proj.{f}.weight" for i in range(4) for f in ("lora_A", "lora_B")] + ["x.alpha"]
+    assert unmatched_warning(keys, 4) is None
+    assert "matched 3 of its 4 layers; the other 1 are not in this model" in unmatched_warning(keys, 3)
+    assert "patched nothing of the model (0 of its 4 layers matched)" in unmatched_warning(keys, 0)
