@@ -62,7 +62,7 @@ def _outer_sample(
         sigmas=tensor_digest(sigmas), patches=lora_patch_report(executor.class_obj.model_patcher, plan),  # LoRA identities, strengths
     )  # fmt: skip
     fields[detail_key("prompt")] = STATE.prompt.details  # names the node and input when the prompts differ
-    inject_fault(STATE.env.tp_rank, 0)  # tests only (TP2_TEST_FAULT); inert by default
+    inject_fault(STATE.env.tp_rank, 0, STATE.session.stop_reason)  # tests only (TP2_TEST_FAULT); inert by default
     advice = capacity_advice(plan, latent_shapes, STATE.device, executor.class_obj.model_patcher)  # before the ranks meet
     agree_step(key, fields)
     STATE.sampling_key = key
@@ -96,7 +96,7 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     prompt.model_calls += 1
     mark_progress()  # before rank 0's inputs are shared: a peer behind this rank from here on is waited for
     prompt.transformer_options = transformer_options  # the step is worked out from it only when a failure names it
-    inject_fault(STATE.env.tp_rank, prompt.model_calls)  # tests only (TP2_TEST_FAULT); inert by default
+    inject_fault(STATE.env.tp_rank, prompt.model_calls, STATE.session.stop_reason)  # tests only (TP2_TEST_FAULT); inert by default
     payload = kwargs.get("minimax_payload") or {}
     shared = None
     if STATE.env.tp_rank == 0:

@@ -41,6 +41,7 @@ def rank_status() -> dict:
             "link": link_status(session),
         },
         "stop_reason": session.stop_reason() if session.watcher.run is not None else None,  # a finished run's is history
+        "waiting": session.watcher.waiting_text,  # on a peer alive but not progressing (tp2/progress.py)
         "last_agreement": STATE.last_agreement,
         "prompt": {"prompt_id": STATE.prompt.prompt_id, "run": STATE.prompt.run, "model_calls": STATE.prompt.model_calls},
         "progress": prompt_progress(),
@@ -120,6 +121,8 @@ def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[st
         return "starting", "not in the rank store yet"
     if status["stop_reason"]:
         return "stopping", status["stop_reason"]
+    if status.get("waiting"):
+        return "waiting", status["waiting"]
     age = ages.get(str(tp_rank))
     if age is not None and age > heartbeat_timeout_s:
         return "silent", f"no heartbeat for {age:.0f} s"

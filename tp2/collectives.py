@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from . import settings
 from .errors import PeerLostError, PromptAbortedError
+from .progress import Progress
 from .settings import TPEnv
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class TPGroup:
     timeout_s: float
     stop_check: Callable[[], str | None] | None = None  # why the run must stop now (a peer's reason), else None
     loss_check: Callable[[], str | None] | None = None  # after a broken collective: which rank is gone, if known
+    progress: Progress | None = None  # told while a host-side wait waits for a peer (tp2/progress.py)
 
     @functools.cached_property
     def backend(self) -> str:  # fixed for the group's life; read per collective
@@ -53,7 +55,7 @@ class TPGroup:
 
 
 def init_tp_group(
-    env: TPEnv, device: torch.device | None = None, store: dist.Store | None = None, stop_check=None, loss_check=None
+    env: TPEnv, device: torch.device | None = None, store: dist.Store | None = None, stop_check=None, loss_check=None, progress=None
 ) -> TPGroup:
     """Join the TP world (NCCL on CUDA, gloo on CPU, or gloo on CUDA for the benchmarks' one-GPU mode,
     TP2_BENCH_GLOO_ON_CUDA) over `store` (a session's generation-prefixed store), else over MASTER_ADDR:MASTER_PORT;
@@ -74,7 +76,7 @@ def init_tp_group(
             "MASTER_PORT and TP2_WORLD_SIZE, and check the other ranks' logs."
         ) from e
     log.info("[tp2 r%d/%d] joined TP group (%s, timeout %.0f s)", env.tp_rank, env.tp_size, backend, env.timeout_s)
-    return TPGroup(env.tp_rank, env.tp_size, device, dist.group.WORLD, cpu_group, env.timeout_s, stop_check, loss_check)
+    return TPGroup(env.tp_rank, env.tp_size, device, dist.group.WORLD, cpu_group, env.timeout_s, stop_check, loss_check, progress)
 
 
 REASON_GRACE_S = 2.0  # after a collective fails, how long to look for the peer's published reason
@@ -122,11 +124,16 @@ def wait(work, tp: TPGroup, what: str | Callable[[], str], host_side: bool) -> N
             why = tp.stop_check()
             if why:
                 raise PromptAbortedError(why)
+            if pause > 0.01 and tp.progress is not None and tp.progress.waiting is None:  # waiting for a peer, not a copy
+                tp.progress.wait_begin(what() if callable(what) else what)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
         work.wait()  # raises if the collective failed
     except (RuntimeError, dist.DistError) as e:
         raise _lost(tp, what() if callable(what) else what, e) from e
+    finally:
+        if tp.progress is not None:
+            tp.progress.wait_end()
 
 
 def _start(tp: TPGroup, what: str | Callable[[], str], start: Callable):

@@ -1,26 +1,37 @@
-"""Progress inside a step every rank runs in lockstep: a rank alive but stuck there is named after the step's progress timeout.
+"""Progress inside a run, as the heartbeat tells it: a rank alive but stuck is named, and a rank waiting says on whom.
 
 A lockstep step (the split decode, sampling) is a series of units every rank goes through together; each rank `mark`s
-each unit's start, and the end of its own part of it, right before the collectives that need every rank's part, and its
-heartbeat carries "<step>#<marks>". A rank ahead of a peer in the same step that has waited longer than the step's
-progress timeout (STUCK_FACTOR times the longest span between two of its own marks in the step, at least STUCK_FLOOR_S)
-names the peer stuck. The span before a step's first mark (a model's move to the device) is not timed; a peer stuck
-there, or between steps, is left to the collective's own timeout (TP2_TIMEOUT_S). Imports nothing.
+each unit's start, and the end of its own part of it, right before the collectives that need every rank's part. Reads
+of a rank's weights `tick` (module-wide) so a long load counts as progress. The heartbeat carries "<step>#<marks>.<ticks>",
+and "!w" while the rank waits for its peers (a host-side collective, a rendezvous).
+- A rank ahead of a peer in the same step that has waited longer than the step's progress timeout (STUCK_FACTOR
+  times the longest span between two of its own marks in the step, at least STUCK_FLOOR_S) names the peer stuck.
+- A rank waiting while a peer is not, and whose token has not moved, says so every REPORT_S (or half the limit); past the stall limit
+  (TP2_STALL_S, else STALL_FACTOR times the slowest unit of the run so far, at least STALL_FLOOR_S) for both the wait
+  and the peer's stillness, it names the peer stuck. Imports nothing.
 """
 
 from __future__ import annotations
 
 import time
 
-STUCK_FACTOR = 4.0
-STUCK_FLOOR_S = 10.0
+STUCK_FACTOR, STUCK_FLOOR_S = 4.0, 10.0
+STALL_FACTOR, STALL_FLOOR_S, REPORT_S = 8.0, 60.0, 30.0
+WAITING = "!w"
+TICKS = [0]  # weights read by this process (tp2.safetensors_io); part of the token, so a long load is progress
+
+
+def tick() -> None:
+    TICKS[0] += 1
 
 
 class Progress:
     """This rank's place in the current step; written by the prompt worker, read by the watcher thread."""
 
-    def __init__(self):
+    def __init__(self, stall_s: float | None = None):
         self._at: tuple[str, int, float | None, float] = ("", 0, None, 0.0)  # (step, marks, last mark, longest span)
+        self.stall_s, self.slowest = stall_s, 0.0  # TP2_STALL_S (None: scaled); the run's slowest unit so far
+        self.waiting: tuple[str, float] | None = None  # (on what, since when) while this rank waits for its peers
 
     def begin(self, step: str) -> None:
         self._at = (step, 0, None, 0.0)
@@ -28,22 +39,36 @@ class Progress:
     def mark(self) -> None:
         step, marks, last, longest = self._at
         now = time.monotonic()
-        self._at = (step, marks + 1, now, longest if last is None else max(longest, now - last))
+        longest = longest if last is None else max(longest, now - last)
+        self._at, self.slowest = (step, marks + 1, now, longest), max(self.slowest, longest)
 
     def end(self) -> None:
-        self._at = ("", 0, None, 0.0)
+        self._at, self.slowest = ("", 0, None, 0.0), 0.0
+
+    def wait_begin(self, what: str) -> None:
+        self.waiting = (what, time.monotonic())
+
+    def wait_end(self) -> None:
+        self.waiting = None
 
     def token(self) -> str:
         step, marks, _, _ = self._at
-        return f"{step}#{marks}"
+        return f"{step}#{marks}.{TICKS[0]}" + (WAITING if self.waiting else "")
 
     def timeout_s(self) -> float:
         return max(STUCK_FLOOR_S, STUCK_FACTOR * self._at[3])
 
+    def stall_limit_s(self) -> float:
+        return self.stall_s or max(STALL_FLOOR_S, STALL_FACTOR * self.slowest)
+
+    def report_s(self) -> float:
+        return min(REPORT_S, self.stall_limit_s() / 2)
+
     def stuck(self, rank: int, token: str, now: float) -> str | None:
         """Why peer `rank`, whose heartbeat says `token`, is stuck in this rank's step; None while it is not."""
         step, marks, last, longest = self._at
-        their_step, _, theirs = token.rpartition("#")
+        their_step, _, theirs = token.removesuffix(WAITING).rpartition("#")
+        theirs = theirs.split(".")[0]
         if not step or their_step != step or last is None or longest == 0.0 or not theirs.isdigit() or int(theirs) >= marks:
             return None
         waited = now - last
@@ -52,3 +77,19 @@ class Progress:
         return (f"rank {rank} is stuck in {step.rsplit('/', 1)[-1]}: it is alive (its heartbeat goes on) but has not done in "
                 f"{waited:.0f} s what took this rank {longest:.1f} s (progress timeout {self.timeout_s():.0f} s); read its log, "
                 f"or restart it with scripts/start-tp2.sh restart --rank {rank}")  # fmt: skip
+
+    def stalled(self, rank: int, token: str, still_s: float, now: float) -> tuple[str, bool] | None:
+        """(what to say, whether the run must stop) while this rank waits and peer `rank` (heartbeat `token`, unchanged
+        for `still_s`) is not waiting; None when this rank is not waiting, the peer waits too, or for under REPORT_S."""
+        if self.waiting is None or token.endswith(WAITING):
+            return None
+        what, since = self.waiting
+        waited, where = now - since, token.rsplit("/", 1)[-1] or "between steps"
+        if min(waited, still_s) < self.report_s():
+            return None
+        if min(waited, still_s) > self.stall_limit_s():
+            return (f"rank {rank} is stuck at {where}: it is alive (its heartbeat goes on) but has made no progress for "
+                    f"{still_s:.0f} s while this rank waited {waited:.0f} s for it at {what} (stall limit "
+                    f"{self.stall_limit_s():.0f} s, TP2_STALL_S); its Python stacks are in its log; restart it with "
+                    f"scripts/start-tp2.sh restart --rank {rank}", True)  # fmt: skip
+        return f"waiting for rank {rank} at {what} for {waited:.0f} s; its last progress: {where}, {still_s:.0f} s ago", False

@@ -66,30 +66,34 @@ class Rendezvous:
         "go"), a peer that finished the run without this step, or one that never started it. This rank's own record
         (`mine`) is written again when it is gone (set into a store that a restarted rank 0 replaced) or replaced."""
         deadline, polls, me = time.monotonic() + timeout_s, 0, keys[self.env.tp_rank]
-        while True:
-            present = self._store_op(timeout_s, lambda s: [s.check([k]) for k in keys])
-            if not present[self.env.tp_rank] or self._store_op(timeout_s, lambda s: s.get(me).decode()) != mine:
-                self._store_op(timeout_s, lambda s: s.set(me, mine))
-                present[self.env.tp_rank] = True
-            own = abort() if abort is not None else None
-            stop = own or self.watcher.stop_reason()
-            if stop and self._verdict(base, stop, timeout_s) != "go":
-                if own:
-                    self.stop_run(own)
-                self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
-                raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {stop}")
-            if all(present) or stop:  # stop: a rank that saw every record took "go" first; go on with it
-                return
-            missing = [r for r, ok in enumerate(present) if not ok]
-            polls += 1
-            past = time.monotonic() > deadline
-            # where the missing peers are in this run (read every 5th poll, and each poll once the deadline passed)
-            states = {r: self.watcher.peer_state(run, r) for r in missing} if run is not None and (past or polls % 5 == 0) else {}
-            finished = [r for r, st in states.items() if st == "done"]
-            if finished or (past and (run is None or any(st is None for st in states.values()))):
-                self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
-                self._give_up(key, run, finished, missing, timeout_s)
-            time.sleep(POLL_S)
+        self.watcher.progress.wait_begin(f"the rendezvous '{key.rsplit('/', 1)[-1]}'")  # told in the heartbeat
+        try:
+            while True:
+                present = self._store_op(timeout_s, lambda s: [s.check([k]) for k in keys])
+                if not present[self.env.tp_rank] or self._store_op(timeout_s, lambda s: s.get(me).decode()) != mine:
+                    self._store_op(timeout_s, lambda s: s.set(me, mine))
+                    present[self.env.tp_rank] = True
+                own = abort() if abort is not None else None
+                stop = own or self.watcher.stop_reason()
+                if stop and self._verdict(base, stop, timeout_s) != "go":
+                    if own:
+                        self.stop_run(own)
+                    self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
+                    raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {stop}")
+                if all(present) or stop:  # stop: a rank that saw every record took "go" first; go on with it
+                    return
+                missing = [r for r, ok in enumerate(present) if not ok]
+                polls += 1
+                past = time.monotonic() > deadline
+                # where the missing peers are in this run (read every 5th poll, and each poll once the deadline passed)
+                states = {r: self.watcher.peer_state(run, r) for r in missing} if run is not None and (past or polls % 5 == 0) else {}
+                finished = [r for r, st in states.items() if st == "done"]
+                if finished or (past and (run is None or any(st is None for st in states.values()))):
+                    self._store_op(timeout_s, lambda s: s.delete_key(keys[self.env.tp_rank]))
+                    self._give_up(key, run, finished, missing, timeout_s)
+                time.sleep(POLL_S)
+        finally:
+            self.watcher.progress.wait_end()
 
     def _verdict(self, base: str, proposal: str | None, timeout_s: float) -> str | None:
         """The rendezvous' one verdict, "go" or why the run stops: `proposal` if this rank is the first to decide,

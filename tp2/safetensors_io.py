@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import CheckpointFormatError
+from .progress import tick
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -165,6 +166,7 @@ class TensorReader:
 
     def _read_into(self, info: TensorInfo, start: int, out: torch.Tensor) -> torch.Tensor:
         """Fill the contiguous tensor `out` with the bytes at `start` (relative to the tensor's data)."""
+        tick()  # a long load is progress (tp2/progress.py)
         if out.numel():
             try:
                 _pread_into(self._fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.start + start)

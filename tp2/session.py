@@ -30,7 +30,7 @@ from .errors import PeerLostError
 from .handshake import DETAIL
 from .link import Link, measure_link, prediction
 from .rendezvous import PRIVATE, Rendezvous
-from .settings import NCCL_ERROR_HANDLING, set_for_libraries, visible_gpus
+from .settings import NCCL_ERROR_HANDLING, set_for_libraries, value, visible_gpus
 from .signing import signed_counter
 from .watch import Watcher
 
@@ -85,6 +85,7 @@ class TPSession(Rendezvous):
         self._retired: list[tuple[float, list]] = []  # (when, [groups]) given up, kept until their waits are over
         self.watcher = Watcher(env.tp_rank, env.tp_size, env.master_addr, env.master_port, boot_id, secret, peer_urls=peer_urls)
         self.watcher.on_stop = self._stopped_by_peer
+        self.watcher.progress.stall_s = value("TP2_STALL_S")
 
     @property
     def tag(self) -> str:
@@ -190,7 +191,12 @@ class TPSession(Rendezvous):
                         self.tag, NCCL_ERROR_HANDLING, replaced)  # fmt: skip
         store = dist.PrefixStore(f"tp2/pg/{generation}", self._connect(self.env.timeout_s))
         self.group = init_tp_group(
-            self.env, self.device, store=store, stop_check=self.watcher.stop_reason, loss_check=self.watcher.explain_loss
+            self.env,
+            self.device,
+            store=store,
+            stop_check=self.watcher.stop_reason,
+            loss_check=self.watcher.explain_loss,
+            progress=self.watcher.progress,
         )
         self.link = measure_link(self.group, visible_gpus())
         self.link_prediction = prediction(self.link, self.env.tp_size, self.group.device.type)

@@ -56,6 +56,14 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting("TP2_TIMEOUT_S", "float", "300", "seconds any collective waits for a peer", low=1e-9, launcher=True),
         Setting("TP2_PROMPT_TIMEOUT_S", "float", "45", "seconds ranks wait for each other at a sampler", low=1e-9, launcher=True),
+        Setting(
+            "TP2_STALL_S",
+            "float",
+            None,
+            "seconds a rank waits on a peer alive but not progressing, then the prompt fails",
+            low=1e-9,
+            shown="8x the run's slowest unit, at least 60",
+        ),  # fmt: skip
         Setting("TP2_INT8_KERNEL", "choice", "auto", "the row-parallel int8 GEMM", ("auto", "cuda", "triton", "eager"), launcher=True),
         Setting("TP2_ATTN_BACKEND", "choice", "auto", "the attention backend", ("auto", "ck", "sdpa"), launcher=True),
         Setting("TP2_REDUCE_DTYPE", "choice", "fp32", "the row-parallel all-reduce dtype", ("fp32", "bf16"), launcher=True),

@@ -16,6 +16,7 @@ A rank deletes its keys of a run once it has begun KEPT_RUNS runs after it. Ever
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import socket
@@ -28,7 +29,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from .progress import Progress
+from .progress import WAITING, Progress
 from .signing import decode_stop, sign, signed, unsigned
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,9 @@ class Watcher:
         self._runs: list[str] = []  # the runs whose keys this rank still keeps, oldest first
         self._forged: set[int] = set()  # ranks whose store heartbeat was found unsigned (logged once each)
         self.progress = Progress()  # this rank's place in the current lockstep step, told in its heartbeat
+        self._moved: dict[int, tuple[str, float]] = {}  # peer -> (its progress token, when it last changed)
+        self.waiting_text: str | None = None  # "waiting for rank 1 at ..." while a peer alive keeps this rank waiting
+        self._said = 0.0  # when waiting_text was last logged
 
     # -- the run ---------------------------------------------------------------------------------------
     def heartbeat_ages(self) -> dict[int, float]:
@@ -202,7 +206,12 @@ class Watcher:
             if notice is None:
                 log.warning("[tp2 r%d/%d] ignored a stop notice for run %s that no rank signed", self.rank, self.size, run)
             elif notice[0] != self.rank:
+                if notice[1].startswith(f"rank {self.rank} is stuck") and self._stop is None:  # where: for its log
+                    log.error("[tp2 r%d/%d] %s; this rank's Python stacks follow", self.rank, self.size, notice[1])
+                    faulthandler.dump_traceback(all_threads=True)
                 self._decide(notice[1])
+        if self.progress.waiting is None:
+            self.waiting_text = None
         for r, value in enumerate(beats or []):
             if r != self.rank:
                 self._judge_peer(r, value.decode(), run, now)
@@ -231,9 +240,20 @@ class Watcher:
         if quiet > self.heartbeat_timeout_s:
             self._decide(f"rank {r} is not responding (no heartbeat for {quiet:.0f} s): it is frozen, stopped or overloaded; "
                          "check its log, or restart it with scripts/start-tp2.sh restart --rank " + str(r), publish=True)  # fmt: skip
-        stuck = quiet <= PROBE_AFTER_S and self.progress.stuck(r, value.split(":", 2)[-1], now)
+        token = value.split(":", 2)[-1]
+        stuck = quiet <= PROBE_AFTER_S and self.progress.stuck(r, token, now)
         if stuck:  # only while its heartbeat goes on: a silent peer is frozen or gone, named above
             self._decide(stuck, publish=True)
+        if self._moved.get(r, ("",))[0] != token.removesuffix(WAITING):
+            self._moved[r] = (token.removesuffix(WAITING), now)
+        stalled = quiet <= PROBE_AFTER_S and self.progress.stalled(r, token, now - self._moved[r][1], now)
+        if stalled and stalled[1]:
+            self._decide(stalled[0], publish=True)
+        elif stalled:
+            self.waiting_text = stalled[0]
+            if now - self._said >= self.progress.report_s():
+                self._said = now
+                log.warning("[tp2 r%d/%d] %s", self.rank, self.size, stalled[0])
 
     def _process_gone(self, rank: int) -> bool:
         """Whether rank `rank`'s HTTP port refuses connections: its process ended. A frozen or busy process's port

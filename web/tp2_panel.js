@@ -45,7 +45,7 @@ function linkText(status) {
   return l ? `${l.bus_gbps} GB/s (${l.kind}); ${l.prediction}` : "not measured yet (at the first sampler, as the group forms)";
 }
 
-const HEALTH_COLOURS = { healthy: "#2e7d32", starting: "#9a7d0a", stopping: "#b35900", silent: "#b71c1c", wrong: "#b71c1c", unreachable: "#b71c1c" };
+const HEALTH_COLOURS = { healthy: "#2e7d32", starting: "#9a7d0a", waiting: "#9a7d0a", stopping: "#b35900", silent: "#b71c1c", wrong: "#b71c1c", unreachable: "#b71c1c" };
 
 function line(label, value, className) {
   return el("div", { className, style: { margin: "1px 0" } }, el("span", { style: { opacity: 0.7 } }, `${label}: `), value);

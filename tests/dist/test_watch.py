@@ -320,4 +320,4 @@ def test_a_peer_is_stuck_only_when_behind_in_this_step_for_longer_than_the_step_
     why = p.stuck(1, "run-1/vae-decode1#1", marked + bound + 1)
     assert why is not None and why.startswith("rank 1 is stuck in vae-decode1") and f"progress timeout {bound:.0f} s" in why
     p.end()
-    assert p.stuck(1, "run-1/vae-decode1#1", marked + bound + 1) is None and p.token() == "#0"
+    assert p.stuck(1, "run-1/vae-decode1#1", marked + bound + 1) is None and p.token().startswith("#0.")
