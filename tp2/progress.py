@@ -84,12 +84,16 @@ class Progress:
         if self.waiting is None or token.endswith(WAITING):
             return None
         what, since = self.waiting
-        waited, where = now - since, token.rsplit("/", 1)[-1] or "between steps"
+        step, _, marks = token.removesuffix(WAITING).rpartition("#")
+        waited, where = (
+            now - since,
+            f"in {step.rsplit('/', 1)[-1]} at unit {marks.split('.')[0]}" if step else "between TP steps (in a node, or loading)",
+        )
         if min(waited, still_s) < self.report_s():
             return None
         if min(waited, still_s) > self.stall_limit_s():
-            return (f"rank {rank} is stuck at {where}: it is alive (its heartbeat goes on) but has made no progress for "
+            return (f"rank {rank} is stuck {where}: it is alive (its heartbeat goes on) but has made no progress for "
                     f"{still_s:.0f} s while this rank waited {waited:.0f} s for it at {what} (stall limit "
                     f"{self.stall_limit_s():.0f} s, TP2_STALL_S); its Python stacks are in its log; restart it with "
                     f"scripts/start-tp2.sh restart --rank {rank}", True)  # fmt: skip
-        return f"waiting for rank {rank} at {what} for {waited:.0f} s; its last progress: {where}, {still_s:.0f} s ago", False
+        return f"waiting for rank {rank} at {what} for {waited:.0f} s; its last progress was {where}, {still_s:.0f} s ago", False

@@ -12,9 +12,11 @@ def test_a_waiting_rank_reports_then_names_a_peer_that_does_not_move():
     since = p.waiting[1]
     assert p.stalled(1, "run/sampler1#5.3", 19.0, since + 19) is None  # under half the limit: nothing yet
     text, stop = p.stalled(1, "run/sampler1#5.3", 25.0, since + 25)
-    assert not stop and text.startswith("waiting for rank 1 at the all-reduce for 25 s; its last progress: sampler1#5.3, 25 s ago")
+    assert not stop and text.startswith(
+        "waiting for rank 1 at the all-reduce for 25 s; its last progress was in sampler1 at unit 5, 25 s ago"
+    )
     text, stop = p.stalled(1, "run/sampler1#5.3", 41.0, since + 41)
-    assert stop and text.startswith("rank 1 is stuck at sampler1#5.3: it is alive") and "stall limit 40 s" in text
+    assert stop and text.startswith("rank 1 is stuck in sampler1 at unit 5: it is alive") and "stall limit 40 s" in text
     assert p.stalled(1, "run/sampler1#5.3!w", 100.0, since + 100) is None  # the peer waits too: not its fault
     p.wait_end()
     assert p.stalled(1, "run/sampler1#5.3", 100.0, since + 100) is None  # this rank is not waiting

@@ -130,6 +130,7 @@ def test_plan_fingerprint_depends_on_tp_size_and_layout():
 def test_generator_layout_is_what_comfyui_builds():
     """The generator's names and shapes at the fixture's dims are exactly the state dict of ComfyUI's own class."""
     from conftest import COMFYUI_DIR as comfy_dir
+
     if not os.path.isfile(os.path.join(comfy_dir, "comfy", "text_encoders", "minimax.py")):
         pytest.skip(f"no ComfyUI with H3 at {comfy_dir}")
     import subprocess
