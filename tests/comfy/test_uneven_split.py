@@ -251,3 +251,9 @@ def test_what_is_shown_is_what_ran(tmp_path, base):
         assert re.search(r"2 restart\(s\); last: \S+ \S+ rank 1 restarted by hand", status_of())
     finally:
         stop_launched(launched)
+
+
+def test_a_plain_comfyui_with_the_pack_says_tp_is_off_and_how_to_start_it(plain):
+    log = open(plain.log_path, errors="replace").read()
+    assert log.count("minimax-h3-tp2: tensor parallelism is off in this ComfyUI (not started as a rank)") == 1, log[-2000:]
+    assert "scripts/start-tp2.sh" in log

@@ -350,3 +350,14 @@ def test_check_on_the_cpu_answers_in_seconds_without_comfyui_or_model_files(tmp_
     a, b = map(int, re.search(r" at (\d+):(\d+)", auto).groups())
     assert 2 <= a / b <= 4.5 and float(auto.split()[3].rstrip("x")) > float(even.split()[2].rstrip("x")), auto  # ~3:1 on a busy CPU
     assert "TP2_BLOCK_MS=" in out and not (tmp_path / "run").exists() and "starting" not in out
+
+
+def test_gpus_given_where_there_is_no_gpu_names_that_cause(tmp_path):
+    """--gpus 0,1 on a machine without a GPU (no nvidia-smi, torch sees none): the cause, not "install the requirements"."""
+    from conftest import free_port
+
+    res, _ = _launch(tmp_path, _h3_comfyui_with_pack(tmp_path), "--gpus", "0,1", "--base-port", str(free_port()),
+                     path=_path_without("nvidia-smi"))  # fmt: skip
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "--gpus 0,1: there is no GPU here (no nvidia-smi: no NVIDIA driver); use --cpu" in res.stderr, res.stderr
+    assert "pip install" not in res.stderr
