@@ -1,7 +1,10 @@
 """The compute dtype per simulated compute capability (tp2.compute_dtype), and capacity per dtype."""
 
 import pytest
+import torch
 
+from kernels import attention
+from kernels.attention import sdpa_materialises_scores
 from tp2 import capacity
 from tp2.compute_dtype import choose_compute_dtype
 
@@ -39,3 +42,22 @@ def test_fp32_needs_more_and_fits_shorter(streamed):
 def test_cli_names_the_dtype(capsys):
     capacity.main(["--gpu-mem", "22", "--dtype", "fp32"])
     assert "fp32 compute" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "cc, dtype, math_path",
+    [((7, 5), torch.bfloat16, True), ((7, 5), torch.float32, False), ((7, 5), torch.float16, False),
+     ((8, 6), torch.bfloat16, False), ((8, 9), torch.bfloat16, False), ((9, 0), torch.float32, False)],
+)  # fmt: skip
+def test_sdpa_math_path_per_capability(cc, dtype, math_path):
+    assert sdpa_materialises_scores(cc, dtype) is math_path
+
+
+def test_auto_attention_never_keeps_sdpa_on_its_math_path(monkeypatch, caplog):
+    """Simulated sm_75 in bf16: auto drops SDPA (its math path) without timing it, and says why."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    fn = lambda q, k, v, heads: q  # noqa: E731 - a candidate that runs; only the choice is under test
+    device = torch.device("cuda", 7)  # never touched: with one candidate left no timing runs
+    with caplog.at_level("INFO"):
+        assert attention.select_attention({"sdpa": (fn, ""), "ck": (fn, "")}, device, "auto", dtype=torch.bfloat16) == "ck"
+    assert "sdpa: math path for torch.bfloat16 on compute capability (7, 5)" in caplog.text
