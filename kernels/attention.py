@@ -2,7 +2,9 @@
 
 The candidates are callables handed in by the caller (ComfyUI's own attention functions), so this module
 has no ComfyUI import and no TP logic. `auto` times each available candidate once per device on a
-representative problem and keeps the fastest; a forced backend that cannot run here is an error.
+representative problem, in the dtype the model computes in, and keeps the fastest; it never keeps SDPA where
+SDPA would take its math path (the whole score matrix in memory: bf16 below compute capability 8.0, where no fused
+kernel takes bf16) while another candidate runs. A forced backend that cannot run here is an error.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ log = logging.getLogger(__name__)
 ENV_ATTN_BACKEND = "TP2_ATTN_BACKEND"
 ATTN_BACKENDS = ("auto", "ck", "sdpa")
 
-_chosen: dict[tuple[str, str], str] = {}
+_chosen: dict[tuple[str, str, str], str] = {}
+
+
+def sdpa_materialises_scores(capability: tuple[int, int] | None, dtype: torch.dtype) -> bool:
+    """Whether torch's SDPA takes its math path (the full score matrix) on a GPU of this compute capability: flash
+    and memory-efficient attention take bf16 only from 8.0; fp32 and fp16 have the memory-efficient kernel."""
+    return capability is not None and dtype == torch.bfloat16 and tuple(capability) < (8, 0)
 
 
 class AttentionUnavailableError(RuntimeError):
@@ -42,18 +50,24 @@ def select_attention(
     device: torch.device,
     name: str | None = None,
     probe_shape: tuple[int, int, int] = (8, 4096, 128),
+    dtype: torch.dtype = torch.bfloat16,
 ) -> str:
     """Pick a backend name from `candidates` ({name: (fn(q, k, v, heads) or None, why unavailable)}).
 
-    Logs the choice once per device. `probe_shape` = (heads, tokens, head_dim) of the timing problem.
+    Logs the choice once per device and dtype. `probe_shape` = (heads, tokens, head_dim) of the timing problem, in
+    `dtype` (the model's compute dtype).
     """
     name = (name or "auto").strip().lower()
     if name not in ATTN_BACKENDS:
         raise AttentionUnavailableError(f"{ENV_ATTN_BACKEND}={name} is not a backend: choose one of {', '.join(ATTN_BACKENDS)}.")
-    key = (name, str(device))
+    key = (name, str(device), str(dtype))
     if key in _chosen:
         return _chosen[key]
     usable = {n: fn for n, (fn, _) in candidates.items() if fn is not None}
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if name == "auto" and len(usable) > 1 and "sdpa" in usable and sdpa_materialises_scores(capability, dtype):
+        del usable["sdpa"]  # fastest on a small problem, out of memory at a video's length
+        candidates = dict(candidates, sdpa=(None, f"math path for {dtype} on compute capability {capability}"))
     if name != "auto":
         if name not in usable:
             why = candidates.get(name, (None, "unknown backend"))[1]
@@ -65,10 +79,10 @@ def select_attention(
         detail = f"auto, no timing on {device.type}" + (f" ({skipped})" if skipped else "")
     else:
         h, s, d = probe_shape
-        q, k, v = (torch.randn(1, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(1, h, s, d, device=device, dtype=dtype) for _ in range(3))
         times = {n: _time_once(fn, q, k, v, h) for n, fn in usable.items()}
         choice = min(times, key=times.get)
         detail = "auto: " + ", ".join(f"{n} {1e3 * t:.2f} ms" for n, t in sorted(times.items()))
-    log.info("attention backend on %s: %s (%s)", device, choice, detail)
+    log.info("attention backend on %s for %s: %s (%s)", device, dtype, choice, detail)
     _chosen[key] = choice
     return choice

@@ -1,7 +1,8 @@
 """Which of ComfyUI's attention functions the TP forward uses on a device (TP2_ATTN_BACKEND), as an override.
 
-attention_override(device)   ComfyUI's `optimized_attention_override` callable for the chosen backend, chosen once
-                             per device by kernels/attention.py among the candidates that really run here
+attention_override(device, dtype)   ComfyUI's `optimized_attention_override` callable for the chosen backend, chosen
+                                    once per device and compute dtype by kernels/attention.py among the candidates
+                                    that really run here in that dtype
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from .state import STATE
 
 
 @functools.cache
-def attention_override(device: torch.device):
-    """ComfyUI's attention function for the backend TP2_ATTN_BACKEND resolves to on this device."""
+def attention_override(device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """ComfyUI's attention function for the backend TP2_ATTN_BACKEND resolves to on this device in `dtype`."""
     import comfy.ldm.modules.attention as attn
 
     def sdpa(func, *args, **kwargs):
@@ -28,18 +29,18 @@ def attention_override(device: torch.device):
 
     ck.container_function = attn.attention_comfy_kitchen_int8.container_function
     candidates = {
-        "sdpa": (_probe(attn.attention_pytorch, device), "needs torch SDPA"),
-        "ck": (_probe(attn.attention_comfy_kitchen_int8, device), "comfy-kitchen INT8 attention failed a real call here"),
+        "sdpa": (_probe(attn.attention_pytorch, device, dtype), "needs torch SDPA"),
+        "ck": (_probe(attn.attention_comfy_kitchen_int8, device, dtype), "comfy-kitchen INT8 attention failed a real call here"),
     }
-    choice = select_attention(candidates, device, settings.value("TP2_ATTN_BACKEND"))
+    choice = select_attention(candidates, device, settings.value("TP2_ATTN_BACKEND"), dtype=dtype)
     STATE.attention = choice
     return {"sdpa": sdpa, "ck": ck}[choice]
 
 
-def _probe(fn, device):
-    """fn as fn(q, k, v, heads) if one real call on this device works, else None (trust a real call, not a flag)."""
+def _probe(fn, device, dtype):
+    """fn as fn(q, k, v, heads) if one real call on this device in `dtype` works, else None (trust a real call)."""
     call = functools.partial(fn, skip_reshape=True)
-    q = torch.randn(1, 2, 64, 128, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    q = torch.randn(1, 2, 64, 128, device=device, dtype=dtype if device.type == "cuda" else torch.float32)
     try:
         call(q, q, q, 2)
         return call

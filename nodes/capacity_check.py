@@ -25,7 +25,7 @@ from .state import STATE, log
 
 def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=None) -> str | None:
     """Log the prediction for this prompt; return what would fit when it predicts this one does not, else None.
-    `patcher`: the DiT's ModelPatcher (whether its weights may stream)."""
+    `patcher`: the DiT's ModelPatcher (whether its weights may stream, the dtype it computes in)."""
     available = _available_gib(device)
     video = next((tuple(s) for s in latent_shapes or () if len(s) == 5), None)  # [B, C, T, H/16, W/16]
     if available is None or video is None:
@@ -37,23 +37,27 @@ def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=Non
     # ComfyUI's dynamic VRAM (ModelPatcherDynamic) pages the weights in block by block; --highvram keeps them resident
     streams = bool(patcher is not None and patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
     allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), settings.torch_allocator_conf())
-    resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, fraction=fraction)
-    streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator, fraction=fraction)
+    computes = patcher.model.get_dtype_inference() if patcher is not None else STATE.compute_dtype
+    dtype = "fp32" if computes == torch.float32 else "bf16"  # activations: 4 or 2 bytes (fp16 as bf16)
+    how = dict(fraction=fraction, dtype=dtype)
+    resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, **how)
+    streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator, **how)
     need = streamed if streams else resident
     fits = need - capacity.HELD_AT_THE_SAMPLER_GIB <= available  # the CUDA context is in the need and already held
     advice = None
     if not fits:
         budget = available + capacity.HELD_AT_THE_SAMPLER_GIB  # what tp2.capacity's table calls the card's memory
-        what = capacity.advice(width, height, frames, plan.tp_size, budget, streamed=streams, allocator=allocator, fraction=fraction)
+        what = capacity.advice(width, height, frames, plan.tp_size, budget, streamed=streams, allocator=allocator, **how)
         mode = "with the weights streamed" if streams else "with the weights resident"
         advice = (
-            f"{width}x{height}x{frames} was predicted to need ~{need:.1f} GiB per rank at tp_size {plan.tp_size} {mode}, "
+            f"{width}x{height}x{frames} was predicted to need ~{need:.1f} GiB per rank at tp_size {plan.tp_size} {mode} "
+            f"in {dtype} compute, "
             f"{available:.1f} GiB more was available: {what} (tp2/capacity.py)"
         )
     log.info(
-        "%s capacity: %dx%dx%d, %d rows: predicted peak ~%.1f GiB with the weights resident, ~%.1f GiB streamed (%s); "
+        "%s capacity: %dx%dx%d, %d rows, %s compute: predicted peak ~%.1f GiB with the weights resident, ~%.1f GiB streamed (%s); "
         "%.1f GiB available; weights %s; %s",
-        STATE.tag, width, height, frames, rows, resident, streamed, allocator, available,
+        STATE.tag, width, height, frames, rows, dtype, resident, streamed, allocator, available,
         "may stream (dynamic VRAM)" if streams else "resident (no dynamic VRAM)",
         "fits" if fits else f"may not fit: {advice}",
     )  # fmt: skip

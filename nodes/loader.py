@@ -3,23 +3,28 @@
 `comfy.sd.load_diffusion_model(unet_path, ...)` is replaced (it is looked up by module attribute). For an H3
 safetensors file on an active rank it reads only this rank's slices (or this rank's pre-sharded file), lets
 ComfyUI build the local-width model from the shapes through its own `load_diffusion_model_state_dict` (so the
-int8 mixed-precision path is picked exactly as without the pack), then tags, verifies and wires the model. An int8
-model is used only after this device's int8 path passed the numerics check (nodes/numerics_check.py).
+int8 mixed-precision path is picked exactly as without the pack), then tags, verifies and wires the model. It computes
+in the dtype tp2/compute_dtype.py picks for this GPU (ComfyUI's manual cast pinned to it while the model is built;
+the stored weights keep ComfyUI's dtype). An int8 model is used only after this device's int8 path passed the
+numerics check (nodes/numerics_check.py), run in that dtype.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
 
 import comfy.memory_management
+import comfy.model_management
 import comfy.sd
 import comfy.utils
 import torch
 
 from ..tp2 import settings
 from ..tp2.checkpoint import CheckpointLayout
+from ..tp2.compute_dtype import choose_compute_dtype
 from ..tp2.errors import PlanError, UnknownPrefixError
 from ..tp2.h3_layout import find_prefix
 from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan
@@ -84,7 +89,10 @@ def _load_h3(unet_path, model_options, disable_dynamic):
     shard = open_rank_shard(unet_path, STATE.env.tp_rank, STATE.env.tp_size, *rank_cache_args(), shares=STATE.shares)
     sd, metadata, plan, source_fp = shard.state_dict, shard.metadata, shard.plan, shard.source_fingerprint
     split_input = _pop_split_input(sd, plan)
-    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=model_options, metadata=metadata, disable_dynamic=disable_dynamic)
+    with _computing_in(_compute_dtype()):
+        patcher = comfy.sd.load_diffusion_model_state_dict(
+            sd, model_options=model_options, metadata=metadata, disable_dynamic=disable_dynamic
+        )
     if patcher is None:
         raise PlanError(
             f"ComfyUI could not build a model from this rank's shard of '{os.path.basename(unet_path)}'. Report this with the file name."
@@ -105,6 +113,32 @@ def _load_h3(unet_path, model_options, disable_dynamic):
     )
     log.info("%s loaded %s (%s) in %.1f s: %s", STATE.tag, os.path.basename(unet_path), shard.origin, secs, plan.summary())
     return patcher
+
+
+def _compute_dtype() -> torch.dtype:
+    """This rank's compute dtype (TP2_COMPUTE_DTYPE; ComfyUI's --force-fp32 counts as fp32), logged with why."""
+    setting = settings.value("TP2_COMPUTE_DTYPE")
+    device = STATE.device
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if setting == "auto" and comfy.model_management.FORCE_FP32:
+        name, why = "fp32", "ComfyUI's --force-fp32"
+    else:
+        name, why = choose_compute_dtype(capability, setting)
+    STATE.compute_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    log.info("%s compute dtype %s on %s: %s", STATE.tag, name, device, why)
+    return STATE.compute_dtype
+
+
+@contextlib.contextmanager
+def _computing_in(dtype: torch.dtype):
+    """While ComfyUI builds the model: its manual cast (the dtype weights are cast to for compute) is `dtype`, or none
+    where the weights are stored in it. Restored after, so other models load as ComfyUI picks."""
+    original = comfy.model_management.unet_manual_cast
+    comfy.model_management.unet_manual_cast = lambda weight_dtype, *a, **k: None if weight_dtype == dtype else dtype
+    try:
+        yield
+    finally:
+        comfy.model_management.unet_manual_cast = original
 
 
 def _pop_split_input(sd: dict, plan: Plan) -> dict[str, torch.Tensor]:

@@ -117,7 +117,7 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     if "minimax_payload" in kwargs:  # rank 0's tensors and values; this rank's own (identical, rebuildable) layout
         kwargs["minimax_payload"] = dict(shared["payload"], **({"layout": payload["layout"]} if "layout" in payload else {}))
     # this evaluation's own options: the attention backend, and a fresh sequence-parallel state for its blocks
-    transformer_options = dict(transformer_options, optimized_attention_override=attention_override(group.device))
+    transformer_options = dict(transformer_options, optimized_attention_override=attention_override(group.device, STATE.compute_dtype))
     transformer_options[SP_FORWARD] = SequenceParallelForward()
     with role_guard():
         return executor(shared["x"], shared["t"], shared["context"], transformer_options, **kwargs)

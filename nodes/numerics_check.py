@@ -49,7 +49,7 @@ def _checked(device: torch.device, dtype: torch.dtype, kernel: str, shares: tupl
 def _block_path(device: torch.device, dtype: torch.dtype, fused: bool, kitchen: str) -> BlockPath:
     import comfy.quant_ops
 
-    override = attention_override(device)
+    override = attention_override(device, dtype)
 
     def attention(q, k, v, heads):
         return override(None, q, k, v, heads, skip_reshape=True)

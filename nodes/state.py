@@ -58,6 +58,7 @@ class RankState:
     sp_fused_norm: bool = False  # TP2_SP_FUSED_NORM: norm + modulation (+ gated residual) fused on CUDA
     sampling_key: str = ""  # the sampling run every rank agreed on last (prompt id / sampler number)
     attention: str = "comfyui"  # resolved backend name, "comfyui" = ComfyUI's own choice
+    compute_dtype: object = None  # torch dtype the DiT computes in (TP2_COMPUTE_DTYPE, set at load; nodes/loader.py)
     prompt_timeout_s: float = float(settings.SETTINGS["TP2_PROMPT_TIMEOUT_S"].default)
     models: list[LoadedModel] = field(default_factory=list)
     prompt: Prompt = field(default_factory=Prompt)

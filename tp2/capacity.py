@@ -47,6 +47,9 @@ CONTEXT_GIB = 1.2  # outside torch's pool: CUDA context, cuBLAS workspace, dynam
 # part of every prediction already held when the check at the sampler asks what is free (the CUDA context): on a
 # real 22 GiB limit, free + pooled + evictable came to 21.3 GiB there (measured, docs/PERFORMANCE.md)
 HELD_AT_THE_SAMPLER_GIB = 0.7
+# activations in fp32 compute over bf16 (the weights stay int8): 1.65x measured on the half-width stand-in at
+# 1920x1088x124 (issue 40); the fixed buffers and the weights are taken as the same
+ACTIVATIONS_OVER_BF16 = {"bf16": 1.0, "fp32": 1.65}
 # 20.06 / 14.42, 18.52 / 14.14 and 17.48 / 14.12 GiB measured; native: the rank of the pair that met the limit (the
 # other, with room, held 1.55x: the native allocator keeps what it got and gives it back on an out-of-memory)
 POOL_OVER_LIVE = {"cudaMallocAsync": 1.39, "expandable": 1.31, "native": 1.24}
@@ -103,10 +106,18 @@ def split_part(whole: float, tp_size: int, fraction: float | None = None) -> flo
     return whole / tp_size if fraction is None or fraction == 1 / tp_size else whole * fraction
 
 
-def live_gib(n_tokens: int, tp_size: int, hidden: int = H3_HIDDEN, fraction: float | None = None) -> float:
-    """One rank's live tensors at the sampler's peak: the accounting's bytes per row, scaled to the measured length."""
+def live_gib(n_tokens: int, tp_size: int, hidden: int = H3_HIDDEN, fraction: float | None = None, dtype: str = "bf16") -> float:
+    """One rank's live tensors at the sampler's peak: the accounting's bytes per row, scaled to the measured length
+    (bf16) and to `dtype`'s activations."""
     row_bytes = (SHARED_ROW_BYTES + split_part(SPLIT_ROW_BYTES, tp_size, fraction)) * hidden / H3_HIDDEN
-    return LIVE_SCALE * n_tokens * row_bytes / GIB
+    return LIVE_SCALE * n_tokens * row_bytes / GIB * activation_scale(dtype)
+
+
+def activation_scale(dtype: str) -> float:
+    """Activations in compute `dtype` over bf16's (ACTIVATIONS_OVER_BF16)."""
+    if dtype not in ACTIVATIONS_OVER_BF16:
+        raise ValueError(f"compute dtype {dtype!r} is not one of {', '.join(ACTIVATIONS_OVER_BF16)}.")
+    return ACTIVATIONS_OVER_BF16[dtype]
 
 
 def predict_peak_gib(
@@ -117,17 +128,18 @@ def predict_peak_gib(
     streamed: bool = False,
     allocator: str = ASYNC,
     fraction: float | None = None,
+    dtype: str = "bf16",
 ) -> float:
     """One rank's peak: its weights (the released DiT's share unless given), the fixed buffers and the activations,
     which scale with the model's width (`hidden`; the released H3 is 5376 wide). `streamed`: the least it runs with
     under dynamic VRAM (only the blocks in flight resident), with torch's pool as `allocator` holds it. `fraction`:
-    the rank's part of the split layers (None: 1/tp_size)."""
+    the rank's part of the split layers (None: 1/tp_size). `dtype`: the compute dtype (fp32 or bf16)."""
     weights = split_part(WEIGHTS_GIB, tp_size, fraction) if rank_weights_gib is None else rank_weights_gib
     if streamed:
-        pool = live_gib(n_tokens, tp_size, hidden, fraction) * POOL_OVER_LIVE.get(allocator, POOL_OVER_LIVE[ASYNC])
+        pool = live_gib(n_tokens, tp_size, hidden, fraction, dtype) * POOL_OVER_LIVE.get(allocator, POOL_OVER_LIVE[ASYNC])
         return CONTEXT_GIB + weights * STREAMED_BLOCKS / BLOCKS + pool
     per_token = (SHARED_PER_TOKEN_GIB + split_part(SPLIT_PER_TOKEN_GIB, tp_size, fraction)) * hidden / H3_HIDDEN
-    return weights + FIXED_GIB.get(tp_size, FIXED_GIB[2]) + n_tokens * per_token
+    return weights + FIXED_GIB.get(tp_size, FIXED_GIB[2]) + n_tokens * per_token * activation_scale(dtype)
 
 
 def longest_frames(
@@ -139,9 +151,10 @@ def longest_frames(
     streamed: bool = False,
     allocator: str = ASYNC,
     fraction: float | None = None,
+    dtype: str = "bf16",
 ) -> int | None:
     """The longest length on the 17k+5 grid whose predicted peak is at most `gpu_gib` (None: not even 5 frames)."""
-    how = dict(streamed=streamed, allocator=allocator, fraction=fraction)
+    how = dict(streamed=streamed, allocator=allocator, fraction=fraction, dtype=dtype)
     best = None
     for frames in range(5, up_to + 1, 17):
         if predict_peak_gib(tokens(width, height, frames), tp_size, **how) > gpu_gib:
@@ -159,15 +172,16 @@ def advice(
     streamed: bool = False,
     allocator: str = ASYNC,
     fraction: float | None = None,
+    dtype: str = "bf16",
 ) -> str:
     """What would fit instead on this rank (its `fraction` of the split layers, None: 1/tp_size): the longest length at
     this resolution, the smallest tp_size for this length (the rank's share relative to an even one kept), and (where
     it is what stops the prompt) the leaner allocator."""
-    how = dict(streamed=streamed, allocator=allocator)
+    how = dict(streamed=streamed, allocator=allocator, dtype=dtype)
     fit = longest_frames(width, height, available_gib, tp_size, fraction=fraction, **how)
     parts = [f"at {width}x{height} up to {fit} frames fit" if fit else f"not even 5 frames fit at {width}x{height}"]
     n = tokens(width, height, frames)
-    lean = predict_peak_gib(n, tp_size, streamed=True, allocator=LEAN_ALLOCATOR, fraction=fraction)
+    lean = predict_peak_gib(n, tp_size, streamed=True, allocator=LEAN_ALLOCATOR, fraction=fraction, dtype=dtype)
     if streamed and allocator == ASYNC and lean <= available_gib:
         parts.append(f"or start the ranks with --lean-memory (~{lean:.1f} GiB per rank)")
     for bigger in (2, 4):  # the sizes the int8 release splits into (python -m tp2.inspect)
@@ -178,16 +192,17 @@ def advice(
     return ", ".join(parts)
 
 
-def table(gpu_gib: float, tp_size: int) -> str:
-    lines = [f"longest H3 video per rank on {gpu_gib:g} GiB at tp_size {tp_size} (frames, seconds at 24 fps, predicted peak GiB): "
+def table(gpu_gib: float, tp_size: int, dtype: str = "bf16") -> str:
+    lines = [f"longest H3 video per rank on {gpu_gib:g} GiB at tp_size {tp_size}, {dtype} compute (frames, seconds at 24 fps, predicted peak GiB): "
              "the DiT's weights resident, streamed block by block by ComfyUI's dynamic VRAM (its default on NVIDIA), and "
              "streamed with the launcher's --lean-memory (torch's native allocator)", "",
              "| resolution | " + " | ".join(m for m, _, _ in MODES) + " |", "|---|" + "---|" * len(MODES)]  # fmt: skip
     for w, h in RESOLUTIONS:
         cells = []
         for _, streamed, allocator in MODES:
-            f = longest_frames(w, h, gpu_gib, tp_size, streamed=streamed, allocator=allocator)
-            peak = predict_peak_gib(tokens(w, h, f), tp_size, streamed=streamed, allocator=allocator) if f else 0.0
+            how = dict(streamed=streamed, allocator=allocator, dtype=dtype)
+            f = longest_frames(w, h, gpu_gib, tp_size, **how)
+            peak = predict_peak_gib(tokens(w, h, f), tp_size, **how) if f else 0.0
             cells.append(f"{f} ({f / 24:.1f} s, {peak:.1f})" if f else "none")
         lines.append(f"| {w}x{h} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -205,23 +220,29 @@ def memory_shares(gpus: list[float]) -> Shares:
 
 
 def longest_on_every_rank(
-    width: int, height: int, gpus: list[float], shares: Shares, streamed: bool = False, allocator: str = ASYNC
+    width: int,
+    height: int,
+    gpus: list[float],
+    shares: Shares,
+    streamed: bool = False,
+    allocator: str = ASYNC,
+    dtype: str = "bf16",
 ) -> tuple[int | None, int]:
     """The longest length that fits on every rank (rank r: gpus[r] GiB, shares[r] / sum(shares) of the split layers)
     and the rank that limits it (the lowest of those that tie)."""
-    how = dict(streamed=streamed, allocator=allocator)
+    how = dict(streamed=streamed, allocator=allocator, dtype=dtype)
     fits = [longest_frames(width, height, g, len(shares), fraction=s / sum(shares), **how) for g, s in zip(gpus, shares)]
     rank = min(range(len(fits)), key=lambda r: fits[r] or 0)
     return fits[rank], rank
 
 
-def rank_table(gpus: list[float], shares: Shares) -> str:
+def rank_table(gpus: list[float], shares: Shares, dtype: str = "bf16") -> str:
     """Per resolution and mode: the longest length on every rank at `shares` and the rank that limits it, beside what
     the even split allows on the same GPUs."""
     compared = (shares,) if is_even(shares) else (shares, even(len(gpus)))
     short = ("resident", "streamed", "--lean-memory")
     beside = ", beside the even split" if len(compared) > 1 else ""
-    lines = [f"longest H3 video that fits on every rank of GPUs with {', '.join(f'{g:g}' for g in gpus)} GiB (rank 0 first): "
+    lines = [f"longest H3 video that fits on every rank of GPUs with {', '.join(f'{g:g}' for g in gpus)} GiB (rank 0 first), {dtype} compute: "
              f"frames (seconds at 24 fps) and the rank that limits it at split {named(shares)}{beside}; "
              "resident: --highvram, streamed: ComfyUI's dynamic VRAM, --lean-memory: streamed on torch's native allocator", "",
              "| resolution | " + " | ".join(f"{m} {named(s)}" for m in short for s in compared) + " |",
@@ -229,7 +250,7 @@ def rank_table(gpus: list[float], shares: Shares) -> str:
     for w, h in RESOLUTIONS:
         cells = []
         for (_, streamed, allocator), s in ((mode, s) for mode in MODES for s in compared):
-            f, r = longest_on_every_rank(w, h, gpus, s, streamed, allocator)
+            f, r = longest_on_every_rank(w, h, gpus, s, streamed, allocator, dtype)
             cells.append((f"{f} ({f / 24:.1f} s)" if f else "none") + ("" if s != shares else f", rank {r}"))
         lines.append(f"| {w}x{h} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -256,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp-size", type=int, help="ranks (default: the number of --gpu-mem values, or 2 for one value)")
     ap.add_argument("--split", help="each rank's share of the split layers, e.g. 3:2 (default: in proportion to --gpu-mem, "
                     "as small whole numbers: 24,12 -> 2:1; one value: even)")  # fmt: skip
+    ap.add_argument(
+        "--dtype",
+        choices=tuple(ACTIVATIONS_OVER_BF16),
+        default="bf16",
+        help="the DiT's compute dtype (fp32: what the pack runs below compute capability 8.0, e.g. a 2080 Ti)",
+    )
     a = ap.parse_args(argv)
     n = len(a.gpu_mem)
     tp_size = a.tp_size if a.tp_size is not None else (n if n > 1 else 2)
@@ -266,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         shares = parse_split(a.split, tp_size) if a.split else memory_shares(gpus)
     except PlanError as e:
         ap.error(f"{e} (Left out here, it follows --gpu-mem: {named(memory_shares(gpus))}.)")
-    print(table(gpus[0], tp_size) if len(set(gpus)) == 1 and is_even(shares) else rank_table(gpus, shares))
+    even_gpus = len(set(gpus)) == 1 and is_even(shares)
+    print(table(gpus[0], tp_size, a.dtype) if even_gpus else rank_table(gpus, shares, a.dtype))
     return 0
 
 

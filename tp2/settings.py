@@ -66,6 +66,13 @@ SETTINGS: dict[str, Setting] = {
         ),  # fmt: skip
         Setting("TP2_INT8_KERNEL", "choice", "auto", "the row-parallel int8 GEMM", ("auto", "cuda", "triton", "eager"), launcher=True),
         Setting("TP2_ATTN_BACKEND", "choice", "auto", "the attention backend", ("auto", "ck", "sdpa"), launcher=True),
+        Setting(
+            "TP2_COMPUTE_DTYPE",
+            "choice",
+            "auto",
+            "the DiT's compute dtype (auto: fp32 below compute capability 8.0, else bf16)",
+            ("auto", "fp32", "bf16"),
+        ),
         Setting("TP2_REDUCE_DTYPE", "choice", "fp32", "the row-parallel all-reduce dtype", ("fp32", "bf16"), launcher=True),
         Setting("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
         Setting("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),

@@ -50,17 +50,18 @@ def _configure(pack, tp_size, kernel, attention, fused, broken=False, monkeypatc
 @pytest.mark.parametrize(
     "kernel,attention,fused", [("auto", "sdpa", False), ("auto", "ck", False), ("auto", "ck", True), ("triton", "sdpa", False)]
 )
-def test_every_int8_path_here_passes_in_well_under_a_second(pack, monkeypatch, tp_size, kernel, attention, fused):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp32: what compute capability < 8.0 runs
+def test_every_int8_path_here_passes_in_well_under_a_second(pack, monkeypatch, tp_size, kernel, attention, fused, dtype):
     _configure(pack, tp_size, kernel, attention, fused, monkeypatch=monkeypatch)
-    pack.check.check_int8_path(torch.bfloat16)  # the first call also compiles and picks kernels
+    pack.check.check_int8_path(dtype)  # the first call also compiles and picks kernels
     pack.check._checked.cache_clear()
     t0 = time.perf_counter()
-    report = pack.check.check_int8_path(torch.bfloat16)
+    report = pack.check.check_int8_path(dtype)
     secs = time.perf_counter() - t0
-    print(f"\ntp{tp_size} {kernel}/{attention}/fused={fused}: {report.summary()} [{secs:.3f} s warm]")
+    print(f"\ntp{tp_size} {dtype} {kernel}/{attention}/fused={fused}: {report.summary()} [{secs:.3f} s warm]")
     assert report.passed and secs < 1.0, report.summary()
     t0 = time.perf_counter()
-    pack.check.check_int8_path(torch.bfloat16)  # recalled, not rerun
+    pack.check.check_int8_path(dtype)  # recalled, not rerun
     assert time.perf_counter() - t0 < 0.01
 
 

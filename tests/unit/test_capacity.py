@@ -38,16 +38,17 @@ def test_the_table_command(capsys):
 
 
 # the README's "Will it run on my machine?": cards, GiB per rank, split
-README_ROWS = (("2x RTX 2080 Ti 22 GB", [22.0, 22.0], (1, 1)), ("2x RTX 3090 24 GB", [24.0, 24.0], (1, 1)),
-               ("3090 + 2080 Ti", [24.0, 22.0], (7, 6)))  # fmt: skip
+README_ROWS = (("2x RTX 2080 Ti 22 GB", [22.0, 22.0], (1, 1), "fp32"), ("2x RTX 3090 24 GB", [24.0, 24.0], (1, 1), "bf16"),
+               ("3090 + 2080 Ti", [24.0, 22.0], (7, 6), "fp32"))  # fmt: skip
 
 
-@pytest.mark.parametrize("cards,gpus,shares", README_ROWS)
-def test_the_readme_shows_what_the_model_predicts_per_card_class(cards, gpus, shares):
+@pytest.mark.parametrize("cards,gpus,shares,dtype", README_ROWS)
+def test_the_readme_shows_what_the_model_predicts_per_card_class(cards, gpus, shares, dtype):
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     row = next(line for line in readme.splitlines() if line.startswith(f"  | {cards}"))
+    assert f"| {dtype} " in row, row
     for w, h in ((1920, 1088), (832, 480)):
-        frames = [capacity.longest_on_every_rank(w, h, gpus, shares, streamed)[0] for streamed in (False, True)]
+        frames = [capacity.longest_on_every_rank(w, h, gpus, shares, streamed, dtype=dtype)[0] for streamed in (False, True)]
         assert f"| {frames[0]} ({frames[0] / 24:.1f} s) / {frames[1]} ({frames[1] / 24:.1f} s) |" in row, (w, h, row)
 
 
