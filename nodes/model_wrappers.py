@@ -41,6 +41,7 @@ def install_model_wrappers(patcher, plan: Plan, checkpoint_fp: str, sequence_par
     model_fields = {
         **model_fingerprint(plan.fingerprint(), checkpoint_fp, plan.tp_size, plan.shares),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
+        "compute_dtype": str(STATE.compute_dtype),  # the replicated stream too: a 2080 Ti beside a 3090 needs fp32 on both
         "sequence_parallel": (  # the collectives (and the norm kernels) differ
             f"{sequence_parallel}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
         ),

@@ -396,6 +396,11 @@ else
   IFS=, read -r -a GPU_LIST <<< "$GPUS"
   [[ ${#GPU_LIST[@]} -eq $TP_SIZE ]] || die "--gpus lists ${#GPU_LIST[@]} GPUs for --tp-size $TP_SIZE"
 fi
+if [[ $CPU -eq 0 && "${TP2_COMPUTE_DTYPE:-auto}" == auto ]] \
+  && nvidia-smi --query-gpu=compute_cap --format=csv,noheader -i "$GPUS" 2>/dev/null | awk '$1 < 8 { low = 1 } END { exit !low }'; then
+  export TP2_COMPUTE_DTYPE=fp32  # ranks compute in one dtype: a GPU below compute capability 8.0 has no bf16 tensor cores
+  echo "compute dtype: fp32 on every rank (one of GPUs $GPUS is below compute capability 8.0: no bf16 tensor cores)"
+fi
 if [[ "$SPLIT" == auto ]]; then  # measured before any rank starts (each GPU alone); the decision is kept with the run
   SPLIT="$(PYTHONPATH="$PACK_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$PACK_DIR/scripts/lib/balance.py" "$CPU" "${GPU_LIST[@]}" 2>"$RUN_DIR/split")" \
     || { cat "$RUN_DIR/split" >&2; die "--split auto could not measure the GPUs (above); give the shares yourself, e.g. --split 3:2"; }
