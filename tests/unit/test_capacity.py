@@ -186,3 +186,15 @@ def test_the_command_refuses_a_bad_list_with_what_to_write(argv, says, capsys):
         capacity.main(argv)
     assert e.value.code != 0
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "width,height,frames,dtype,live",
+    [(832, 480, 124, "bf16", 10.89), (1920, 1088, 73, "bf16", 13.65), (1920, 1088, 124, "bf16", 16.46),
+     (832, 480, 124, "fp32", 12.10), (1920, 1088, 73, "fp32", 17.00), (1920, 1088, 124, "fp32", 21.98)],
+)  # fmt: skip
+def test_resident_live_within_10_percent_per_dtype(width, height, frames, dtype, live):
+    # one H200, both TP2 ranks on it, --highvram, 2026-12-04 (docs/PERFORMANCE.md, The capacity model): the live peak
+    # is the predicted peak less the fixed part live tensors do not count
+    predicted = capacity.predict_peak_gib(capacity.tokens(width, height, frames), 2, dtype=dtype) - capacity.FIXED_GIB[2]
+    assert abs(predicted - live) / live < 0.10, (predicted, live)
