@@ -7,8 +7,8 @@ and "!w" while the rank waits for its peers (a host-side collective, a rendezvou
 - A rank ahead of a peer in the same step that has waited longer than the step's progress timeout (STUCK_FACTOR
   times the longest span between two of its own marks in the step, at least STUCK_FLOOR_S) names the peer stuck.
 - A rank waiting while a peer is not, and whose token has not moved, says so every REPORT_S (or half the limit); past the stall limit
-  (TP2_STALL_S, else STALL_FACTOR times the slowest unit of the run so far, at least STALL_FLOOR_S) for both the wait
-  and the peer's stillness, it names the peer stuck. Imports nothing.
+  (TP2_STALL_S, else STALL_FACTOR times the slowest unit of the run so far, at least STALL_FLOOR_S, and for a peer
+  between steps at least the collective timeout) for both the wait and the peer's stillness, it names the peer stuck.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Progress:
         self._at: tuple[str, int, float | None, float] = ("", 0, None, 0.0)  # (step, marks, last mark, longest span)
         self.stall_s, self.slowest = stall_s, 0.0  # TP2_STALL_S (None: scaled); the run's slowest unit so far
         self.waiting: tuple[str, float] | None = None  # (on what, since when) while this rank waits for its peers
+        self.between_s = 0.0  # the least stall limit for a peer between steps (the session sets TP2_TIMEOUT_S)
 
     def begin(self, step: str) -> None:
         self._at = (step, 0, None, 0.0)
@@ -58,11 +59,14 @@ class Progress:
     def timeout_s(self) -> float:
         return max(STUCK_FLOOR_S, STUCK_FACTOR * self._at[3])
 
-    def stall_limit_s(self) -> float:
-        return self.stall_s or max(STALL_FLOOR_S, STALL_FACTOR * self.slowest)
+    def stall_limit_s(self, between: bool = False) -> float:
+        """TP2_STALL_S, else scaled to the run's pace; a peer `between` steps (in a node, loading) gets at least the
+        collective timeout, so a slow load is never a stall unless TP2_STALL_S says so."""
+        scaled = max(STALL_FLOOR_S, STALL_FACTOR * self.slowest)
+        return self.stall_s or (max(scaled, self.between_s) if between else scaled)
 
-    def report_s(self) -> float:
-        return min(REPORT_S, self.stall_limit_s() / 2)
+    def report_s(self, between: bool = False) -> float:
+        return min(REPORT_S, self.stall_limit_s(between) / 2)
 
     def stuck(self, rank: int, token: str, now: float) -> str | None:
         """Why peer `rank`, whose heartbeat says `token`, is stuck in this rank's step; None while it is not."""
@@ -89,11 +93,11 @@ class Progress:
             now - since,
             f"in {step.rsplit('/', 1)[-1]} at unit {marks.split('.')[0]}" if step else "between TP steps (in a node, or loading)",
         )
-        if min(waited, still_s) < self.report_s():
+        if min(waited, still_s) < self.report_s(between=not step):
             return None
-        if min(waited, still_s) > self.stall_limit_s():
+        if min(waited, still_s) > self.stall_limit_s(between=not step):
             return (f"rank {rank} is stuck {where}: it is alive (its heartbeat goes on) but has made no progress for "
                     f"{still_s:.0f} s while this rank waited {waited:.0f} s for it at {what} (stall limit "
-                    f"{self.stall_limit_s():.0f} s, TP2_STALL_S); its Python stacks are in its log; restart it with "
+                    f"{self.stall_limit_s(between=not step):.0f} s, TP2_STALL_S); its Python stacks are in its log; restart it with "
                     f"scripts/start-tp2.sh restart --rank {rank}", True)  # fmt: skip
         return f"waiting for rank {rank} at {what} for {waited:.0f} s; its last progress was {where}, {still_s:.0f} s ago", False

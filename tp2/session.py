@@ -85,7 +85,7 @@ class TPSession(Rendezvous):
         self._retired: list[tuple[float, list]] = []  # (when, [groups]) given up, kept until their waits are over
         self.watcher = Watcher(env.tp_rank, env.tp_size, env.master_addr, env.master_port, boot_id, secret, peer_urls=peer_urls)
         self.watcher.on_stop = self._stopped_by_peer
-        self.watcher.progress.stall_s = value("TP2_STALL_S")
+        self.watcher.progress.stall_s, self.watcher.progress.between_s = value("TP2_STALL_S"), env.timeout_s
 
     @property
     def tag(self) -> str:

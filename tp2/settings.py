@@ -62,7 +62,7 @@ SETTINGS: dict[str, Setting] = {
             None,
             "seconds a rank waits on a peer alive but not progressing, then the prompt fails",
             low=1e-9,
-            shown="8x the run's slowest unit, at least 60",
+            shown="8x the run's slowest unit, at least 60 (between steps: TP2_TIMEOUT_S)",
         ),  # fmt: skip
         Setting("TP2_INT8_KERNEL", "choice", "auto", "the row-parallel int8 GEMM", ("auto", "cuda", "triton", "eager"), launcher=True),
         Setting("TP2_ATTN_BACKEND", "choice", "auto", "the attention backend", ("auto", "ck", "sdpa"), launcher=True),

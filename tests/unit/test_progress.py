@@ -29,3 +29,15 @@ def test_the_stall_limit_scales_with_the_runs_slowest_unit():
     assert p.stall_limit_s() == 160.0 and p.report_s() == 30.0
     p.end()
     assert p.stall_limit_s() == 60.0
+
+
+def test_a_peer_between_steps_gets_at_least_the_collective_timeout_unless_the_user_says():
+    p = Progress()
+    p.between_s = 300.0
+    assert p.stall_limit_s() == 60.0 and p.stall_limit_s(between=True) == 300.0  # a slow load is no stall
+    p.wait_begin("the rendezvous 'sampler1'")
+    since = p.waiting[1]
+    text, stop = p.stalled(1, "#0.7", 120.0, since + 120)
+    assert not stop and "between TP steps" in text
+    p.stall_s = 12.0
+    assert p.stall_limit_s(between=True) == 12.0 and p.stalled(1, "#0.7", 13.0, since + 13)[1]
