@@ -129,16 +129,30 @@ def _compute_dtype() -> torch.dtype:
     return STATE.compute_dtype
 
 
+_PINNED: list[torch.dtype] = []  # the compute dtype while ComfyUI builds an H3 DiT (_computing_in), else empty
+
+
 @contextlib.contextmanager
 def _computing_in(dtype: torch.dtype):
     """While ComfyUI builds the model: its manual cast (the dtype weights are cast to for compute) is `dtype`, or none
-    where the weights are stored in it. Restored after, so other models load as ComfyUI picks."""
-    original = comfy.model_management.unet_manual_cast
-    comfy.model_management.unet_manual_cast = lambda weight_dtype, *a, **k: None if weight_dtype == dtype else dtype
+    where the weights are stored in it (_pinned_manual_cast); every other model loads as ComfyUI picks."""
+    _PINNED.append(dtype)
     try:
         yield
     finally:
-        comfy.model_management.unet_manual_cast = original
+        _PINNED.pop()
+
+
+def _pinned_manual_cast(original):
+    """comfy.model_management.unet_manual_cast: the pinned dtype while an H3 DiT is built, else ComfyUI's choice."""
+
+    @functools.wraps(original)
+    def unet_manual_cast(weight_dtype, *args, **kwargs):
+        if not _PINNED:
+            return original(weight_dtype, *args, **kwargs)
+        return None if weight_dtype == _PINNED[-1] else _PINNED[-1]
+
+    return unet_manual_cast
 
 
 def _pop_split_input(sd: dict, plan: Plan) -> dict[str, torch.Tensor]:
@@ -170,3 +184,4 @@ def _assign_split_input(dm: torch.nn.Module, tensors: dict[str, torch.Tensor]) -
 
 def install_loader_hook() -> None:
     PATCHES.install(comfy.sd, "load_diffusion_model", _hooked_load_diffusion_model)
+    PATCHES.install(comfy.model_management, "unet_manual_cast", _pinned_manual_cast)

@@ -93,11 +93,12 @@ class Progress:
             now - since,
             f"in {step.rsplit('/', 1)[-1]} at unit {marks.split('.')[0]}" if step else "between TP steps (in a node, or loading)",
         )
-        if min(waited, still_s) < self.report_s(between=not step):
+        limit = self.stall_limit_s(between=not step)
+        if min(waited, still_s) < min(REPORT_S, limit / 2):
             return None
-        if min(waited, still_s) > self.stall_limit_s(between=not step):
+        if min(waited, still_s) > limit:
             return (f"rank {rank} is stuck {where}: it is alive (its heartbeat goes on) but has made no progress for "
                     f"{still_s:.0f} s while this rank waited {waited:.0f} s for it at {what} (stall limit "
-                    f"{self.stall_limit_s(between=not step):.0f} s, TP2_STALL_S); its Python stacks are in its log; restart it with "
+                    f"{limit:.0f} s, TP2_STALL_S); its Python stacks are in its log; restart it with "
                     f"scripts/start-tp2.sh restart --rank {rank}", True)  # fmt: skip
         return f"waiting for rank {rank} at {what} for {waited:.0f} s; its last progress was {where}, {still_s:.0f} s ago", False

@@ -16,6 +16,7 @@ pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f
 
 EXPECTED = [
     "comfy.sd.load_diffusion_model",
+    "comfy.model_management.unet_manual_cast",
     "comfy.sd.load_clip",
     "comfy.sd.load_lora_for_models",
     "comfy.sd.load_bypass_lora_for_models",
@@ -35,9 +36,10 @@ sys.path.insert(0, COMFYUI)
 sys.argv = ["main.py", "--cpu"]
 import comfy.options
 comfy.options.enable_args_parsing()
-import comfy.sd, comfy.ops, comfy.utils, execution
+import comfy.sd, comfy.ops, comfy.utils, comfy.model_management, execution
 import comfy.ldm.minimax.vae as vae
 targets = {"comfy.sd.load_diffusion_model": (comfy.sd, "load_diffusion_model"),
+           "comfy.model_management.unet_manual_cast": (comfy.model_management, "unet_manual_cast"),
            "comfy.sd.load_clip": (comfy.sd, "load_clip"),
            "comfy.sd.load_lora_for_models": (comfy.sd, "load_lora_for_models"),
            "comfy.sd.load_bypass_lora_for_models": (comfy.sd, "load_bypass_lora_for_models"),
