@@ -92,7 +92,7 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
         options = set(variant.split("+")) - {""}
-        known = {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm", "simple", "pack", "lean", "hv"}
+        known = {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm", "simple", "pack", "lean", "hv", "fp32"}
         unknown = {
             o
             for o in options - known
@@ -101,7 +101,7 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
         }
         if unknown:
             raise SystemExit(
-                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, chunkN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half, pack, lean, hv, splitA-B with +)"
+                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, chunkN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half, pack, lean, hv, fp32, splitA-B with +)"
             )
         for o in options:
             if o.startswith("nch"):  # NCCL tuning: at least N channels
@@ -112,6 +112,8 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
             env["NCCL_PROTO"] = "Simple"
         if "lean" in options:  # the launcher's --lean-memory: torch's native allocator (ComfyUI's --disable-cuda-malloc)
             cmd += [] if "--disable-cuda-malloc" in cmd else ["--disable-cuda-malloc"]
+        if "fp32" in options:  # fp32 compute (ComfyUI's --force-fp32), what a card below compute capability 8.0 runs
+            cmd += ["--force-fp32"]
         if "hv" in options:  # every model resident (ComfyUI's --highvram), whatever --comfy-args says
             cmd += [a for a in ("--highvram", "--disable-async-offload") if a not in cmd]
         if "bf16ag" in options:  # sequence parallel, int8 linears' inputs gathered in bf16 (not quantised first)
@@ -284,7 +286,7 @@ async def main_async(args) -> list[dict]:
                         ckpt = args.half_ckpt if "half" in variant.split("+") else args.ckpt
                         out = await run_one(session, servers, workflow(ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}"), run_dir)
                         out.update(
-                            tp_size=tp, variant=variant or ("fp32" if tp > 1 else "-"), resolution=res, steps=steps, memory_only=memory_only
+                            tp_size=tp, variant=variant or "-", resolution=res, steps=steps, memory_only=memory_only
                         )
                         out["peak_mib"] = [mem.peak(0 if args.one_gpu else g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
                         out["process_peak_mib"] = [procs.peak(p.pid, "gpu_mib", out["t0"], out["t1"] + 1.0) for p, _, _ in servers]
@@ -301,10 +303,10 @@ async def main_async(args) -> list[dict]:
 
 
 def _baseline_key(r: dict) -> tuple[str, bool]:
-    """TPn runs compare with the TP1 run at the same resolution, attention backend (ck int8 or SDPA) and memory mode
-    (variant hv: every model resident; otherwise what --comfy-args says)."""
+    """TPn runs compare with the TP1 run at the same resolution, attention backend (ck int8 or SDPA), memory mode
+    (variant hv: every model resident; otherwise what --comfy-args says) and compute dtype (variant fp32)."""
     options = str(r.get("variant", "")).split("+")
-    return r["resolution"], "sdpa" in options, "hv" in options
+    return r["resolution"], "sdpa" in options, "hv" in options, "fp32" in options
 
 
 def _is_baseline(r: dict) -> bool:
@@ -363,7 +365,7 @@ def main(argv=None) -> int:
         default="1,2",
         help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,1:sdpa,1:half. Variant parts, joined with +: bf16 "
         "(bf16 reduce), sp (sequence parallel), bf16ag (SP, int8 inputs gathered in bf16), fnorm "
-        "(SP, fused norm kernels), chunkN (the SP MLP in row chunks of at most N rows), nchN / nmaxN (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS=N), simple (NCCL_PROTO=Simple), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication), pack (tp 1 only: the pack active on one GPU, TP2_WORLD_SIZE=1, its own block path with sp/fnorm), lean (the launcher's --lean-memory: torch's native allocator), hv (ComfyUI's --highvram --disable-async-offload added: every model resident)",
+        "(SP, fused norm kernels), chunkN (the SP MLP in row chunks of at most N rows), nchN / nmaxN (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS=N), simple (NCCL_PROTO=Simple), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication), pack (tp 1 only: the pack active on one GPU, TP2_WORLD_SIZE=1, its own block path with sp/fnorm), lean (the launcher's --lean-memory: torch's native allocator), hv (ComfyUI's --highvram --disable-async-offload added: every model resident), fp32 (--force-fp32: fp32 compute)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088", help="TP-only memory runs: WxH or WxHxFRAMES")
