@@ -1,18 +1,12 @@
-"""How much GPU memory one rank needs to sample an H3 video, and the longest video that fits: a model calibrated on
-measurements (MEASURED, MEASURED_STREAMED), for the advice logged at every sampler.
+"""How much GPU memory one rank needs to sample an H3 video, and the longest video that fits: the advice logged at
+every sampler, `start-tp2.sh check`, and `python -m tp2.capacity --gpu-mem 22 [--tp-size 2] [--dtype fp32] [--fast]`
+(`--gpu-mem 24,12`: one per rank, the longest that fits on every rank at --split 2:1 and at the even split).
 
-`python -m tp2.capacity --gpu-mem 22 --tp-size 2` prints the longest lengths per resolution; `--gpu-mem 24,12` (one
-per rank) the longest that fits on every rank at --split 2:1 and at the even split (imports no `comfy`).
-
-A rank holds a fraction f of the split parts (weights, SPLIT_*): shares[rank] / sum(shares), 1/tp at the even split;
-FIXED_GIB stays keyed by tp. Resident (--highvram): peak = weights x f + FIXED_GIB + tokens x (SHARED + SPLIT x f),
-least squares on peaks measured with all weights resident (nvidia-smi, int8 ConvRot DiT; docs/PERFORMANCE.md); its TP2
-points predate the chunked MLP, so at TP2 it errs towards more. Streamed (dynamic VRAM): peak = CONTEXT_GIB +
-STREAMED_BLOCKS / BLOCKS of the weights (the block computing and the next) + torch's pool = live x
-POOL_OVER_LIVE[allocator]; live bytes per row follow the activation accounting (SHARED_ROW_BYTES held whole,
-SPLIT_ROW_BYTES x f at the attention's peak), scaled to one measured TP2 length (others unmeasured). --lean-memory is
-the native allocator without expandable segments (dynamic VRAM frees weights only for cudaMalloc/cudaMallocAsync
-calls).
+A rank holds a fraction f of the split layers (1/tp at the even split). Its activations at the sampler's peak are
+tokens x (SHARED + SPLIT x f) per token, x 1.76 in fp32 compute, x FAST_SCALE with sequence parallelism (--fast).
+Resident (--highvram): peak = weights x f + FIXED_GIB[tp] + activations, least squares on nvidia-smi peaks (MEASURED).
+Streamed (dynamic VRAM): peak = CONTEXT_GIB + the STREAMED_BLOCKS in flight + activations x POOL_OVER_LIVE[allocator]
+(--lean-memory: torch's native allocator; dynamic VRAM frees weights only for cudaMalloc/cudaMallocAsync calls).
 """
 
 from __future__ import annotations
@@ -40,21 +34,17 @@ MEASURED = (
     (832, 480, 124, 2, 12.9), (1344, 768, 124, 2, 14.9), (1600, 896, 124, 2, 16.3),
     (1920, 1088, 124, 2, 18.5), (1920, 1088, 158, 2, 20.5), (1920, 1088, 175, 2, 21.45),
 )  # fmt: skip
-# streamed: the accounting's bytes per sequence row at the released width, and its scale to the measured live peak
-SHARED_ROW_BYTES = 21_504  # the video embedding and the whole stream ComfyUI's forward holds outside the blocks
-SPLIT_ROW_BYTES = 75_264  # at the attention's peak, divided by tp: this rank's stream rows, qkv, int8 q/k/v
 CONTEXT_GIB = 1.2  # outside torch's pool: CUDA context, cuBLAS workspace, dynamic VRAM's buffers (30.8 - 29.6 measured)
 # part of every prediction already held when the check at the sampler asks what is free (the CUDA context): on a
 # real 22 GiB limit, free + pooled + evictable came to 21.3 GiB there (measured, docs/PERFORMANCE.md)
 HELD_AT_THE_SAMPLER_GIB = 0.7
-# activations in fp32 compute over bf16 (the weights stay int8): 1.65x measured on the half-width stand-in at
-# 1920x1088x124 (issue 40); the fixed buffers and the weights are taken as the same
-ACTIVATIONS_OVER_BF16 = {"bf16": 1.0, "fp32": 1.65}
+# activations in fp32 compute over bf16 (the int8 weights stay): 1.75-1.77x measured, weights streamed and resident
+ACTIVATIONS_OVER_BF16 = {"bf16": 1.0, "fp32": 1.76}
+# --fast (sequence parallelism, the MLP in row chunks): one TP2 rank's live GiB, streamed, 2026-12-02
+MEASURED_FAST = (1920, 1088, 362, 2, 14.14)
 # 20.06 / 14.42, 18.52 / 14.14 and 17.48 / 14.12 GiB measured; native: the rank of the pair that met the limit (the
 # other, with room, held 1.55x: the native allocator keeps what it got and gives it back on an out-of-memory)
 POOL_OVER_LIVE = {"cudaMallocAsync": 1.39, "expandable": 1.31, "native": 1.24}
-# (width, height, frames, tp_size, allocator, live GiB, pooled GiB) per rank, measured (one GPU, real 2 x 22 GiB)
-MEASURED_STREAMED = ((1920, 1088, 362, 2, "expandable", 14.14, 18.52), (1920, 1088, 362, 2, "native", 14.12, 17.48))
 LEAN_ALLOCATOR = "native"  # the launcher's --lean-memory: ComfyUI's --disable-cuda-malloc
 RESOLUTIONS = ((832, 480), (1344, 768), (1600, 896), (1920, 1088))
 MODES = (("resident (--highvram)", False, ASYNC), ("streamed (dynamic VRAM)", True, ASYNC),
@@ -87,10 +77,6 @@ def tokens(width: int, height: int, frames: int, text_tokens: int = TEXT_TOKENS)
     return latent_t * (height // 32) * (width // 32) + 2 * audio_t + text_tokens
 
 
-_w, _h, _f, _tp, _, _live, _ = MEASURED_STREAMED[0]
-LIVE_SCALE = _live / (tokens(_w, _h, _f) * (SHARED_ROW_BYTES + SPLIT_ROW_BYTES / _tp) / GIB)  # measured / accounted
-
-
 def allocator_of(backend: str, alloc_conf: str) -> str:
     """torch's CUDA allocator as POOL_OVER_LIVE names it, from torch.cuda.get_allocator_backend() and
     PYTORCH_CUDA_ALLOC_CONF: ComfyUI's default cudaMallocAsync, the native one (the launcher's --lean-memory), or the
@@ -106,11 +92,10 @@ def split_part(whole: float, tp_size: int, fraction: float | None = None) -> flo
     return whole / tp_size if fraction is None or fraction == 1 / tp_size else whole * fraction
 
 
-def live_gib(n_tokens: int, tp_size: int, hidden: int = H3_HIDDEN, fraction: float | None = None, dtype: str = "bf16") -> float:
-    """One rank's live tensors at the sampler's peak: the accounting's bytes per row, scaled to the measured length
-    (bf16) and to `dtype`'s activations."""
-    row_bytes = (SHARED_ROW_BYTES + split_part(SPLIT_ROW_BYTES, tp_size, fraction)) * hidden / H3_HIDDEN
-    return LIVE_SCALE * n_tokens * row_bytes / GIB * activation_scale(dtype)
+def activations_gib(n_tokens: int, tp_size: int, hidden: int = H3_HIDDEN, fraction: float | None = None, dtype: str = "bf16", fast: bool = False) -> float:
+    """One rank's activations at the sampler's peak, scaled with the model's width (the released H3 is 5376 wide)."""
+    per_token = (SHARED_PER_TOKEN_GIB + split_part(SPLIT_PER_TOKEN_GIB, tp_size, fraction)) * hidden / H3_HIDDEN
+    return n_tokens * per_token * activation_scale(dtype) * (FAST_SCALE if fast else 1.0)
 
 
 def activation_scale(dtype: str) -> float:
@@ -118,6 +103,10 @@ def activation_scale(dtype: str) -> float:
     if dtype not in ACTIVATIONS_OVER_BF16:
         raise ValueError(f"compute dtype {dtype!r} is not one of {', '.join(ACTIVATIONS_OVER_BF16)}.")
     return ACTIVATIONS_OVER_BF16[dtype]
+
+
+_w, _h, _f, _tp, _live = MEASURED_FAST
+FAST_SCALE = _live / activations_gib(tokens(_w, _h, _f), _tp)  # measured over the activations without it
 
 
 def predict_peak_gib(
@@ -129,17 +118,17 @@ def predict_peak_gib(
     allocator: str = ASYNC,
     fraction: float | None = None,
     dtype: str = "bf16",
+    fast: bool = False,
 ) -> float:
-    """One rank's peak: its weights (the released DiT's share unless given), the fixed buffers and the activations,
-    which scale with the model's width (`hidden`; the released H3 is 5376 wide). `streamed`: the least it runs with
-    under dynamic VRAM (only the blocks in flight resident), with torch's pool as `allocator` holds it. `fraction`:
-    the rank's part of the split layers (None: 1/tp_size). `dtype`: the compute dtype (fp32 or bf16)."""
+    """One rank's peak: its weights (the released DiT's share unless given), the fixed buffers and the activations.
+    `streamed`: under dynamic VRAM (only the blocks in flight resident), torch's pool as `allocator` holds it.
+    `fraction`: the rank's part of the split layers (None: 1/tp_size); `fast`: sequence parallelism on."""
     weights = split_part(WEIGHTS_GIB, tp_size, fraction) if rank_weights_gib is None else rank_weights_gib
+    activations = activations_gib(n_tokens, tp_size, hidden, fraction, dtype, fast)
     if streamed:
-        pool = live_gib(n_tokens, tp_size, hidden, fraction, dtype) * POOL_OVER_LIVE.get(allocator, POOL_OVER_LIVE[ASYNC])
+        pool = activations * POOL_OVER_LIVE.get(allocator, POOL_OVER_LIVE[ASYNC])
         return CONTEXT_GIB + weights * STREAMED_BLOCKS / BLOCKS + pool
-    per_token = (SHARED_PER_TOKEN_GIB + split_part(SPLIT_PER_TOKEN_GIB, tp_size, fraction)) * hidden / H3_HIDDEN
-    return weights + FIXED_GIB.get(tp_size, FIXED_GIB[2]) + n_tokens * per_token * activation_scale(dtype)
+    return weights + FIXED_GIB.get(tp_size, FIXED_GIB[2]) + activations
 
 
 def longest_frames(
@@ -152,9 +141,10 @@ def longest_frames(
     allocator: str = ASYNC,
     fraction: float | None = None,
     dtype: str = "bf16",
+    fast: bool = False,
 ) -> int | None:
     """The longest length on the 17k+5 grid whose predicted peak is at most `gpu_gib` (None: not even 5 frames)."""
-    how = dict(streamed=streamed, allocator=allocator, fraction=fraction, dtype=dtype)
+    how = dict(streamed=streamed, allocator=allocator, fraction=fraction, dtype=dtype, fast=fast)
     best = None
     for frames in range(5, up_to + 1, 17):
         if predict_peak_gib(tokens(width, height, frames), tp_size, **how) > gpu_gib:
@@ -173,15 +163,16 @@ def advice(
     allocator: str = ASYNC,
     fraction: float | None = None,
     dtype: str = "bf16",
+    fast: bool = False,
 ) -> str:
     """What would fit instead on this rank (its `fraction` of the split layers, None: 1/tp_size): the longest length at
     this resolution, the smallest tp_size for this length (the rank's share relative to an even one kept), and (where
     it is what stops the prompt) the leaner allocator."""
-    how = dict(streamed=streamed, allocator=allocator, dtype=dtype)
+    how = dict(streamed=streamed, allocator=allocator, dtype=dtype, fast=fast)
     fit = longest_frames(width, height, available_gib, tp_size, fraction=fraction, **how)
     parts = [f"at {width}x{height} up to {fit} frames fit" if fit else f"not even 5 frames fit at {width}x{height}"]
     n = tokens(width, height, frames)
-    lean = predict_peak_gib(n, tp_size, streamed=True, allocator=LEAN_ALLOCATOR, fraction=fraction, dtype=dtype)
+    lean = predict_peak_gib(n, tp_size, streamed=True, allocator=LEAN_ALLOCATOR, fraction=fraction, dtype=dtype, fast=fast)
     if streamed and allocator == ASYNC and lean <= available_gib:
         parts.append(f"or start the ranks with --lean-memory (~{lean:.1f} GiB per rank)")
     for bigger in (2, 4):  # the sizes the int8 release splits into (python -m tp2.inspect)
@@ -192,15 +183,15 @@ def advice(
     return ", ".join(parts)
 
 
-def table(gpu_gib: float, tp_size: int, dtype: str = "bf16") -> str:
-    lines = [f"longest H3 video per rank on {gpu_gib:g} GiB at tp_size {tp_size}, {dtype} compute (frames, seconds at 24 fps, predicted peak GiB): "
+def table(gpu_gib: float, tp_size: int, dtype: str = "bf16", fast: bool = False) -> str:
+    lines = [f"longest H3 video per rank on {gpu_gib:g} GiB at tp_size {tp_size}, {dtype} compute{', --fast' if fast else ''} (frames, seconds at 24 fps, predicted peak GiB): "
              "the DiT's weights resident, streamed block by block by ComfyUI's dynamic VRAM (its default on NVIDIA), and "
              "streamed with the launcher's --lean-memory (torch's native allocator)", "",
              "| resolution | " + " | ".join(m for m, _, _ in MODES) + " |", "|---|" + "---|" * len(MODES)]  # fmt: skip
     for w, h in RESOLUTIONS:
         cells = []
         for _, streamed, allocator in MODES:
-            how = dict(streamed=streamed, allocator=allocator, dtype=dtype)
+            how = dict(streamed=streamed, allocator=allocator, dtype=dtype, fast=fast)
             f = longest_frames(w, h, gpu_gib, tp_size, **how)
             peak = predict_peak_gib(tokens(w, h, f), tp_size, **how) if f else 0.0
             cells.append(f"{f} ({f / 24:.1f} s, {peak:.1f})" if f else "none")
@@ -227,22 +218,23 @@ def longest_on_every_rank(
     streamed: bool = False,
     allocator: str = ASYNC,
     dtype: str = "bf16",
+    fast: bool = False,
 ) -> tuple[int | None, int]:
     """The longest length that fits on every rank (rank r: gpus[r] GiB, shares[r] / sum(shares) of the split layers)
     and the rank that limits it (the lowest of those that tie)."""
-    how = dict(streamed=streamed, allocator=allocator, dtype=dtype)
+    how = dict(streamed=streamed, allocator=allocator, dtype=dtype, fast=fast)
     fits = [longest_frames(width, height, g, len(shares), fraction=s / sum(shares), **how) for g, s in zip(gpus, shares)]
     rank = min(range(len(fits)), key=lambda r: fits[r] or 0)
     return fits[rank], rank
 
 
-def rank_table(gpus: list[float], shares: Shares, dtype: str = "bf16") -> str:
+def rank_table(gpus: list[float], shares: Shares, dtype: str = "bf16", fast: bool = False) -> str:
     """Per resolution and mode: the longest length on every rank at `shares` and the rank that limits it, beside what
     the even split allows on the same GPUs."""
     compared = (shares,) if is_even(shares) else (shares, even(len(gpus)))
     short = ("resident", "streamed", "--lean-memory")
     beside = ", beside the even split" if len(compared) > 1 else ""
-    lines = [f"longest H3 video that fits on every rank of GPUs with {', '.join(f'{g:g}' for g in gpus)} GiB (rank 0 first), {dtype} compute: "
+    lines = [f"longest H3 video that fits on every rank of GPUs with {', '.join(f'{g:g}' for g in gpus)} GiB (rank 0 first), {dtype} compute{', --fast' if fast else ''}: "
              f"frames (seconds at 24 fps) and the rank that limits it at split {named(shares)}{beside}; "
              "resident: --highvram, streamed: ComfyUI's dynamic VRAM, --lean-memory: streamed on torch's native allocator", "",
              "| resolution | " + " | ".join(f"{m} {named(s)}" for m in short for s in compared) + " |",
@@ -250,7 +242,7 @@ def rank_table(gpus: list[float], shares: Shares, dtype: str = "bf16") -> str:
     for w, h in RESOLUTIONS:
         cells = []
         for (_, streamed, allocator), s in ((mode, s) for mode in MODES for s in compared):
-            f, r = longest_on_every_rank(w, h, gpus, s, streamed, allocator, dtype)
+            f, r = longest_on_every_rank(w, h, gpus, s, streamed, allocator, dtype, fast)
             cells.append((f"{f} ({f / 24:.1f} s)" if f else "none") + ("" if s != shares else f", rank {r}"))
         lines.append(f"| {w}x{h} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -283,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         default="bf16",
         help="the DiT's compute dtype (fp32: what the pack runs below compute capability 8.0, e.g. a 2080 Ti)",
     )
+    ap.add_argument("--fast", action="store_true", help="the launcher's --fast (sequence parallelism): fewer activations")
     a = ap.parse_args(argv)
     n = len(a.gpu_mem)
     tp_size = a.tp_size if a.tp_size is not None else (n if n > 1 else 2)
@@ -294,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as e:
         ap.error(f"{e} (Left out here, it follows --gpu-mem: {named(memory_shares(gpus))}.)")
     even_gpus = len(set(gpus)) == 1 and is_even(shares)
-    print(table(gpus[0], tp_size, a.dtype) if even_gpus else rank_table(gpus, shares, a.dtype))
+    print(table(gpus[0], tp_size, a.dtype, a.fast) if even_gpus else rank_table(gpus, shares, a.dtype, a.fast))
     return 0
 
 
