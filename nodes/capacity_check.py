@@ -39,7 +39,7 @@ def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=Non
     allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), settings.torch_allocator_conf())
     computes = patcher.model.get_dtype_inference() if patcher is not None else STATE.compute_dtype
     dtype = "fp32" if computes == torch.float32 else "bf16"  # activations: 4 or 2 bytes (fp16 as bf16)
-    how = dict(fraction=fraction, dtype=dtype)
+    how = dict(fraction=fraction, dtype=dtype, fast=STATE.sequence_parallel)
     resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, **how)
     streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator, **how)
     need = streamed if streams else resident

@@ -19,7 +19,8 @@ import sys
 
 import balance
 
-from tp2 import capacity
+from tp2 import capacity, settings
+from tp2.compute_dtype import choose_compute_dtype
 from tp2.balance import auto_split
 from tp2.errors import PlanError
 from tp2.split import even, parse_split
@@ -35,7 +36,7 @@ def gpu_lines(gpus: list[str], block_s: list[float], free: list[float | None], s
     for r, gpu in enumerate(gpus):
         at_share = f"one block at its share {shares[r]}/{sum(shares)}: {block_s[r] * shares[r] / sum(shares) * 1e3:.2f} ms"
         if free[r] is None:
-            lines.append(f"rank {r}: CPU (the stand-in block), compute dtype float32, {at_share}")
+            lines.append(f"rank {r}: CPU (the stand-in block), compute dtype {compute_dtype(None)}, {at_share}")
             continue
         p = torch.cuda.get_device_properties(list(dict.fromkeys(gpus)).index(gpu))
         lines.append(f"rank {r}: GPU {gpu} {p.name}, compute capability {p.major}.{p.minor}, compute dtype "
@@ -43,23 +44,35 @@ def gpu_lines(gpus: list[str], block_s: list[float], free: list[float | None], s
     return lines
 
 
-def compute_dtype(capability: tuple[int, int]) -> str:
-    """What the DiT computes in today: ComfyUI's choice, bf16 (emulated below 8.0) until the pack's own per-architecture
-    choice (issue 40, items 1-2) replaces this."""
-    return "bf16" if capability >= (8, 0) else "bf16 (emulated: no bf16 tensor cores below 8.0)"
+def compute_dtype(capability: tuple[int, int] | None) -> str:
+    """The dtype the DiT will compute in on a device of this capability (None: the CPU), under TP2_COMPUTE_DTYPE."""
+    return choose_compute_dtype(capability, settings.value("TP2_COMPUTE_DTYPE"))[0]
 
 
-def capacity_lines(free_gib: list[float], shares, cpu: bool) -> list[str]:
-    """The longest video per resolution on every rank at `shares`, weights resident and streamed."""
+def capacity_lines(free_gib: list[float], shares, cpu: bool, dtype: str) -> list[str]:
+    """The longest video per resolution on every rank at `shares`, weights resident and streamed, in `dtype` compute
+    with the settings the launcher exported (--fast: sequence parallelism)."""
     where = f"{CPU_STAND_IN_GIB:g} GiB per rank (no GPU here)" if cpu else "each GPU's free memory"
-    lines = [f"longest video on {where}, split {':'.join(map(str, shares))}: frames (seconds at 24 fps)"]
+    fast = bool(settings.value("TP2_SEQUENCE_PARALLEL"))
+    lines = [f"longest video on {where}, split {':'.join(map(str, shares))}, {dtype} compute{', --fast' if fast else ''}: "
+             "frames (seconds at 24 fps)"]  # fmt: skip
     for w, h in capacity.RESOLUTIONS:
         cells = []
         for label, streamed in (("resident (--highvram)", False), ("streamed (dynamic VRAM)", True)):
-            frames, _ = capacity.longest_on_every_rank(w, h, free_gib, shares, streamed)
+            frames, _ = capacity.longest_on_every_rank(w, h, free_gib, shares, streamed, dtype=dtype, fast=fast)
             cells.append(f"{label} {frames} ({frames / 24:.1f} s)" if frames else f"{label} none")
         lines.append(f"  {w}x{h}: " + ", ".join(cells))
     return lines
+
+
+def pair_dtype(gpus: list[str], cpu: bool) -> str:
+    """The ranks compute in one dtype: fp32 where any of them would (what the launcher sets)."""
+    if cpu:
+        return compute_dtype(None)
+    import torch
+
+    caps = [torch.cuda.get_device_capability(list(dict.fromkeys(gpus)).index(g)) for g in gpus]
+    return "fp32" if "fp32" in {compute_dtype(c) for c in caps} else "bf16"
 
 
 def main(argv: list[str]) -> int:
@@ -91,7 +104,7 @@ def main(argv: list[str]) -> int:
     shares = chosen or (auto if a.split == "auto" else even(a.tp_size))
     free_gib = [CPU_STAND_IN_GIB if f is None else f for f in free]
     print("\n".join([*gpu_lines(gpus, block_s, free, shares), f"link: {link.text()}",
-                     *capacity_lines(free_gib, shares, a.cpu), *balance.speed_lines(block_s, auto, link, chosen, a.cpu),
+                     *capacity_lines(free_gib, shares, a.cpu, pair_dtype(gpus, a.cpu)), *balance.speed_lines(block_s, auto, link, chosen, a.cpu),
                      f"for the ranks' log: TP2_BLOCK_MS={','.join(f'{s * 1e3:.3f}' for s in block_s)}"]))  # fmt: skip
     return 0
 
