@@ -343,7 +343,7 @@ def test_check_on_the_cpu_answers_in_seconds_without_comfyui_or_model_files(tmp_
     assert "rank 0: CPU" in out and "rank 1: CPU" in out and "compute dtype fp32" in out and "fp32 compute" in out, out
     link = next(ln for ln in out.splitlines() if ln.startswith("link: "))
     assert "(gloo, host memory; one 8 MiB all-reduce in" in link and float(link.split()[1]) > 0, link
-    assert "1920x1088: resident (--highvram) 175 (7.3 s), streamed (dynamic VRAM) 362 (15.1 s)" in out, out
+    assert "1920x1088: resident (--highvram) 90 (3.8 s), streamed (dynamic VRAM) 141 (5.9 s)" in out, out  # fp32, the CPU's
     even = next(ln for ln in out.splitlines() if ln.startswith("even: predicted "))
     auto = next(ln for ln in out.splitlines() if ln.startswith("--split auto: predicted "))
     assert "TP buys memory here, not speed" in even and float(even.split()[2].rstrip("x")) < 0.8, even
