@@ -92,7 +92,9 @@ def split_part(whole: float, tp_size: int, fraction: float | None = None) -> flo
     return whole / tp_size if fraction is None or fraction == 1 / tp_size else whole * fraction
 
 
-def activations_gib(n_tokens: int, tp_size: int, hidden: int = H3_HIDDEN, fraction: float | None = None, dtype: str = "bf16", fast: bool = False) -> float:
+def activations_gib(
+    n_tokens: int, tp_size: int, hidden: int = H3_HIDDEN, fraction: float | None = None, dtype: str = "bf16", fast: bool = False
+) -> float:
     """One rank's activations at the sampler's peak, scaled with the model's width (the released H3 is 5376 wide)."""
     per_token = (SHARED_PER_TOKEN_GIB + split_part(SPLIT_PER_TOKEN_GIB, tp_size, fraction)) * hidden / H3_HIDDEN
     return n_tokens * per_token * activation_scale(dtype) * (FAST_SCALE if fast else 1.0)

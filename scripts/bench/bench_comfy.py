@@ -285,9 +285,7 @@ async def main_async(args) -> list[dict]:
                         frames = f[0] if f else args.frames
                         ckpt = args.half_ckpt if "half" in variant.split("+") else args.ckpt
                         out = await run_one(session, servers, workflow(ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}"), run_dir)
-                        out.update(
-                            tp_size=tp, variant=variant or "-", resolution=res, steps=steps, memory_only=memory_only
-                        )
+                        out.update(tp_size=tp, variant=variant or "-", resolution=res, steps=steps, memory_only=memory_only)
                         out["peak_mib"] = [mem.peak(0 if args.one_gpu else g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
                         out["process_peak_mib"] = [procs.peak(p.pid, "gpu_mib", out["t0"], out["t1"] + 1.0) for p, _, _ in servers]
                         out["pack_log"] = [pack_lines(log, marks[i]) for i, (_, _, log) in enumerate(servers)]

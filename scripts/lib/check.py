@@ -20,8 +20,8 @@ import sys
 import balance
 
 from tp2 import capacity, settings
-from tp2.compute_dtype import choose_compute_dtype
 from tp2.balance import auto_split
+from tp2.compute_dtype import choose_compute_dtype
 from tp2.errors import PlanError
 from tp2.split import even, parse_split
 
