@@ -1,10 +1,9 @@
 """Attention backend choice per device: `TP2_ATTN_BACKEND` = auto | ck | sdpa.
 
-The candidates are callables handed in by the caller (ComfyUI's own attention functions), so this module
-has no ComfyUI import and no TP logic. `auto` times each available candidate once per device on a
-representative problem, in the dtype the model computes in, and keeps the fastest; it never keeps SDPA where
-SDPA would take its math path (the whole score matrix in memory: bf16 below compute capability 8.0, where no fused
-kernel takes bf16) while another candidate runs. A forced backend that cannot run here is an error.
+The candidates are callables handed in by the caller (ComfyUI's own attention functions): no ComfyUI import here.
+`auto` times each available candidate once per device and dtype and keeps the fastest, but never SDPA where it would
+take its math path (the whole score matrix in memory) while another candidate runs. A forced backend that cannot run
+here is an error.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ log = logging.getLogger(__name__)
 ENV_ATTN_BACKEND = "TP2_ATTN_BACKEND"
 ATTN_BACKENDS = ("auto", "ck", "sdpa")
 
+PROBE_SHAPE = (8, 4096, 128)  # (heads, tokens, head_dim) of the timing problem
 _chosen: dict[tuple[str, str, str], str] = {}
 
 
@@ -49,14 +49,10 @@ def select_attention(
     candidates: dict[str, tuple[Callable | None, str]],
     device: torch.device,
     name: str | None = None,
-    probe_shape: tuple[int, int, int] = (8, 4096, 128),
     dtype: torch.dtype = torch.bfloat16,
 ) -> str:
-    """Pick a backend name from `candidates` ({name: (fn(q, k, v, heads) or None, why unavailable)}).
-
-    Logs the choice once per device and dtype. `probe_shape` = (heads, tokens, head_dim) of the timing problem, in
-    `dtype` (the model's compute dtype).
-    """
+    """Pick a backend name from `candidates` ({name: (fn(q, k, v, heads) or None, why unavailable)}), timed in
+    `dtype` (the model's compute dtype); logs the choice once per device and dtype."""
     name = (name or "auto").strip().lower()
     if name not in ATTN_BACKENDS:
         raise AttentionUnavailableError(f"{ENV_ATTN_BACKEND}={name} is not a backend: choose one of {', '.join(ATTN_BACKENDS)}.")
@@ -78,7 +74,7 @@ def select_attention(
         skipped = ", ".join(f"{n}: {why}" for n, (fn, why) in candidates.items() if fn is None)
         detail = f"auto, no timing on {device.type}" + (f" ({skipped})" if skipped else "")
     else:
-        h, s, d = probe_shape
+        h, s, d = PROBE_SHAPE
         q, k, v = (torch.randn(1, h, s, d, device=device, dtype=dtype) for _ in range(3))
         times = {n: _time_once(fn, q, k, v, h) for n, fn in usable.items()}
         choice = min(times, key=times.get)

@@ -1,8 +1,7 @@
 """The int8 GEMM path: comfy-kitchen's `int8_linear` through its backend registry, or one backend forced.
 
-`TP2_INT8_KERNEL` = auto (the registry picks per call: CUDA/CUTLASS on GPUs, eager elsewhere) | cuda |
-triton | eager. The choice is logged once per process; a forced backend that cannot run here is an error
-raised at selection time, not at the first forward. Imports torch and comfy_kitchen; no TP logic.
+`TP2_INT8_KERNEL` = auto (the registry picks per call: CUDA/CUTLASS on GPUs, eager elsewhere) | cuda | triton |
+eager. The choice is logged once per process; a forced backend that cannot run here is an error at selection time.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def select_int8_gemm(name: str = "auto") -> Int8Gemm:
             raise _unavailable(name, "this comfy-kitchen backend has no int8_linear")
 
     def gemm(x, qdata, scale, bias=None, out_dtype=torch.float32, convrot_group=None, input_act=None):
-        # only the arguments every comfy-kitchen >= 0.2.31 accepts (0.2.40 added norm/residual fusions)
+        # only the arguments every comfy-kitchen >= 0.2.31 accepts
         kwargs = dict(
             x=x, weight=qdata, weight_scale=scale, bias=bias, out_dtype=out_dtype,
             convrot=convrot_group is not None, convrot_groupsize=convrot_group or 256, input_act=input_act,

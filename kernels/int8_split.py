@@ -1,17 +1,15 @@
 """comfy-kitchen's int8 linear in its two halves, so activations can travel quantised between them.
 
 `int8_linear(x, W)` quantises x row by row (ConvRot-rotated, one fp32 scale per row) and multiplies. Row-wise
-quantisation is row-independent, so a rank can quantise its own rows, ship int8 rows plus scales (about half the
-bytes of bf16), and multiply the gathered rows: `gemm(*quantize(x)) == int8_linear(x)` bit for bit, because each
-half calls the very kernel int8_linear calls for that shape (tests/gpu checks this on CUDA, tests/unit on CPU).
+quantisation is row-independent, so a rank can quantise its own rows, ship int8 rows plus scales, and multiply the
+gathered rows: `gemm(*quantize(x)) == int8_linear(x)` bit for bit, each half calling the kernel int8_linear calls.
 
     split = split_int8_linear(x, (N, K), group)   # None where the halves cannot be matched to int8_linear exactly
     q, s = split.quantize(x)                      # int8 [M, K], fp32 [M, 1]
     y = split.gemm(q, s, w_qdata, w_scale, bias, out_dtype)   # == int8_linear(x, w_qdata, w_scale, bias, ...)
 
-Backends: comfy-kitchen's CUDA backend (its fused ConvRot quantiser; the Turing, CUTLASS or cuBLAS GEMM in
-int8_linear's order) and its eager backend (CPU). The CUDA half reaches into comfy-kitchen's backend module, so
-`split_int8_linear` returns None unless every entry point is there: callers then keep their bf16 path. No TP logic.
+Backends: comfy-kitchen's CUDA backend and its eager backend (CPU). The CUDA half reaches into comfy-kitchen's
+backend module, so `split_int8_linear` returns None unless every entry point is there.
 """
 
 from __future__ import annotations
@@ -72,9 +70,8 @@ _cache: dict[tuple, SplitInt8Linear | None] = {}
 
 
 def split_int8_linear(x: torch.Tensor, w_shape: tuple[int, int], group: int) -> SplitInt8Linear | None:
-    """The halves for int8_linear(x, an int8 [N, K] weight, ConvRot group `group`), or None (the reason logged once).
-
-    Decided once per device, dtype, weight shape and group."""
+    """The halves for int8_linear(x, an int8 [N, K] weight, ConvRot group `group`), or None (the reason logged once);
+    decided once per device, dtype, weight shape and group."""
     key = (x.device, x.dtype, tuple(w_shape), group)
     if key not in _cache:
         _cache[key] = _split_for(x, tuple(w_shape), group)

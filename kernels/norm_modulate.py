@@ -6,10 +6,9 @@ One kernel per segment reads x (and y) once and writes h (and x), where ComfyUI'
     h  = rms_norm(x, w, eps)             (F.rms_norm)         |  norm_modulate: the last three in one pass
     h *= 1 + scale;  h += shift          (mul_, add_)        /
 
-It rounds to the activation dtype after the gated add, the norm, the scale and the shift, as ComfyUI's separate ops do;
-PyTorch's own norm kernel may round once more inside, so the last bit differs here and there (tests/gpu measure both
-against float64). Vectors (w, gate, 1 + scale, shift) are [D] in the activation dtype, made by the caller as ComfyUI
-makes them. CUDA with Triton only: `available(device, dtype)` says whether it runs here; callers keep ComfyUI's ops otherwise.
+It rounds to the activation dtype after the gated add, the norm, the scale and the shift, as ComfyUI's separate ops do
+(PyTorch's own norm kernel may round once more inside). Vectors (w, gate, 1 + scale, shift) are [D] in the activation
+dtype. `available(device, dtype)` says whether it runs here; callers keep ComfyUI's ops otherwise.
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """Per-head RMSNorm + partial split-half rope of H3's q and k, in place in the qkv buffer (Triton).
 
-Stands in for comfy-kitchen's `rms_rope_split_half_` in ComfyUI's H3 attention (one warp per (token, head) row, read
-in 4-byte pieces): the same arithmetic on a block of tokens for every head, the rotation table loaded once per block:
+Stands in for comfy-kitchen's `rms_rope_split_half_` in ComfyUI's H3 attention: the same arithmetic on a block of
+tokens for every head, the rotation table loaded once per block:
 
     n = round(x * rrms * w)                 rrms = rsqrt(mean(x^2) + eps) over the whole head (fp32)
     out[i]        = round(f00 * n[i] + f01 * n[i + P])     for i < P (P = rot_dim / 2)
     out[i + P]    = round(f10 * n[i] + f11 * n[i + P])
     out[2P:]      = n[2P:]                  (the head dims past rot_dim are normalised, not rotated)
 
-Roundings as comfy-kitchen's (to the activation dtype after the norm and after the rotation): the two differ only
-where fp32 sums in another order round differently (tests/gpu count them). q and k are [S, H, D] views with
-contiguous heads (the qkv buffer's column slices); the table is H3's [1, S, 1, P, 2, 2] rotation table.
-`available(...)` says whether it can run; callers keep comfy-kitchen otherwise.
+Roundings as comfy-kitchen's (to the activation dtype after the norm and after the rotation). q and k are [S, H, D]
+views with contiguous heads; the table is H3's [1, S, 1, P, 2, 2] rotation table. `available(...)` says whether it
+can run; callers keep comfy-kitchen otherwise.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Whether a Triton kernel really runs on a device and dtype: one real call on tiny inputs, once per process.
 
-Triton is installed with PyTorch, but whether a kernel compiles and runs depends on the GPU (an RTX 2080 Ti is
-compute capability 7.5, with no native bf16) and on the Triton build. A kernel module's `available(...)` asks
-here; a failed probe is logged once with the reason and its callers keep the ops they would use without Triton,
-so an optional fast path can never stop a run. The probe synchronises the device once, at the first use.
+Whether a kernel compiles and runs depends on the GPU and the Triton build. A kernel module's `available(...)` asks
+here; a failed probe is logged once with the reason and its callers keep the ops they would use without Triton, so
+an optional fast path can never stop a run.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Which of ComfyUI's attention functions the TP forward uses on a device (TP2_ATTN_BACKEND), as an override.
-
-attention_override(device, dtype)   ComfyUI's `optimized_attention_override` callable for the chosen backend, chosen
-                                    once per device and compute dtype by kernels/attention.py among the candidates
-                                    that really run here in that dtype
+"""Which of ComfyUI's attention functions the TP forward uses on a device (TP2_ATTN_BACKEND), as ComfyUI's
+`optimized_attention_override`: chosen once per device and compute dtype by kernels/attention.py among the
+candidates that really run here in that dtype.
 """
 
 from __future__ import annotations

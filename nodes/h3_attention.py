@@ -1,11 +1,9 @@
 """H3's attention for the sequence-parallel blocks: ComfyUI's Attention.forward step for step, with two changes.
 
-1. No copy of v when the attention backend is comfy-kitchen's INT8 one: ComfyUI clones v out of the qkv buffer
-   (a peak-memory fix for backends that consume q, k and v one after the other), but comfy-kitchen's quantiser
-   reads q, k and v as strided views of that buffer and frees all three together. The clone costs a full pass
-   over v and changes no bit; other backends keep it.
+1. No copy of v when the attention backend is comfy-kitchen's INT8 one, which reads q, k and v as strided views of
+   the qkv buffer and frees all three together (the clone changes no bit; other backends keep it).
 2. With `fused` (TP2_SP_FUSED_NORM=1), the per-head q/k RMSNorm + rope runs as kernels/qk_norm_rope.py's Triton
-   kernel instead of comfy-kitchen's wherever it runs: same roundings, faster (docs/PERFORMANCE.md).
+   kernel instead of comfy-kitchen's wherever it runs: same roundings.
 """
 
 from __future__ import annotations
@@ -32,10 +30,9 @@ def _quantises_views(h3, transformer_options) -> bool:
 
 
 def attention_forward(h3, attn, x, rope_freqs, transformer_options: dict, fused=False, out_reduce: Reduction | None = None) -> torch.Tensor:
-    """ComfyUI's `h3.Attention.forward(attn, x, ...)`, with the two changes above. With `out_reduce`, the row-parallel
-    out_proj reduces as it says (tp2.layers.row_parallel); without, out_proj runs its own forward. `h3` is
-    comfy.ldm.minimax.model. `x` may come in a one-item list, which this empties: then the rows are freed as soon as
-    qkv_proj has read them, not held through the attention (a caller's argument lives until the call returns)."""
+    """ComfyUI's `h3.Attention.forward(attn, x, ...)` (h3: comfy.ldm.minimax.model), with the two changes above. With
+    `out_reduce`, the row-parallel out_proj reduces as it says; without, out_proj runs its own forward. `x` may come
+    in a one-item list, which this empties, so the rows are freed as soon as qkv_proj has read them."""
     qkv = attn.qkv_proj(x.pop() if isinstance(x, list) else x)
     del x
     s, device = qkv.shape[0], qkv.device

@@ -1,9 +1,6 @@
-"""The loader's numerics check: this rank's int8 path, as the pack resolved it here, measured against exact math,
-once per device, comfy-kitchen version and kernel choice; a path below tp2.numerics.MIN_DB is refused (NumericsError).
-
-The block runs through the very callables a TP forward uses: the rank's int8 GEMM (`STATE.int8_gemm`), comfy-kitchen's
-q/k norm + rope (or the pack's Triton kernel when sequence parallelism fuses it), the attention backend the model
-wrappers chose for this device, and the fused norm when it is on.
+"""The loader's numerics check: this rank's int8 path, through the very callables a TP forward uses (int8 GEMM,
+q/k norm + rope, attention backend, fused norm when on), measured against exact math (tp2.numerics) once per
+device, comfy-kitchen version and kernel choice; a path below tp2.numerics.MIN_DB is refused (NumericsError).
 """
 
 from __future__ import annotations

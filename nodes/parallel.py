@@ -1,15 +1,9 @@
 """TP roles on ComfyUI's H3 modules and the row-parallel call that replaces their forward.
 
-    tag_and_verify(diffusion_model, plan)  every linear gets its plan role; widths and the int8 layout are checked
-    rowwise_call(linear, x, input_act, reduce)   the ComfyUI adapter of tp2.layers.row_parallel: cast the weight, call it
-    full_precision_rowwise_call(linear, x)  the same for ComfyUI's full-precision forward (the text encoder's linears)
-    held_weight(linear, like)               ComfyUI's cast of a weight, held over several calls (row chunks: one cast)
-    install_linear_input_act_patch()        comfy.ops.linear_input_act (the fc2 path that skips module hooks) reduces
-    role_guard()                            while a TP forward runs, any ComfyUI linear without a role raises
-    int8_input_split(linear, x)             how `linear`'s input can be quantised before it travels (or None)
-    accept_int8_rows(linear)                `linear` also takes Int8Rows: rows quantised elsewhere, multiplied here
-
-Column-parallel and replicated linears keep ComfyUI's own forward: their math is unchanged by TP.
+tag_and_verify gives every linear its plan role and checks the built widths and the int8 layout; rowwise_call and
+full_precision_rowwise_call run a row-parallel linear through tp2.layers.row_parallel (this rank's GEMM, then the
+reduction); Int8Rows are a linear's input quantised elsewhere, multiplied here. Column-parallel and replicated
+linears keep ComfyUI's own forward: their math is unchanged by TP.
 """
 
 from __future__ import annotations
@@ -53,9 +47,8 @@ def tp_group():
 def rowwise_call(
     linear: torch.nn.Module, x: torch.Tensor, input_act: str | None = None, reduce: Reduction = ALL_REDUCE, held=None
 ) -> torch.Tensor:
-    """ComfyUI's row-parallel linear: its cast weight through tp2.layers.row_parallel (this rank's GEMM, partial
-    sums in the reduce dtype, then `reduce`: all-reduce by default; sequence parallelism passes its RowLayout).
-    `held`: the weight from held_weight(linear, ...), for a caller that calls it on several row chunks."""
+    """ComfyUI's row-parallel linear through tp2.layers.row_parallel, reduced as `reduce` says. `held`: the weight
+    from held_weight(linear, ...), for a caller that calls it on several row chunks."""
     if getattr(linear, "tp_split_input", False):
         x = split_input_slice(x, *linear.tp_input_range)
     with contextlib.nullcontext(held) if held is not None else held_weight(linear, x) as (weight, bias):
@@ -63,11 +56,9 @@ def rowwise_call(
 
 
 def full_precision_rowwise_call(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """ComfyUI's full-precision forward of a row-parallel linear (the text encoder's, built with full_precision_mm by
-    comfy/sd1_clip.py) through tp2.layers.row_parallel: the interrupt check, AWQ smoothing (this rank's K slice of
-    pre_quant_scale), the weight cast without requantising (an int8 weight it leaves quantised takes the int8 GEMM).
-    The cast is to the wider of x's dtype and the reduce dtype, so the partial sum reaches the reduce unrounded; in
-    the encoder's fp32 this is ComfyUI's own cast and GEMM, bit for bit."""
+    """ComfyUI's full-precision forward of a row-parallel linear (the text encoder's) through row_parallel: AWQ
+    smoothing by this rank's K slice of pre_quant_scale, the weight cast without requantising, to the wider of x's
+    dtype and the reduce dtype (in the encoder's fp32: ComfyUI's own cast and GEMM, bit for bit)."""
     comfy.ops.run_every_op()
     smooth = getattr(linear, "pre_quant_scale", None)
     if smooth is not None:
@@ -79,9 +70,7 @@ def full_precision_rowwise_call(linear: torch.nn.Module, x: torch.Tensor) -> tor
 @contextlib.contextmanager
 def held_weight(linear: torch.nn.Module, like, dtype: torch.dtype | None = None, want_requant: bool = True):
     """ComfyUI's cast of `linear`'s weight and bias for inputs like `like` (a tensor, or Int8Rows: the
-    weight-only-quant cast, as ComfyUI's forward makes it for such rows), held until the block ends, then uncast:
-    yields (the core's LinearWeight, bias). Calls on many row chunks then cost one cast, as one call on all rows.
-    For a tensor: `dtype` is the cast's (default like's), `want_requant` False for ComfyUI's full-precision cast."""
+    weight-only-quant cast), held until the block ends, then uncast: yields (the core's LinearWeight, bias)."""
     if isinstance(like, Int8Rows):
         cast = comfy.ops.cast_bias_weight(
             linear, None, dtype=linear.weight.dtype, device=like.device, bias_dtype=like.dtype,
@@ -183,11 +172,8 @@ def _hooked_linear_input_act(original):
 
 
 def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
-    """Give every linear of the built model its plan role, replace row-parallel forwards, and check the build.
-
-    Fails closed (PlanError / MissingRoleError) when ComfyUI built other widths than the plan's local ones, a
-    linear has no role, or the int8 layout did not survive the load.
-    """
+    """Give every linear of the built model its plan role, replace row-parallel forwards, and check the build:
+    PlanError / MissingRoleError when a width differs from the plan's, a linear has no role, or int8 was dropped."""
     changes = changes_of(diffusion_model)
     for name, module in diffusion_model.named_modules():
         if not _is_comfy_linear(module):

@@ -3,12 +3,10 @@
     x_r -> norm1, modulation -> all-gather -> qkv | attention | out_proj partial -> reduce-scatter -> x_r += gate * attn_r
         -> norm2, modulation -> all-gather -> fc1 | fc2 partial -> reduce-scatter -> x_r += gate * mlp_r
 
-As in Megatron-LM, the two collectives move one all-reduce's bytes and the elementwise work is split. The first block takes
-this rank's rows, the last gathers them back; pad rows (zeros, at the end) are in no segment and gathers drop them. Row math
-is unchanged: bit for bit at tp_size 2. The gathers may carry int8 rows (sp_gathers.py, bit-exact); the norms may run fused
-(sp_norms.py, ulp-level; norm1 then adds the previous block's pending MLP residual). Blocks follow ComfyUI's DiTBlock.forward
-(its modulation helpers, nodes/h3_attention.py, MLP in TP2_SP_CHUNK_ROWS chunks); per-evaluation state is a
-SequenceParallelForward in transformer_options (nodes/model_wrappers.py). `install` falls back to plain TP if that code changed.
+The first block takes this rank's rows, the last gathers them back; pad rows (zeros, at the end) are in no segment and
+gathers drop them. Row math is unchanged. Gathers may carry int8 rows (sp_gathers.py), norms may run fused (sp_norms.py;
+norm1 then adds the previous block's pending MLP residual). Blocks follow ComfyUI's DiTBlock.forward; `install` falls
+back to plain TP if that code changed.
 """
 
 from __future__ import annotations
@@ -83,11 +81,8 @@ def _mlp(sp: SequenceParallelForward, mlp, rows) -> torch.Tensor:
 
 
 def _mlp_rows(mlp, rows) -> torch.Tensor:
-    """fc2's partial sums (reduce dtype) for the gathered `rows`, in chunks of at most TP2_SP_CHUNK_ROWS rows: fc1's
-    output [rows, 2 * local_ffn] and fc2's quantised input exist for one chunk at a time. Row-wise math, so each
-    chunk's rows are what the whole would give (bit for bit on CUDA's int8 path; the CPU's float BLAS and ConvRot
-    rotation may round a small matrix differently). Each weight is cast once for all chunks (held_weight), as for
-    one call: only fc1 on bf16 rows goes through ComfyUI's own forward, chunk by chunk."""
+    """fc2's partial sums (reduce dtype) for the gathered `rows`, in chunks of at most TP2_SP_CHUNK_ROWS rows, so
+    fc1's output exists for one chunk at a time; each weight is cast once for all chunks (held_weight)."""
     chunks = chunk_bounds(rows.shape[0], settings.value("TP2_SP_CHUNK_ROWS"))
     if len(chunks) == 1:
         return rowwise_call(mlp.fc2, mlp.fc1(rows), "swiglu", PARTIAL)
@@ -150,8 +145,7 @@ def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_opt
         if pending is not None:
             x = mod_gate(x, pending.gate, pending.mlp, segments)
         h = mod_scale_shift(self.norm1(x), shift_msa, scale_msa, segments)
-    # every activation is dropped as soon as nothing reads it (docs/PERFORMANCE.md, "Activation memory"): h once it
-    # is gathered, the gathered rows once qkv_proj has read them (attention_forward empties the list), attn after norm2
+    # every activation is dropped as soon as nothing reads it (attention_forward empties the list)
     rows = [gather(sp, h, self.attn.qkv_proj)]
     del pending, h
     attn = attention_forward(h3, self.attn, rows, rope_freqs, transformer_options, fused=fused, out_reduce=layout)
@@ -173,8 +167,7 @@ def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_opt
     return gather(sp, x) if self.tp2_sp_last else x
 
 
-# The ComfyUI code the sequence-parallel path stands in for or leans on, with the digest of each function's source
-# as it was written against (kat3ri/ComfyUI, ComfyUI 0.33): sha256 of the dedented source, first 16 hex digits.
+# The ComfyUI code the sequence-parallel path stands in for or leans on: sha256 of the dedented source, 16 hex digits.
 STANDS_IN_FOR = {
     "DiTBlock.forward": "17a96f6970df756b",  # _block_forward
     "Attention.forward": "91973d57b4143f16",  # nodes/h3_attention.attention_forward
@@ -202,10 +195,8 @@ def changed_comfy_code(h3) -> list[str]:
 
 
 def install(diffusion_model: torch.nn.Module) -> bool:
-    """Give every DiT block of a loaded TP model the sequence-parallel forward (the refiner stays as it is).
-
-    Returns False, with one log line, and changes nothing when ComfyUI's code that the path stands in for changed:
-    then plain TP runs (the same result, a little slower)."""
+    """Give every DiT block of a loaded TP model the sequence-parallel forward (the refiner stays as it is). Returns
+    False, with one log line, and changes nothing when ComfyUI's code that the path stands in for changed."""
     import comfy.ldm.minimax.model as h3
 
     changed = changed_comfy_code(h3)

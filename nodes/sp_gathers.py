@@ -1,10 +1,6 @@
-"""The sequence-parallel gathers: every rank's rows of an activation, in sequence order, bf16 or quantised on the way.
-
-    rows = gather(sp, local, linear)   all ranks' rows of `local` (pad rows dropped): a tensor, or Int8Rows that the
-                                       int8 `linear` multiplies as they are (TP2_SP_INT8_GATHER, voted per run)
-    vote_int8_gathers(block, local)    whether every rank can quantise before gathering (all ranks vote alike)
-
-`sp` is the model evaluation's SequenceParallelForward (nodes/sequence_parallel.py): its layout and its vote.
+"""The sequence-parallel gathers: every rank's rows of an activation, in sequence order, bf16 or quantised on the
+way (TP2_SP_INT8_GATHER, voted per run). `sp` is the model evaluation's SequenceParallelForward
+(nodes/sequence_parallel.py): its layout and its vote.
 """
 
 from __future__ import annotations

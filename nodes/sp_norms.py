@@ -1,8 +1,5 @@
 """The sequence-parallel blocks' fused norms (TP2_SP_FUSED_NORM=1, CUDA with Triton): norm + modulation, with the
 gated residual before it, as one kernel per modulation segment (kernels/norm_modulate.py).
-
-    fused_norm_ok(block, x, segments)     whether this block's norms can run fused here
-    norm_modulated(x, norm, shift, scale, segments, gate=None, y=None)   h (after x += gate * y in place, if given)
 """
 
 from __future__ import annotations

@@ -85,8 +85,7 @@ def row_parallel(
 ) -> torch.Tensor:
     """Y = sum_r act(X)_r A_r from this rank's GEMM on its K slice, out in `reduce_dtype`, then `reduce`:
     ALL_REDUCE -> Y on every rank; a RowLayout -> this rank's rows of Y, reduce-scattered over the sequence rows of
-    `x`; PARTIAL -> the partial sum.
-    Reduced results are cast to x's dtype. Contract: forward: the reduction named; every rank calls it alike."""
+    `x`; PARTIAL -> the partial sum. Reduced results are cast to x's dtype; every rank calls it alike."""
 
     def partial(rows: torch.Tensor) -> torch.Tensor:
         return local_linear(rows, weight, bias, reduce_dtype, gemm, input_act)
@@ -95,16 +94,12 @@ def row_parallel(
         return reduce_scatter_sequence(lambda: partial(x[: reduce.full]), reduce, tp).to(x.dtype)
     if reduce == PARTIAL:
         return partial(x)
-    if reduce != ALL_REDUCE:
-        raise ValueError(f"unknown reduction {reduce!r} (ALL_REDUCE, PARTIAL or a RowLayout)")
     return all_reduce(partial(x), tp).to(x.dtype)
 
 
 def require_role(module: nn.Module, name: str) -> str:
-    """The module's TP role; raises MissingRoleError if a linear inside a TP model has none.
-
-    Without a role a row-parallel layer would skip its all-reduce and give a plausible, wrong video.
-    """
+    """The module's TP role; raises MissingRoleError if a linear inside a TP model has none (without a role a
+    row-parallel layer would skip its all-reduce and give a plausible, wrong video)."""
     role = getattr(module, ROLE_ATTR, None)
     if role not in ROLES:
         raise MissingRoleError(

@@ -1,11 +1,9 @@
 """The GPU numerics check: one small H3-shaped block through this rank's own kernels against exact math.
 
-Some comfy-kitchen builds give noise or tiled garbage on some GPUs (int8 ConvRot on a 3090, SM75 T4s). Before the
-first H3 model on a device is used, one block with random weights (fixed seed) runs on that device through the rank's
-path (int8 ConvRot weights, every rank's column- and row-parallel slices with partial sums in the reduce dtype, as the
-all-reduce sums them, and the rope, attention and norm kernels the rank will use) and in fp32 with plain torch ops.
-The signal-to-quantisation-noise ratio (dB) of each part and of the block's update is compared with MIN_DB, set well
-below a healthy path and far above a broken one. The kernels are handed in (`BlockPath`): this never imports `comfy`.
+One block with random weights (fixed seed) runs through the rank's path (int8 ConvRot weights, every rank's column-
+and row-parallel slices with partial sums in the reduce dtype, the rope, attention and norm kernels the rank will
+use) and in fp32 with plain torch ops. The signal-to-quantisation-noise ratio (dB) of each part and of the block's
+update must reach MIN_DB. The kernels are handed in (`BlockPath`): this never imports `comfy`.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .layers import Int8Weight, local_linear
+from .layers import Int8Weight, apply_input_act, local_linear
 from .split import Shares, even, small
 
 MIN_DB = 25.0
@@ -84,15 +82,13 @@ def sqnr_db(y: torch.Tensor, ref: torch.Tensor) -> float:
     return min(EXACT_DB, 10.0 * math.log10(float(ref64.pow(2).sum()) / max(noise, 1e-300)))
 
 
-def check_block(
-    path: BlockPath, device: torch.device, tp_size: int, device_name: str, seed: int = 0, shares: Shares | None = None
-) -> NumericsReport:
+def check_block(path: BlockPath, device: torch.device, tp_size: int, device_name: str, shares: Shares | None = None) -> NumericsReport:
     """Each part on the same inputs as the fp32 reference, then the whole block: dB per part, on `device`. Rank r
     holds LOCAL_HEADS heads and LOCAL_FFN columns per unit of its share (small(shares): one unit each when even)."""
     t0 = time.perf_counter()
     units = small(shares or even(tp_size))
-    w = _weights(sum(units), seed, device)
-    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    w = _weights(sum(units), device)
+    g = torch.Generator(device="cpu").manual_seed(1)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device)
@@ -130,9 +126,9 @@ def _updates(x, mods, ops) -> torch.Tensor:
     return torch.cat([out["attn_update"], out["mlp_update"]])
 
 
-def _weights(units: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+def _weights(units: int, device: torch.device) -> dict[str, torch.Tensor]:
     """fp32 weights of a block of `units` x the local widths, fan-in scaled."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(0)
     inner, ffn = units * LOCAL_HEADS * HEAD_DIM, units * LOCAL_FFN
 
     def lin(n, k):
@@ -222,10 +218,7 @@ class _SimulatedRanks:
 
     @staticmethod
     def reduce(parts: list[torch.Tensor]) -> torch.Tensor:
-        total = parts[0].clone()
-        for p in parts[1:]:
-            total += p
-        return total
+        return sum(parts[1:], parts[0])
 
 
 def _norm_modulate(x, w, eps, scale1, shift):
@@ -241,10 +234,7 @@ class _ReferenceOps(_SimulatedRanks):
         return F.linear(h, torch.cat([self.w[name][r] for r in _rank_rows(name, rank, self.units)]))
 
     def row(self, name, a, rank, input_act=None):
-        if input_act == "swiglu":
-            gate, up = a.chunk(2, dim=-1)
-            a = F.silu(gate) * up
-        return F.linear(a, self.w[name][:, _columns(name, rank, self.units)])
+        return F.linear(apply_input_act(a, input_act), self.w[name][:, _columns(name, rank, self.units)])
 
     @staticmethod
     def qk_norm_rope(q, k, table, qw, kw, eps):

@@ -1,10 +1,9 @@
 """How sequence parallelism deals a token sequence out to the ranks, and the reduce-scatter that hands it back.
 
 The sequence is zero-padded to `size * m` rows, m = ceil(full / size), and rank r holds rows [r*m, (r+1)*m): an
-all-gather of every rank's rows in rank order (tp2.collectives.start_all_gather_rows) is the padded sequence. Pad
-rows sit at the end of the sequence; they stay zero in the stream and are never mixed with real rows (every op on
-the local rows is row-wise; gathers drop them). `chunk_bounds` cuts a run of rows into chunks that row-wise work
-(the MLP) takes one after another, so its temporaries never span the whole sequence. Imports torch only.
+all-gather of every rank's rows in rank order is the padded sequence. Pad rows sit at the end; they stay zero in
+the stream and are never mixed with real rows (every op on the local rows is row-wise; gathers drop them).
+`chunk_bounds` cuts a run of rows into chunks that row-wise work (the MLP) takes one after another.
 """
 
 from __future__ import annotations
@@ -56,13 +55,8 @@ def chunk_bounds(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     other, and none of fewer than 2 rows (a 1-row GEMM takes another kernel path; so 5 rows by 2 are 3 + 2):
     [(0, rows)] when they fit in one."""
     n = max(1, min(-(-rows // max(1, chunk_rows)), rows // 2))
-    base, extra = divmod(rows, n)
-    bounds, start = [], 0
-    for i in range(n):
-        stop = start + base + (i < extra)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    base, extra = divmod(rows, n)  # the first `extra` chunks take one row more
+    return [(i * base + min(i, extra), (i + 1) * base + min(i + 1, extra)) for i in range(n)]
 
 
 def reduce_scatter_sequence(partial_output: Callable[[], torch.Tensor], layout: RowLayout, tp: TPGroup) -> torch.Tensor:
