@@ -1,22 +1,16 @@
 """H3's text encoder under TP: the CLIPLoader hook, the wiring of the built encoder, and the encode every rank runs together.
 
-    install_text_encoder_hook()   replaces comfy.sd.load_clip (by module attribute; load_clip_model_patcher too)
-
-For H3's Qwen3-VL-32B file (CLIPLoader type 'minimax') on an active rank with tp_size > 1, the plan (tp2/te_plan.py) is
-checked before any weight is read and this rank reads only its slices (a follower never holds the whole file); ComfyUI
-builds its own encoder classes at this rank's width (its `qwen3vl_32b_model_config` override), so every quantised format
-loads as without the pack. o_proj and down_proj are row-parallel (nodes/parallel.py full_precision_rowwise_call); the
-token embedding looks up this rank's rows and all-reduces (exact). Each encode is a rendezvous (prompt, plan, digest of
-token ids and images), then the ranks run the layers in step under the role guard, interrupts deferred to its end; a rank
-that does not arrive fails the prompt: the encoder cannot run alone. The DiT still takes rank 0's context at every model
-evaluation (nodes/model_wrappers.py), so every rank samples with bit-identical conditioning whatever happens here.
+For H3's Qwen3-VL-32B file (CLIPLoader type 'minimax', tp_size > 1) the plan (tp2/te_plan.py) is checked before any
+weight is read, this rank reads only its slices, and ComfyUI builds its own encoder at this rank's width (its
+`qwen3vl_32b_model_config` override). o_proj and down_proj are row-parallel; the token embedding looks up this rank's
+rows and all-reduces (exact: each token's row comes from one rank). Each encode is a rendezvous (prompt, plan, digest
+of the inputs), then the ranks run the layers in step; a rank that does not arrive fails the prompt.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import time
 import types
 
@@ -32,12 +26,12 @@ from ..tp2.layers import ROLE_ATTR
 from ..tp2.plan import ROWWISE
 from ..tp2.rank_cache import read_rank_slices
 from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
-from .loader import rank_cache_args
+from .loader import rank_cache_args, record_load
 from .lora import TE_PLAN_ATTR
 from .parallel import ROLE_OF_STYLE, _is_comfy_linear, full_precision_rowwise_call, role_guard, tp_group
 from .patches import PATCHES, changes_of
 from .run import agree_step, in_step, step_key, tensor_digest
-from .state import STATE, LoadedModel, log
+from .state import STATE, log
 
 CONFIG_KEY = "qwen3vl_32b_model_config"  # ComfyUI's per-model config override (comfy/sd1_clip.py SDClipModel)
 TE_ATTR = "qwen3vl_32b"  # MiniMaxH3TEModel's SDClipModel attribute (its name)
@@ -79,10 +73,7 @@ def _load_h3_encoder(layout, ckpt_paths, embedding_directory, clip_type, model_o
     del sd
     clip.patcher.cached_patcher_init = (comfy.sd.load_clip_model_patcher, (ckpt_paths, embedding_directory, clip_type, model_options))
     wire_text_encoder(clip, plan)
-    secs = time.monotonic() - t0
-    changes = changes_of(clip.cond_stage_model)
-    STATE.models.append(LoadedModel(os.path.basename(path), plan.summary(), plan.fingerprint(), "-", origin, secs, changes, plan.split()))
-    log.info("%s loaded text encoder %s (%s) in %.1f s: %s", STATE.tag, os.path.basename(path), origin, secs, plan.summary())
+    record_load("text encoder ", path, plan, "-", origin, t0, changes_of(clip.cond_stage_model))
     return clip
 
 
@@ -124,7 +115,7 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
         setattr(module, ROLE_ATTR, ROLE_OF_STYLE[style])
         if style == ROWWISE:
             _require_full_precision(name, module)
-            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: types.MethodType(_rowwise_forward, m))
+            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(full_precision_rowwise_call, m))
     embedding = transformer.model.embed_tokens
     changes.replace(
         "model.embed_tokens.forward", embedding, "forward", lambda own: types.MethodType(_vocab_parallel_forward(own, plan), embedding)
@@ -164,11 +155,6 @@ def _require_full_precision(name: str, module) -> None:
         )
 
 
-def _rowwise_forward(self, x, *args, **kwargs):
-    """A row-parallel linear on this rank's K slice, summed over the ranks (tp2.layers.row_parallel)."""
-    return full_precision_rowwise_call(self, x)
-
-
 def _vocab_parallel_forward(own, plan: TEPlan):
     """ComfyUI's embedding forward on the tokens in this rank's rows (zeros for the others), summed over ranks:
     every token's row comes from exactly one rank, so the sum is the lookup itself, bit for bit."""
@@ -186,7 +172,6 @@ def _vocab_parallel_forward(own, plan: TEPlan):
 def _encoding_in_step(original, plan: TEPlan):
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        key = step_key("text-encode")
         fields = {
             "pack_version": __version__,
             "prompt": STATE.prompt.fingerprint,
@@ -194,7 +179,7 @@ def _encoding_in_step(original, plan: TEPlan):
             "inputs": inputs_digest(args, kwargs),
         }
         try:
-            agree_step(key, fields)
+            agree_step(step_key("text-encode"), fields)
         except PeerLostError as e:
             raise TP2Error(
                 f"{STATE.tag} the text encoder is split over the ranks and cannot run on this rank alone: {e}. Queue the "
