@@ -55,26 +55,22 @@ def _hooked_load_clip(original):
         layout = _h3_layout(ckpt_paths, clip_type)
         if layout is None:
             return original(ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
-        return _load_h3_encoder(layout, ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
+        t0 = time.monotonic()
+        path = ckpt_paths[0]
+        plan = resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # refuses before a byte of weights is read
+        rank, what = STATE.env.tp_rank, " of the text encoder"
+        sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), rank, plan.tp_size, what, *rank_cache_args())
+        if model_options.get("custom_operations") is None:
+            sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
+        options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config(rank)}})
+        clip = comfy.sd.load_text_encoder_state_dicts([sd], embedding_directory, clip_type, options, disable_dynamic)
+        del sd
+        clip.patcher.cached_patcher_init = (comfy.sd.load_clip_model_patcher, (ckpt_paths, embedding_directory, clip_type, model_options))
+        wire_text_encoder(clip, plan)
+        record_load("text encoder ", path, plan, "-", origin, t0, changes_of(clip.cond_stage_model))
+        return clip
 
     return load_clip
-
-
-def _load_h3_encoder(layout, ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic):
-    t0 = time.monotonic()
-    path = ckpt_paths[0]
-    plan = resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # refuses before a byte of weights is read
-    rank, what = STATE.env.tp_rank, " of the text encoder"
-    sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), rank, plan.tp_size, what, *rank_cache_args())
-    if model_options.get("custom_operations") is None:
-        sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
-    options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config(rank)}})
-    clip = comfy.sd.load_text_encoder_state_dicts([sd], embedding_directory, clip_type, options, disable_dynamic)
-    del sd
-    clip.patcher.cached_patcher_init = (comfy.sd.load_clip_model_patcher, (ckpt_paths, embedding_directory, clip_type, model_options))
-    wire_text_encoder(clip, plan)
-    record_load("text encoder ", path, plan, "-", origin, t0, changes_of(clip.cond_stage_model))
-    return clip
 
 
 def _h3_layout(ckpt_paths, clip_type) -> CheckpointLayout | None:
@@ -94,13 +90,8 @@ def _h3_layout(ckpt_paths, clip_type) -> CheckpointLayout | None:
 
 def wire_text_encoder(clip, plan: TEPlan) -> None:
     """Roles on every linear, row-parallel forwards, the width check, and the encode rendezvous."""
-    encoder = getattr(clip.cond_stage_model, TE_ATTR, None)
-    transformer = getattr(encoder, "transformer", None)
-    if transformer is None or not hasattr(transformer, "model"):
-        raise PlanError(
-            f"{STATE.tag} ComfyUI built {type(clip.cond_stage_model).__name__} for an H3 encoder file, not the MiniMax-H3 "
-            "Qwen3-VL encoder this pack splits. Report this with your ComfyUI version."
-        )
+    encoder = getattr(clip.cond_stage_model, TE_ATTR)
+    transformer = encoder.transformer
     _verify_widths(transformer, plan)
     setattr(clip.cond_stage_model, TE_PLAN_ATTR, plan)  # read by the LoRA hook (nodes/lora.py)
     changes = changes_of(clip.cond_stage_model)
