@@ -23,9 +23,8 @@ from ..tp2.safetensors_io import DTYPES
 from .state import STATE, log
 
 
-def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=None) -> str | None:
-    """Log the prediction for this prompt; return what would fit when it predicts this one does not, else None.
-    `patcher`: the DiT's ModelPatcher (whether its weights may stream, the dtype it computes in)."""
+def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher) -> str | None:
+    """Log the prediction for this prompt; return what would fit when it predicts this one does not, else None."""
     available = _available_gib(device)
     video = next((tuple(s) for s in latent_shapes or () if len(s) == 5), None)  # [B, C, T, H/16, W/16]
     if available is None or video is None:
@@ -35,10 +34,9 @@ def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=Non
     fraction = plan.shares[STATE.env.tp_rank] / sum(plan.shares)  # this rank's part of the split layers
     shard = sum(math.prod(ts.local_shape(STATE.env.tp_rank)) * DTYPES[ts.dtype].itemsize for ts in plan.tensors.values()) / capacity.GIB
     # ComfyUI's dynamic VRAM (ModelPatcherDynamic) pages the weights in block by block; --highvram keeps them resident
-    streams = bool(patcher is not None and patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
+    streams = bool(patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
     allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), settings.torch_allocator_conf())
-    computes = patcher.model.get_dtype_inference() if patcher is not None else STATE.compute_dtype
-    dtype = "fp32" if computes == torch.float32 else "bf16"  # activations: 4 or 2 bytes (fp16 as bf16)
+    dtype = "fp32" if patcher.model.get_dtype_inference() == torch.float32 else "bf16"  # activations: 4 or 2 bytes (fp16 as bf16)
     how = dict(fraction=fraction, dtype=dtype, fast=STATE.sequence_parallel)
     resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, **how)
     streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator, **how)
@@ -51,8 +49,7 @@ def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher=Non
         mode = "with the weights streamed" if streams else "with the weights resident"
         advice = (
             f"{width}x{height}x{frames} was predicted to need ~{need:.1f} GiB per rank at tp_size {plan.tp_size} {mode} "
-            f"in {dtype} compute, "
-            f"{available:.1f} GiB more was available: {what} (tp2/capacity.py)"
+            f"in {dtype} compute, {available:.1f} GiB more was available: {what} (tp2/capacity.py)"
         )
     log.info(
         "%s capacity: %dx%dx%d, %d rows, %s compute: predicted peak ~%.1f GiB with the weights resident, ~%.1f GiB streamed (%s); "

@@ -1,17 +1,14 @@
 """The UNETLoader hook: H3 checkpoints load as this rank's shard; everything else loads untouched.
 
-`comfy.sd.load_diffusion_model(unet_path, ...)` is replaced (it is looked up by module attribute). For an H3
-safetensors file on an active rank it reads only this rank's slices (or this rank's pre-sharded file), lets
-ComfyUI build the local-width model from the shapes through its own `load_diffusion_model_state_dict` (so the
-int8 mixed-precision path is picked exactly as without the pack), then tags, verifies and wires the model. It computes
-in the dtype tp2/compute_dtype.py picks for this GPU (ComfyUI's manual cast pinned to it while the model is built;
-the stored weights keep ComfyUI's dtype). An int8 model is used only after this device's int8 path passed the
-numerics check (nodes/numerics_check.py), run in that dtype.
+For an H3 safetensors file on an active rank, `comfy.sd.load_diffusion_model` reads only this rank's slices (or its
+rank file) and lets ComfyUI's own `load_diffusion_model_state_dict` build the local-width model from the shapes (so
+the int8 mixed-precision path is picked as without the pack), then tags, verifies and wires it. The model computes in
+the dtype tp2/compute_dtype.py picks (ComfyUI's manual cast pinned to it while it is built); an int8 model is used
+only after this device's int8 path passed the numerics check (nodes/numerics_check.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import time
@@ -53,11 +50,9 @@ def is_h3_file(path: str) -> bool:
 
 
 def rank_cache_args() -> tuple[str | None, object, bool]:
-    """(cache dir, file reader, whether to cut a missing file) for tp2.rank_cache; the cache dir is None when the rank
-    cache is off. TP2_RANK_CACHE=auto uses the files already there and cuts missing ones only when ComfyUI runs with
-    dynamic VRAM (tp2/rank_cache.py says why). The reader is ComfyUI's own (a mapping, as for any checkpoint), but
-    cache files without dynamic VRAM are read (tp2's pread): a mapped file that another process cuts short would end
-    the process with SIGBUS, and those weights are copied to the GPU or used from memory either way."""
+    """(cache dir or None when off, file reader, whether to cut a missing file) for tp2.rank_cache. The reader is
+    ComfyUI's (a mapping), but without dynamic VRAM cache files are read (tp2's pread): a mapped file that another
+    process cuts short would end the process with SIGBUS."""
     mode, cache_dir = settings.value("TP2_RANK_CACHE"), settings.cache_dir()
     dynamic = comfy.memory_management.aimdo_enabled
     cut = mode == "on" or (mode == "auto" and dynamic)
@@ -70,8 +65,7 @@ def rank_cache_args() -> tuple[str | None, object, bool]:
 
 
 def _hooked_load_diffusion_model(original):
-    """comfy.sd.load_diffusion_model: H3 files as this rank's shard, everything else through `original` (ComfyUI's,
-    or whatever another pack installed before this one)."""
+    """comfy.sd.load_diffusion_model: H3 files as this rank's shard, everything else through `original`."""
 
     @functools.wraps(original)
     def load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):  # noqa: B006 - ComfyUI's signature
@@ -89,10 +83,11 @@ def _load_h3(unet_path, model_options, disable_dynamic):
     shard = open_rank_shard(unet_path, STATE.env.tp_rank, STATE.env.tp_size, *rank_cache_args(), shares=STATE.shares)
     sd, metadata, plan, source_fp = shard.state_dict, shard.metadata, shard.plan, shard.source_fingerprint
     split_input = _pop_split_input(sd, plan)
-    with _computing_in(_compute_dtype()):
-        patcher = comfy.sd.load_diffusion_model_state_dict(
-            sd, model_options=model_options, metadata=metadata, disable_dynamic=disable_dynamic
-        )
+    _PINNED.append(_compute_dtype())  # ComfyUI's manual cast while it builds the model (_pinned_manual_cast)
+    try:
+        patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options, metadata=metadata, disable_dynamic=disable_dynamic)
+    finally:
+        _PINNED.pop()
     if patcher is None:
         raise PlanError(
             f"ComfyUI could not build a model from this rank's shard of '{os.path.basename(unet_path)}'. Report this with the file name."
@@ -105,14 +100,15 @@ def _load_h3(unet_path, model_options, disable_dynamic):
         check_int8_path(patcher.model.get_dtype_inference())  # refuses a device whose int8 path measures wrong
     sp = STATE.sequence_parallel and sequence_parallel.install(dm)  # at tp_size 1 too: the same kernels on one GPU
     install_model_wrappers(patcher, plan, source_fp, sequence_parallel=sp)
-    secs = time.monotonic() - t0
-    STATE.models.append(
-        LoadedModel(
-            os.path.basename(unet_path), plan.summary(), plan.fingerprint(), source_fp, shard.origin, secs, changes_of(dm), plan.split()
-        )
-    )
-    log.info("%s loaded %s (%s) in %.1f s: %s", STATE.tag, os.path.basename(unet_path), shard.origin, secs, plan.summary())
+    record_load("", unet_path, plan, source_fp, shard.origin, t0, changes_of(dm))
     return patcher
+
+
+def record_load(kind: str, path: str, plan, checkpoint_fp: str, origin: str, t0: float, changes) -> None:
+    """A loaded H3 model (DiT, or `kind` "text encoder ") in STATE.models, for the status readout, and in the log."""
+    secs, name = time.monotonic() - t0, os.path.basename(path)
+    STATE.models.append(LoadedModel(name, plan.summary(), plan.fingerprint(), checkpoint_fp, origin, secs, changes, plan.split()))
+    log.info("%s loaded %s%s (%s) in %.1f s: %s", STATE.tag, kind, name, origin, secs, plan.summary())
 
 
 def _compute_dtype() -> torch.dtype:
@@ -129,18 +125,7 @@ def _compute_dtype() -> torch.dtype:
     return STATE.compute_dtype
 
 
-_PINNED: list[torch.dtype] = []  # the compute dtype while ComfyUI builds an H3 DiT (_computing_in), else empty
-
-
-@contextlib.contextmanager
-def _computing_in(dtype: torch.dtype):
-    """While ComfyUI builds the model: its manual cast (the dtype weights are cast to for compute) is `dtype`, or none
-    where the weights are stored in it (_pinned_manual_cast); every other model loads as ComfyUI picks."""
-    _PINNED.append(dtype)
-    try:
-        yield
-    finally:
-        _PINNED.pop()
+_PINNED: list[torch.dtype] = []  # the compute dtype while ComfyUI builds an H3 DiT, else empty
 
 
 def _pinned_manual_cast(original):
@@ -167,9 +152,8 @@ def _pop_split_input(sd: dict, plan: Plan) -> dict[str, torch.Tensor]:
 
 def _assign_split_input(dm: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Give the split-input layers (full-form adaln) this rank's K slice and its bias, in the dtype and on the device
-    ComfyUI chose for them. With mixed-precision ops (an int8 file), a layer ComfyUI was given no weight for has
-    weight None and a bias it never loaded (ComfyUI returns before loading it): then the weight takes the layer's
-    compute dtype, as ComfyUI would have given it, and goes where the model's other weights are."""
+    ComfyUI chose for them. With mixed-precision ops (an int8 file) such a layer was built with weight None: then it
+    takes the layer's compute dtype and goes where the model's other weights are."""
     home = next((p.device for p in dm.parameters() if p is not None), torch.device("cpu"))
     for name, t in tensors.items():
         layer, attr = name.rsplit(".", 1)

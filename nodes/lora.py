@@ -1,15 +1,10 @@
 """LoRAs on a TP model: ComfyUI's own loaders, with each patch cut to this rank's shard.
 
-`comfy.sd.load_lora_for_models` (LoraLoader, LoraLoaderModelOnly and every node that calls it) is wrapped: it runs
-unchanged, then the patches it added to a TP H3 model are replaced by this rank's slices (tp2.lora), and tagged
-with the LoRA's content digest. ComfyUI then patches the weights as it always does (for int8 weights: dequantise,
-add, requantise), so int8 layers stay on the int8 path.
-
-    lora_patch_report(patcher, plan)   before sampling: refuses patches on sharded weights that were not sliced
-                                       here (hooks, merges, bypass), and returns the digest the ranks compare
-
-Bypass-mode LoRA (LoraLoaderBypass) is refused on TP models: its forward hooks would add a full-width update to a
-sharded layer. A LoRA that patches a sliced tensor of the split text encoder is refused too (not sliced here).
+`comfy.sd.load_lora_for_models` (LoraLoader, LoraLoaderModelOnly, ...) runs unchanged, then the patches it added to
+a TP H3 model are replaced by this rank's slices (tp2.lora), tagged with the LoRA's content digest; ComfyUI patches
+the weights as always (int8: dequantise, add, requantise). Refused: bypass-mode LoRA (its hooks would add a full-width
+update to a sharded layer), a LoRA on a sliced tensor of the split text encoder, and (lora_patch_report, before
+sampling) any patch on a sharded weight not sliced here.
 """
 
 from __future__ import annotations
@@ -170,8 +165,7 @@ def _wrap_load_lora(original):
 
 
 def tell_node(text: str) -> None:
-    """A warning in the log and on the executing node in the web UI (ComfyUI's progress-text message, which
-    scripts/tp2-submit prints too)."""
+    """A warning in the log and on the executing node in the web UI (ComfyUI's progress text)."""
     from comfy_execution.utils import get_executing_context
     from server import PromptServer
 
@@ -197,5 +191,4 @@ def _wrap_bypass(original):
 def install_lora_hooks() -> None:
     """Both loaders are looked up as `comfy.sd.<name>` at call time by ComfyUI's nodes."""
     PATCHES.install(comfy.sd, "load_lora_for_models", _wrap_load_lora)
-    if hasattr(comfy.sd, "load_bypass_lora_for_models"):
-        PATCHES.install(comfy.sd, "load_bypass_lora_for_models", _wrap_bypass)
+    PATCHES.install(comfy.sd, "load_bypass_lora_for_models", _wrap_bypass)

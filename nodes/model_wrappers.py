@@ -1,12 +1,10 @@
 """The wrappers on a loaded TP model: the sampler's rendezvous, and rank 0's inputs at every model evaluation.
 
-install_model_wrappers(patcher, plan, checkpoint_fp, sequence_parallel)   once per loaded DiT
-OUTER_SAMPLE wrapper   before any collective: ranks agree (over the store, bounded wait) on prompt, sampler
-                       index, seed, sigmas, model and its weight patches (LoRA digests and strengths); a
-                       process group is (re)made if needed
-refiner                rank 0's text states go to every rank before the (sharded) token refiner runs
-DIFFUSION_MODEL        rank 0's x, timestep, context and payload tensors go to every rank; the forward runs
-                       under the role guard with the chosen attention backend
+OUTER_SAMPLE      before any collective the ranks agree (over the store, bounded wait) on prompt, sampler index, seed,
+                  sigmas, model and its weight patches (LoRA digests and strengths)
+refiner           rank 0's text states go to every rank before the (sharded) token refiner runs
+DIFFUSION_MODEL   rank 0's x, timestep, context and payload tensors go to every rank; the forward runs under the
+                  role guard with the chosen attention backend
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ KEY = "minimax_h3_tp2"
 
 
 def install_model_wrappers(patcher, plan: Plan, checkpoint_fp: str, sequence_parallel: bool = False) -> None:
-    """Wire one loaded TP model: wrappers on the patcher, the refiner broadcast on the model instance.
-    `sequence_parallel`: whether this model's blocks run the sequence-parallel forward (compared across ranks)."""
+    """Wire one loaded TP model: wrappers on the patcher, the refiner broadcast on the model instance."""
     model_fields = {
         **model_fingerprint(plan.fingerprint(), checkpoint_fp, plan.tp_size, plan.shares),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank

@@ -7,6 +7,7 @@ import os
 import folder_paths
 from comfy_api.latest import io
 
+from ..tp2.conditioning import load_conditioning, save_conditioning
 from ..tp2.split import even, is_even, named
 from .patches import PATCHES
 from .state import STATE
@@ -23,8 +24,8 @@ def register_conditioning_folder() -> None:
 
 
 def unique_models() -> list[tuple[object, int]]:
-    """The H3 models this rank built, each listed once with how often it was loaded (the loader records every
-    load: a cache clear or "Unload models" loads the same file again). Most recent load last."""
+    """The H3 models this rank built, each once with how often it was loaded (a cache clear or "Unload models" loads
+    the same file again), most recent load last."""
     latest: dict[tuple, tuple] = {}
     for m in STATE.models:
         key = (m.source, m.plan_fingerprint, m.checkpoint_fingerprint, m.origin)
@@ -45,10 +46,8 @@ def split_named() -> str:
 def status_text() -> str:
     if not STATE.active:
         return "TP inactive: TP2_RANK / TP2_WORLD_SIZE are not set, ComfyUI runs as usual."
-    env, lines = STATE.env, []
-    lines.append(
-        f"rank {env.tp_rank} of tp_size {env.tp_size}, split {split_named()}"
-    )  # not the rank store's address: that is for the ranks
+    env = STATE.env
+    lines = [f"rank {env.tp_rank} of tp_size {env.tp_size}, split {split_named()}"]
     session = STATE.session
     lines.append(f"process group: generation {session.generation}, {'healthy' if session.healthy else 'not formed / needs re-forming'}")
     lines.append(f"last agreement: {STATE.last_agreement}")
@@ -111,8 +110,6 @@ class LoadH3Conditioning(io.ComfyNode):
 
     @classmethod
     def execute(cls, file) -> io.NodeOutput:
-        from ..tp2.conditioning import load_conditioning
-
         cond, tags = load_conditioning(folder_paths.get_full_path_or_raise(CONDITIONING_FOLDER, file))
         extra = {"minimax_token_tags": tags} if tags is not None else {}
         return io.NodeOutput([[cond, extra]])
@@ -133,8 +130,6 @@ class SaveH3Conditioning(io.ComfyNode):
 
     @classmethod
     def execute(cls, conditioning, filename_prefix) -> io.NodeOutput:
-        from ..tp2.conditioning import save_conditioning
-
         cond, extra = conditioning[0][0], conditioning[0][1]
         folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, folder_paths.get_output_directory())
         filename = f"{name}_{counter:05}.safetensors"

@@ -1,22 +1,16 @@
 """H3's text encoder under TP: the CLIPLoader hook, the wiring of the built encoder, and the encode every rank runs together.
 
-    install_text_encoder_hook()   replaces comfy.sd.load_clip (by module attribute; load_clip_model_patcher too)
-
-For H3's Qwen3-VL-32B file (CLIPLoader type 'minimax') on an active rank with tp_size > 1, the plan (tp2/te_plan.py) is
-checked before any weight is read and this rank reads only its slices (a follower never holds the whole file); ComfyUI
-builds its own encoder classes at this rank's width (its `qwen3vl_32b_model_config` override), so every quantised format
-loads as without the pack. o_proj and down_proj are row-parallel (nodes/parallel.py full_precision_rowwise_call); the
-token embedding looks up this rank's rows and all-reduces (exact). Each encode is a rendezvous (prompt, plan, digest of
-token ids and images), then the ranks run the layers in step under the role guard, interrupts deferred to its end; a rank
-that does not arrive fails the prompt: the encoder cannot run alone. The DiT still takes rank 0's context at every model
-evaluation (nodes/model_wrappers.py), so every rank samples with bit-identical conditioning whatever happens here.
+For H3's Qwen3-VL-32B file (CLIPLoader type 'minimax', tp_size > 1) the plan (tp2/te_plan.py) is checked before any
+weight is read, this rank reads only its slices, and ComfyUI builds its own encoder at this rank's width (its
+`qwen3vl_32b_model_config` override). o_proj and down_proj are row-parallel; the token embedding looks up this rank's
+rows and all-reduces (exact: each token's row comes from one rank). Each encode is a rendezvous (prompt, plan, digest
+of the inputs), then the ranks run the layers in step; a rank that does not arrive fails the prompt.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import time
 import types
 
@@ -32,12 +26,12 @@ from ..tp2.layers import ROLE_ATTR
 from ..tp2.plan import ROWWISE
 from ..tp2.rank_cache import read_rank_slices
 from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
-from .loader import rank_cache_args
+from .loader import rank_cache_args, record_load
 from .lora import TE_PLAN_ATTR
 from .parallel import ROLE_OF_STYLE, _is_comfy_linear, full_precision_rowwise_call, role_guard, tp_group
 from .patches import PATCHES, changes_of
 from .run import agree_step, in_step, step_key, tensor_digest
-from .state import STATE, LoadedModel, log
+from .state import STATE, log
 
 CONFIG_KEY = "qwen3vl_32b_model_config"  # ComfyUI's per-model config override (comfy/sd1_clip.py SDClipModel)
 TE_ATTR = "qwen3vl_32b"  # MiniMaxH3TEModel's SDClipModel attribute (its name)
@@ -61,29 +55,22 @@ def _hooked_load_clip(original):
         layout = _h3_layout(ckpt_paths, clip_type)
         if layout is None:
             return original(ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
-        return _load_h3_encoder(layout, ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
+        t0 = time.monotonic()
+        path = ckpt_paths[0]
+        plan = resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # refuses before a byte of weights is read
+        rank, what = STATE.env.tp_rank, " of the text encoder"
+        sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), rank, plan.tp_size, what, *rank_cache_args())
+        if model_options.get("custom_operations") is None:
+            sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
+        options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config(rank)}})
+        clip = comfy.sd.load_text_encoder_state_dicts([sd], embedding_directory, clip_type, options, disable_dynamic)
+        del sd
+        clip.patcher.cached_patcher_init = (comfy.sd.load_clip_model_patcher, (ckpt_paths, embedding_directory, clip_type, model_options))
+        wire_text_encoder(clip, plan)
+        record_load("text encoder ", path, plan, "-", origin, t0, changes_of(clip.cond_stage_model))
+        return clip
 
     return load_clip
-
-
-def _load_h3_encoder(layout, ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic):
-    t0 = time.monotonic()
-    path = ckpt_paths[0]
-    plan = resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # refuses before a byte of weights is read
-    rank, what = STATE.env.tp_rank, " of the text encoder"
-    sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), rank, plan.tp_size, what, *rank_cache_args())
-    if model_options.get("custom_operations") is None:
-        sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
-    options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config(rank)}})
-    clip = comfy.sd.load_text_encoder_state_dicts([sd], embedding_directory, clip_type, options, disable_dynamic)
-    del sd
-    clip.patcher.cached_patcher_init = (comfy.sd.load_clip_model_patcher, (ckpt_paths, embedding_directory, clip_type, model_options))
-    wire_text_encoder(clip, plan)
-    secs = time.monotonic() - t0
-    changes = changes_of(clip.cond_stage_model)
-    STATE.models.append(LoadedModel(os.path.basename(path), plan.summary(), plan.fingerprint(), "-", origin, secs, changes, plan.split()))
-    log.info("%s loaded text encoder %s (%s) in %.1f s: %s", STATE.tag, os.path.basename(path), origin, secs, plan.summary())
-    return clip
 
 
 def _h3_layout(ckpt_paths, clip_type) -> CheckpointLayout | None:
@@ -103,13 +90,8 @@ def _h3_layout(ckpt_paths, clip_type) -> CheckpointLayout | None:
 
 def wire_text_encoder(clip, plan: TEPlan) -> None:
     """Roles on every linear, row-parallel forwards, the width check, and the encode rendezvous."""
-    encoder = getattr(clip.cond_stage_model, TE_ATTR, None)
-    transformer = getattr(encoder, "transformer", None)
-    if transformer is None or not hasattr(transformer, "model"):
-        raise PlanError(
-            f"{STATE.tag} ComfyUI built {type(clip.cond_stage_model).__name__} for an H3 encoder file, not the MiniMax-H3 "
-            "Qwen3-VL encoder this pack splits. Report this with your ComfyUI version."
-        )
+    encoder = getattr(clip.cond_stage_model, TE_ATTR)
+    transformer = encoder.transformer
     _verify_widths(transformer, plan)
     setattr(clip.cond_stage_model, TE_PLAN_ATTR, plan)  # read by the LoRA hook (nodes/lora.py)
     changes = changes_of(clip.cond_stage_model)
@@ -124,7 +106,7 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
         setattr(module, ROLE_ATTR, ROLE_OF_STYLE[style])
         if style == ROWWISE:
             _require_full_precision(name, module)
-            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: types.MethodType(_rowwise_forward, m))
+            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(full_precision_rowwise_call, m))
     embedding = transformer.model.embed_tokens
     changes.replace(
         "model.embed_tokens.forward", embedding, "forward", lambda own: types.MethodType(_vocab_parallel_forward(own, plan), embedding)
@@ -164,11 +146,6 @@ def _require_full_precision(name: str, module) -> None:
         )
 
 
-def _rowwise_forward(self, x, *args, **kwargs):
-    """A row-parallel linear on this rank's K slice, summed over the ranks (tp2.layers.row_parallel)."""
-    return full_precision_rowwise_call(self, x)
-
-
 def _vocab_parallel_forward(own, plan: TEPlan):
     """ComfyUI's embedding forward on the tokens in this rank's rows (zeros for the others), summed over ranks:
     every token's row comes from exactly one rank, so the sum is the lookup itself, bit for bit."""
@@ -186,7 +163,6 @@ def _vocab_parallel_forward(own, plan: TEPlan):
 def _encoding_in_step(original, plan: TEPlan):
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        key = step_key("text-encode")
         fields = {
             "pack_version": __version__,
             "prompt": STATE.prompt.fingerprint,
@@ -194,7 +170,7 @@ def _encoding_in_step(original, plan: TEPlan):
             "inputs": inputs_digest(args, kwargs),
         }
         try:
-            agree_step(key, fields)
+            agree_step(step_key("text-encode"), fields)
         except PeerLostError as e:
             raise TP2Error(
                 f"{STATE.tag} the text encoder is split over the ranks and cannot run on this rank alone: {e}. Queue the "

@@ -1,16 +1,10 @@
 """Parallel H3 video VAE decode: the tile decodes of one video decode are spread over the TP ranks.
 
-    install_parallel_vae_decode()   wraps comfy.ldm.minimax.vae.MiniMaxH3VideoVAE.decode_temporal (once)
-
-ComfyUI's `decode_temporal` decodes latent chunks in turn, each in spatial tiles (per tile one `_decode_pixels` call:
-costly, independent), then blends. Rank r decodes tiles r, r + tp_size, ... of ComfyUI's order and broadcasts each
-(tp2.chunk_decode), so ComfyUI's own tiling and blends run unchanged on every rank and give the single-rank video bit for
-bit. A tile asked for that is not the one decoded is an error, not a wrong video.
-
-Falls back to ComfyUI's decode on this rank alone, logged: TP2_PARALLEL_VAE=0 or tp_size 1 (read at start-up), under 2
-chunks, or a peer not at the decode within TP2_PROMPT_TIMEOUT_S (e.g. its node cache served it). Different latents:
-RankMismatchError on every rank. A failed collective or chunk decode fails the prompt; an OOM there is a TP2Error
-(ComfyUI's one-rank OOM retry would strand the others). Interrupts act after the decode. The audio VAE is not split.
+ComfyUI's `MiniMaxH3VideoVAE.decode_temporal` decodes latent chunks in turn, each in spatial tiles (one costly,
+independent `_decode_pixels` call per tile), then blends. Rank r decodes its tiles of ComfyUI's order and broadcasts
+each (tp2.chunk_decode), so ComfyUI's own tiling and blends run unchanged on every rank: the single-rank video bit for
+bit. Decodes on this rank alone, logged: TP2_PARALLEL_VAE=0, tp_size 1, one chunk, or a peer not at the decode within
+TP2_PROMPT_TIMEOUT_S. An OOM in a tile is a TP2Error (ComfyUI's one-rank OOM retry would strand the others).
 """
 
 from __future__ import annotations
@@ -32,7 +26,6 @@ ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
 
 
 def install_parallel_vae_decode() -> None:
-    """Split H3 video decodes over the ranks from now on (unless TP2_PARALLEL_VAE=0 or tp_size 1)."""
     if not settings.value(ENV_PARALLEL_VAE) or STATE.env.tp_size < 2:
         raw = settings.raw(ENV_PARALLEL_VAE)
         log.info("%s video VAE decode not split (%s=%s, tp_size %d)", STATE.tag, ENV_PARALLEL_VAE, raw, STATE.env.tp_size)
@@ -44,36 +37,33 @@ def install_parallel_vae_decode() -> None:
 
 def _hooked_decode_temporal(original):
     @functools.wraps(original)
-    def decode_temporal(self, z, output_buffer=None):
-        return _decode_temporal(original, self, z, output_buffer)
+    def decode_temporal(vae, z, output_buffer=None):
+        pad_tokens, num_chunks = vae._decode_temporal_chunks(z.shape[2])
+        if num_chunks < 2:
+            log.info(
+                "%s VAE decode: latent of %d frames is one chunk, nothing to split: decoding on this rank alone", STATE.tag, z.shape[2]
+            )
+            return original(vae, z, output_buffer)
+        clips = temporal_chunks(z, pad_tokens, num_chunks, vae.tokens_chunk_size, vae.token_overlap)
+        units = _decode_units(vae, clips)
+        fields = {
+            "pack_version": __version__,
+            "prompt": STATE.prompt.fingerprint,
+            "latent_shape": str(tuple(z.shape)),
+            "latent": tensor_digest(z),
+            "dtype": f"{z.dtype} on {z.device.type}",
+            "chunks": f"{num_chunks} x ({vae.tokens_chunk_size}+{vae.token_overlap}), pad {pad_tokens}",
+            "tiles": f"{len(units)} of {tuple(units[0].shape)}",
+        }
+        try:
+            group = agree_step(step_key("vae-decode"), fields)
+        except PeerLostError as e:
+            log.warning("%s %s; decoding the whole video on this rank alone (not split; may differ from the other ranks')", STATE.tag, e)
+            STATE.prompt.alone = True
+            return original(vae, z, output_buffer)
+        return _decode_split(original, vae, z, output_buffer, num_chunks, units, group)
 
     return decode_temporal
-
-
-def _decode_temporal(original, vae, z, output_buffer):
-    pad_tokens, num_chunks = vae._decode_temporal_chunks(z.shape[2])
-    if num_chunks < 2:
-        log.info("%s VAE decode: latent of %d frames is one chunk, nothing to split: decoding on this rank alone", STATE.tag, z.shape[2])
-        return original(vae, z, output_buffer)
-    clips = temporal_chunks(z, pad_tokens, num_chunks, vae.tokens_chunk_size, vae.token_overlap)
-    units = _decode_units(vae, clips)
-    key = step_key("vae-decode")
-    fields = {
-        "pack_version": __version__,
-        "prompt": STATE.prompt.fingerprint,
-        "latent_shape": str(tuple(z.shape)),
-        "latent": tensor_digest(z),
-        "dtype": f"{z.dtype} on {z.device.type}",
-        "chunks": f"{num_chunks} x ({vae.tokens_chunk_size}+{vae.token_overlap}), pad {pad_tokens}",
-        "tiles": f"{len(units)} of {tuple(units[0].shape)}",
-    }
-    try:
-        group = agree_step(key, fields)
-    except PeerLostError as e:
-        log.warning("%s %s; decoding the whole video on this rank alone (not split; may differ from the other ranks')", STATE.tag, e)
-        STATE.prompt.alone = True
-        return original(vae, z, output_buffer)
-    return _decode_split(original, vae, z, output_buffer, num_chunks, units, group)
 
 
 def _decode_units(vae, clips):

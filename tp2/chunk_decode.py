@@ -1,11 +1,10 @@
 """Independent decodes spread over TP ranks: who decodes which unit, and the exchange handing every rank every decoded unit.
 
 A chunked, tiled video decode (the H3 VAE: temporal chunks, each decoded in spatial tiles) blends each tile into its
-neighbours, but the tile decodes themselves are independent. The units are every chunk's tiles in one list, in the order
-the model asks for them (temporal_chunks, spatial_tiles cut them as the H3 VAE does). `RoundRobinDecoder` decodes them
-a round at a time, each rank its share of the round (one unit each when the split is even: unit i on rank i % tp_size),
-and broadcasts each from its owner, so every rank runs the model's own serial blend on exactly the tensors a single-rank
-decode would have made. At most one round of decoded units is held at a time. Imports torch only; never `comfy`.
+neighbours, but the tile decodes themselves are independent. The units are every chunk's tiles in the order the model
+asks for them. `RoundRobinDecoder` decodes them a round at a time, each rank its share of the round (even split: unit i
+on rank i % tp_size), and broadcasts each from its owner, so every rank blends exactly the tensors a single-rank decode
+would have made. At most one round of decoded units is held at a time.
 """
 
 from __future__ import annotations
@@ -42,22 +41,10 @@ def round_owners(shares: Shares) -> list[int]:
 
 
 class RoundRobinDecoder:
-    """Serve unit decodes in order 0..n-1, a round at a time (round_owners(shares): even shares, unit i on rank
-    i % tp_size), each broadcast from its owner. `mark()` is called as each round starts and as this rank's decodes
-    in it are done (tp2/progress.py).
+    """Serve unit decodes in order 0..n-1, a round at a time, each broadcast from its owner (over `tp`). `mark()` is
+    called as each round starts and as this rank's decodes in it are done (tp2/progress.py)."""
 
-    Contract per round: forward: each rank decodes its units of the round, then one broadcast per unit from its
-    owner (over `tp`); every rank ends the round with the same decoded tensors.
-    """
-
-    def __init__(
-        self,
-        clips: list[torch.Tensor],
-        decode: Callable[[torch.Tensor], torch.Tensor],
-        tp: TPGroup,
-        mark=lambda: None,
-        shares: Shares | None = None,
-    ):
+    def __init__(self, clips: list[torch.Tensor], decode: Callable[[torch.Tensor], torch.Tensor], tp: TPGroup, mark, shares: Shares | None):
         self.clips, self.decode, self.tp, self.mark = clips, decode, tp, mark
         self.owners = round_owners(shares or even(tp.tp_size))
         self.served = 0

@@ -7,10 +7,8 @@ sharded exactly like it, and that is cheap to do on the factors instead of on dW
     row-parallel    (W split by input columns)                 ->  down split the same way, up whole
     replicated                                                  ->  both whole
 
-Full-size updates (a "diff" or "set" tensor shaped like W) are sliced with the weight's own rule; a row-parallel
-bias update goes to rank 0 only, like the bias. Anything whose slice is not determined by the weight's (DoRA's
-norm of the full weight, LoHa/LoKr products, conv "mid" factors, padded or offset patches) is refused by the
-caller with the names of the keys. Imports nothing from `comfy`.
+Full-size updates (a "diff" or "set" tensor shaped like W) are sliced with the weight's own rule (a row-parallel
+bias: rank 0 only, like the bias). The caller refuses what has no such slice (DoRA, LoHa/LoKr, conv, offsets).
 """
 
 from __future__ import annotations
