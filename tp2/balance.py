@@ -1,11 +1,5 @@
 """--split auto's decision: shares in proportion to each rank's measured speed, no rank given more of the weights than
 its free memory holds (scripts/lib/balance.py measures each GPU before any rank starts; this decides and says why).
-
-    auto_shares(seconds, free)    whole shares from each rank's block time and free GiB (None: a CPU, no cap)
-    auto_split(devices, samples, free)  those shares, or even where the timings cannot tell the ranks apart
-    describe_auto(...)            that decision, a line per rank, and the slowest rank at the shares chosen
-    H3_BLOCK, CPU_BLOCK           the block timed on a GPU, and its narrow stand-in on the CPU
-
 Imports nothing from `comfy`.
 """
 

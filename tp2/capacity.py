@@ -87,8 +87,7 @@ def allocator_of(backend: str, alloc_conf: str) -> str:
 
 
 def split_part(whole: float, tp_size: int, fraction: float | None = None) -> float:
-    """A rank's part of a split quantity: `whole` x `fraction`; None (or 1/tp_size) divides by tp_size, as before
-    shares existed (bit for bit)."""
+    """A rank's part of a split quantity: `whole` x `fraction`; None (or 1/tp_size) divides by tp_size (bit for bit)."""
     return whole / tp_size if fraction is None or fraction == 1 / tp_size else whole * fraction
 
 

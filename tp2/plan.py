@@ -49,10 +49,8 @@ H3_TP_PLAN: dict[str, tuple[str, int]] = {
 # the full form's adaln is ~260 M params per block at full size: halve it per rank; the curve form's is ~1 M
 ADALN_STYLE = {"curve": REPLICATE, "full": ROWWISE_SPLIT_INPUT}
 
-# Replicated on purpose: patch/condition projections and the time embedder (small, consumed by every rank
-# before the first block), norms and per-head q/k norms (per-channel weights), rope and the adaln curve table
-# (buffers), the final layer (one small head run once per forward), and the DiT blocks' adaln in curve form
-# (~1 M parameters per block). Listed so that an unknown tensor is an error instead of silently replicated.
+# Replicated on purpose: small layers every rank runs whole (projections, time embedder, final layer), per-channel
+# norms and buffers. Listed so that an unknown tensor is an error instead of silently replicated.
 H3_REPLICATED = (
     "video_patch_proj",
     "audio_patch_proj",
@@ -84,8 +82,7 @@ def compile_pattern(pattern: str) -> re.Pattern:
 
 
 def plan_fingerprint(tp_size: int, rows: list[list], shares: Shares) -> str:
-    """The short hash a plan is known by (rank-cache file names, the ranks' handshake): one row per tensor, and the
-    shares when they are uneven (an even plan's hash is the one it had before shares existed)."""
+    """The short hash a plan is known by (rank-cache file names, the ranks' handshake): its tensors, and uneven shares."""
     doc = {"tp_size": tp_size, "tensors": sorted(rows), **({} if is_even(shares) else {"shares": list(reduced(shares))})}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -70,8 +70,7 @@ class TEPlan:
     head_dim: int
     ffn: int
     linears: dict[str, str]  # layer name -> COLWISE / ROWWISE / REPLICATE
-    tensors: dict[str, TensorShard]  # every tensor this rank reads, by name
-    skipped: tuple[str, ...]  # tensors in the file that the built model does not use (never read)
+    tensors: dict[str, TensorShard]  # every tensor this rank reads, by name (not those the built model lacks)
     bounds: dict[str, tuple[int, ...]]  # "q", "kv" (heads), "ffn" (columns), "vocab" (rows): rank r holds [b[r], b[r + 1])
 
     def local(self, pool: str, rank: int) -> int:
@@ -151,11 +150,9 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TE
         problems.insert(0, f"'{layout.source}' has no '{EMBEDDING}.weight': the encoder file is incomplete. Re-download it.")
     linears: dict[str, str] = {}
     tensors: dict[str, TensorShard] = {}
-    skipped = []
     for name, (dtype, full) in sorted(layout.tensors.items()):
         module, _, suffix = name.rpartition(".")
         if name in TE_SKIPPED or _layer_index(name) >= H3_TE_LAYERS:
-            skipped.append(name)
             continue
         style = _style(module)
         if style is None:
@@ -175,7 +172,7 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TE
     if problems:
         return None, problems
     bounds = {k: tuple(b // (head_dim if k in ("q", "kv") else 1) for b in v[1]) for k, v in pools.items() if k}
-    return TEPlan(tp_size, shares, hidden, vocab, heads, kv_heads, head_dim, ffn, linears, tensors, tuple(skipped), bounds), []
+    return TEPlan(tp_size, shares, hidden, vocab, heads, kv_heads, head_dim, ffn, linears, tensors, bounds), []
 
 
 def _pools(layout: CheckpointLayout, widths, tp_size: int, shares: Shares) -> tuple[dict, list[str]]:
