@@ -8,12 +8,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .capacity import WEIGHTS_GIB
+from .capacity import BLOCKS, WEIGHTS_GIB
 from .split import Shares, even, named, workable
 
 RANK_OVERHEAD_GIB = 2.0  # per rank: CUDA context, activations, the allocator's slack; not for weights
 MIN_USABLE_GIB = 0.25  # a rank with less usable memory still gets a (tiny) cap, never zero or negative
-H3_BLOCKS = 50  # DiT blocks per step: a predicted step is a block's time x fraction x this
 AUTO_SHARE_TOTAL = 100  # auto shares sum to at most this
 AUTO_TOLERANCE = 0.005  # how far a rank's share may stray from its fraction where a smaller total can be found
 
@@ -80,8 +79,8 @@ def auto_split(devices: list[str], samples: list[list[float]], free_gib: list[fl
 
 
 def step_seconds(block_seconds: list[float], shares: Shares) -> list[float]:
-    """Each rank's predicted DiT time per step at `shares`: a full-width block's time x its fraction x H3_BLOCKS."""
-    return [s * share / sum(shares) * H3_BLOCKS for s, share in zip(block_seconds, shares)]
+    """Each rank's predicted DiT time per step at `shares`: a full-width block's time x its fraction x BLOCKS."""
+    return [s * share / sum(shares) * BLOCKS for s, share in zip(block_seconds, shares)]
 
 
 def describe_auto(devices: list[str], block_seconds: list[float], free_gib: list[float | None], shares: Shares) -> str:

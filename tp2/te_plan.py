@@ -180,29 +180,25 @@ def _pools(layout: CheckpointLayout, widths, tp_size: int, shares: Shares) -> tu
     KV heads: each KV head keeps its query heads), "kv" (KV rows), "ffn" (columns; whole 16-column nvfp4 blocks, and
     ConvRot groups), "vocab" (embedding rows); None: replicated."""
     head_dim, heads, kv_heads, ffn, vocab = widths
-    if is_even(shares):
-        problems = [
-            f"Cannot split the text encoder's {what} ({n}) across tp_size={tp_size}: not divisible."
-            for what, n in (("query heads", heads), ("KV heads", kv_heads), ("FFN width", ffn), ("vocabulary", vocab))
-            if n % tp_size
-        ]
-    else:
-        problems = []
-    group = convrot_group(layout.quant.get("model.layers.0.mlp.down_proj")) or 1
+    ffn_unit = math.lcm(BLOCK, convrot_group(layout.quant.get("model.layers.0.mlp.down_proj")) or 1)
     kv = cut(kv_heads, 1, shares) if kv_heads else None
     pools = {
         "q": (heads * head_dim, scaled(kv, kv_heads, heads * head_dim)),
         "kv": (kv_heads * head_dim, scaled(kv, kv_heads, kv_heads * head_dim)),
-        "ffn": (ffn, cut(ffn, math.lcm(BLOCK, group), shares)),
+        "ffn": (ffn, cut(ffn, ffn_unit, shares)),
         "vocab": (vocab, cut(vocab, 1, shares) if vocab else None),
         None: None,
     }
+    problems = []
     for what, n, unit, key in (
+        ("query heads", heads, None, "q"),  # uneven: they follow the KV heads, refused with them
         ("KV heads", kv_heads, 1, "kv"),
-        ("FFN width", ffn, math.lcm(BLOCK, group), "ffn"),
+        ("FFN width", ffn, ffn_unit, "ffn"),
         ("vocabulary", vocab, 1, "vocab"),
     ):
-        if not is_even(shares) and n and pools[key][1] is None:
+        if is_even(shares) and n % tp_size:
+            problems.append(f"Cannot split the text encoder's {what} ({n}) across tp_size={tp_size}: not divisible.")
+        elif not is_even(shares) and unit and n and pools[key][1] is None:
             problems.append(refusal(shares, f"text encoder's {what}", n, unit))
     return pools, problems
 
