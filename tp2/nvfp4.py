@@ -11,12 +11,14 @@ The text encoder runs full_precision_mm (comfy/sd1_clip.py), and ComfyUI has no 
 scaled by pre_quant_scale and the weight dequantised for F.linear, so a K slice's partial product is exactly its share
 (quantised inputs would need K / tp_size a multiple of 16 and an input_scale). A rank reads only its bytes: weight rows or byte
 columns are a narrow; weight_scale is a row range for local rows a multiple of 128, and one run of 512-byte tiles per 128-row
-band for local K / 16 a multiple of 4; else the whole (small) scale is sliced (`slice_block_scales`). Imports torch only.
+band for local K / 16 a multiple of 4; else the whole (small) scale is sliced (`slice_block_scales`). Imports torch and tp2.split.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .split import join_or
 
 BLOCK = 16  # input columns per fp8 block scale
 
@@ -38,10 +40,8 @@ def _splits(n: int, k: int, dim: int, tp_size: int) -> bool:
 
 
 def _advice(n: int, k: int, dim: int) -> str:
-    ok = [str(t) for t in (2, 4, 8) if _splits(n, k, dim, t)]
-    if not ok:
-        return "Run this layer unsplit (tp_size 1)."
-    return "Use tp_size " + (ok[0] if len(ok) == 1 else ", ".join(ok[:-1]) + " or " + ok[-1]) + "."
+    ok = [t for t in (2, 4, 8) if _splits(n, k, dim, t)]
+    return f"Use tp_size {join_or(ok)}." if ok else "Run this layer unsplit (tp_size 1)."
 
 
 def nvfp4_split_problem(n: int, k: int, dim: int, tp_size: int) -> str | None:

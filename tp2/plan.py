@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .checkpoint import CheckpointLayout, convrot_group
 from .errors import PlanError
 from .h3_layout import H3Shape
-from .split import Shares, cut, cut_named, even, is_even, reduced, refusal, scaled
+from .split import Shares, cut, cut_named, even, is_even, join_or, reduced, refusal, scaled
 
 COLWISE = "colwise"  # Y = X A, A split by output rows; no collective
 COLWISE_PACKED = "colwise_packed"  # the same, per fused part ([q|k|v], [gate|up]): each rank its slice of each
@@ -169,7 +169,7 @@ def resolve_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None =
     plan, problems = _resolve(layout, tp_size, shares or even(tp_size))
     if problems:
         allowed = allowed_tp_sizes(layout) if shares is None or is_even(shares) else []
-        hint = f" Use tp_size {_join_or(allowed)}." if allowed else ""
+        hint = f" Use tp_size {join_or(allowed)}." if allowed else ""
         raise PlanError(problems[0] + hint)
     return plan
 
@@ -177,11 +177,6 @@ def resolve_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None =
 def allowed_tp_sizes(layout: CheckpointLayout, limit: int = 64) -> list[int]:
     """Every tp_size in 1..limit that this checkpoint can be split into."""
     return [n for n in range(1, limit + 1) if not _resolve(layout, n, even(n))[1]]
-
-
-def _join_or(values: list[int]) -> str:
-    s = [str(v) for v in values]
-    return s[0] if len(s) == 1 else ", ".join(s[:-1]) + " or " + s[-1]
 
 
 def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:

@@ -31,6 +31,12 @@ def named(shares: Shares) -> str:
     return "even" if is_even(shares) else ":".join(map(str, reduced(shares)))
 
 
+def join_or(values: list[int]) -> str:
+    """"2", "2 or 4", "1, 2 or 4"."""
+    s = [str(v) for v in values]
+    return s[0] if len(s) == 1 else ", ".join(s[:-1]) + " or " + s[-1]
+
+
 def cut_named(shares: Shares, widths: list[int]) -> str:
     """The split a model was cut by, given the ranks' widths of its heads: an uneven split of a model with too few
     whole units comes out even, and says so ("even (3:1 asked: too few units)")."""
