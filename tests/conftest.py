@@ -71,6 +71,26 @@ def assert_refused_quickly(took: float) -> None:
     assert took < max(5.0, python_start + 1.5), f"the refusal took {took:.1f} s (importing tp2.plan alone: {python_start:.1f} s)"
 
 
+def shard_state_dict(path: str, tp_size: int, tp_rank: int, shares=None):
+    """Shard-on-read (no rank cache): this rank's state dict, the file's metadata and the plan."""
+    from tp2.rank_cache import open_rank_shard
+
+    shard = open_rank_shard(path, tp_rank, tp_size, shares=shares)
+    return shard.state_dict, shard.metadata, shard.plan
+
+
+def unshard_tensor(pieces: list, ts):
+    """Inverse of tp2.shard.slice_tensor over all ranks (pieces in rank order)."""
+    import torch
+
+    if ts.kind == "split":
+        per_part = [p.chunk(ts.parts, dim=ts.dim) for p in pieces]
+        return torch.cat([chunks[i] for i in range(ts.parts) for chunks in per_part], dim=ts.dim)
+    if ts.kind == "rank0":
+        return torch.stack(pieces).sum(0).to(pieces[0].dtype)
+    return pieces[0]
+
+
 def _load_generator():
     spec = importlib.util.spec_from_file_location("make_tiny_h3", os.path.join(ROOT, "scripts", "make_tiny_h3.py"))
     mod = importlib.util.module_from_spec(spec)

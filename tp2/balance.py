@@ -1,11 +1,5 @@
 """--split auto's decision: shares in proportion to each rank's measured speed, no rank given more of the weights than
 its free memory holds (scripts/lib/balance.py measures each GPU before any rank starts; this decides and says why).
-
-    auto_shares(seconds, free)    whole shares from each rank's block time and free GiB (None: a CPU, no cap)
-    auto_split(devices, samples, free)  those shares, or even where the timings cannot tell the ranks apart
-    describe_auto(...)            that decision, a line per rank, and the slowest rank at the shares chosen
-    H3_BLOCK, CPU_BLOCK           the block timed on a GPU, and its narrow stand-in on the CPU
-
 Imports nothing from `comfy`.
 """
 
@@ -14,12 +8,11 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .capacity import WEIGHTS_GIB
+from .capacity import BLOCKS, WEIGHTS_GIB
 from .split import Shares, even, named, workable
 
 RANK_OVERHEAD_GIB = 2.0  # per rank: CUDA context, activations, the allocator's slack; not for weights
 MIN_USABLE_GIB = 0.25  # a rank with less usable memory still gets a (tiny) cap, never zero or negative
-H3_BLOCKS = 50  # DiT blocks per step: a predicted step is a block's time x fraction x this
 AUTO_SHARE_TOTAL = 100  # auto shares sum to at most this
 AUTO_TOLERANCE = 0.005  # how far a rank's share may stray from its fraction where a smaller total can be found
 
@@ -86,8 +79,8 @@ def auto_split(devices: list[str], samples: list[list[float]], free_gib: list[fl
 
 
 def step_seconds(block_seconds: list[float], shares: Shares) -> list[float]:
-    """Each rank's predicted DiT time per step at `shares`: a full-width block's time x its fraction x H3_BLOCKS."""
-    return [s * share / sum(shares) * H3_BLOCKS for s, share in zip(block_seconds, shares)]
+    """Each rank's predicted DiT time per step at `shares`: a full-width block's time x its fraction x BLOCKS."""
+    return [s * share / sum(shares) * BLOCKS for s, share in zip(block_seconds, shares)]
 
 
 def describe_auto(devices: list[str], block_seconds: list[float], free_gib: list[float | None], shares: Shares) -> str:

@@ -35,15 +35,13 @@ MEASURED = (
     (1920, 1088, 124, 2, 18.5), (1920, 1088, 158, 2, 20.5), (1920, 1088, 175, 2, 21.45),
 )  # fmt: skip
 CONTEXT_GIB = 1.2  # outside torch's pool: CUDA context, cuBLAS workspace, dynamic VRAM's buffers (30.8 - 29.6 measured)
-# part of every prediction already held when the check at the sampler asks what is free (the CUDA context): on a
-# real 22 GiB limit, free + pooled + evictable came to 21.3 GiB there (measured, docs/PERFORMANCE.md)
+# part of every prediction already held when the check at the sampler asks what is free (the CUDA context)
 HELD_AT_THE_SAMPLER_GIB = 0.7
 # activations in fp32 compute over bf16 (the int8 weights stay): 1.75-1.77x measured, weights streamed and resident
 ACTIVATIONS_OVER_BF16 = {"bf16": 1.0, "fp32": 1.76}
 # --fast (sequence parallelism, the MLP in row chunks): one TP2 rank's live GiB, streamed, 2026-12-02
 MEASURED_FAST = (1920, 1088, 362, 2, 14.14)
-# 20.06 / 14.42, 18.52 / 14.14 and 17.48 / 14.12 GiB measured; native: the rank of the pair that met the limit (the
-# other, with room, held 1.55x: the native allocator keeps what it got and gives it back on an out-of-memory)
+# torch's pool over its live bytes, per allocator (native: the rank of a pair that met the memory limit)
 POOL_OVER_LIVE = {"cudaMallocAsync": 1.39, "expandable": 1.31, "native": 1.24}
 LEAN_ALLOCATOR = "native"  # the launcher's --lean-memory: ComfyUI's --disable-cuda-malloc
 RESOLUTIONS = ((832, 480), (1344, 768), (1600, 896), (1920, 1088))
@@ -87,8 +85,7 @@ def allocator_of(backend: str, alloc_conf: str) -> str:
 
 
 def split_part(whole: float, tp_size: int, fraction: float | None = None) -> float:
-    """A rank's part of a split quantity: `whole` x `fraction`; None (or 1/tp_size) divides by tp_size, as before
-    shares existed (bit for bit)."""
+    """A rank's part of a split quantity: `whole` x `fraction`; None (or 1/tp_size) divides by tp_size (bit for bit)."""
     return whole / tp_size if fraction is None or fraction == 1 / tp_size else whole * fraction
 
 
@@ -97,14 +94,7 @@ def activations_gib(
 ) -> float:
     """One rank's activations at the sampler's peak, scaled with the model's width (the released H3 is 5376 wide)."""
     per_token = (SHARED_PER_TOKEN_GIB + split_part(SPLIT_PER_TOKEN_GIB, tp_size, fraction)) * hidden / H3_HIDDEN
-    return n_tokens * per_token * activation_scale(dtype) * (FAST_SCALE if fast else 1.0)
-
-
-def activation_scale(dtype: str) -> float:
-    """Activations in compute `dtype` over bf16's (ACTIVATIONS_OVER_BF16)."""
-    if dtype not in ACTIVATIONS_OVER_BF16:
-        raise ValueError(f"compute dtype {dtype!r} is not one of {', '.join(ACTIVATIONS_OVER_BF16)}.")
-    return ACTIVATIONS_OVER_BF16[dtype]
+    return n_tokens * per_token * ACTIVATIONS_OVER_BF16[dtype] * (FAST_SCALE if fast else 1.0)
 
 
 _w, _h, _f, _tp, _live = MEASURED_FAST

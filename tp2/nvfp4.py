@@ -11,12 +11,14 @@ The text encoder runs full_precision_mm (comfy/sd1_clip.py), and ComfyUI has no 
 scaled by pre_quant_scale and the weight dequantised for F.linear, so a K slice's partial product is exactly its share
 (quantised inputs would need K / tp_size a multiple of 16 and an input_scale). A rank reads only its bytes: weight rows or byte
 columns are a narrow; weight_scale is a row range for local rows a multiple of 128, and one run of 512-byte tiles per 128-row
-band for local K / 16 a multiple of 4; else the whole (small) scale is sliced (`slice_block_scales`). Imports torch only.
+band for local K / 16 a multiple of 4; else the whole (small) scale is sliced (`slice_block_scales`). Imports torch and tp2.split.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .split import join_or
 
 BLOCK = 16  # input columns per fp8 block scale
 
@@ -38,10 +40,8 @@ def _splits(n: int, k: int, dim: int, tp_size: int) -> bool:
 
 
 def _advice(n: int, k: int, dim: int) -> str:
-    ok = [str(t) for t in (2, 4, 8) if _splits(n, k, dim, t)]
-    if not ok:
-        return "Run this layer unsplit (tp_size 1)."
-    return "Use tp_size " + (ok[0] if len(ok) == 1 else ", ".join(ok[:-1]) + " or " + ok[-1]) + "."
+    ok = [t for t in (2, 4, 8) if _splits(n, k, dim, t)]
+    return f"Use tp_size {join_or(ok)}." if ok else "Run this layer unsplit (tp_size 1)."
 
 
 def nvfp4_split_problem(n: int, k: int, dim: int, tp_size: int) -> str | None:
@@ -49,10 +49,6 @@ def nvfp4_split_problem(n: int, k: int, dim: int, tp_size: int) -> str | None:
     tp_size equal slices, or None. Rows split anywhere (each row's blocks run along K); a K slice must hold whole
     16-column blocks, since each block scale covers 16 input columns. The swizzle imposes nothing: a local scale
     tensor is re-swizzled (and padded to 128 x 4) for its own shape."""
-    if dim not in (0, 1):
-        return f"dim must be 0 (output rows) or 1 (input columns), got {dim}."
-    if tp_size < 1:
-        return f"tp_size must be at least 1, got {tp_size}."
     if dim == 0:
         if n % tp_size:
             return f"its {n} output rows are not divisible by tp_size={tp_size}. {_advice(n, k, 0)}"
@@ -98,10 +94,6 @@ def slice_block_scales(block_scale: torch.Tensor, n: int, k: int, dim: int, star
     """The swizzled block scales of rows (dim 0) or input columns (dim 1) [start, end) of an nvfp4 weight of logical
     shape [n, k]: exactly what quantising that slice with the same weight_scale_2 would store (blocks are
     independent of each other). Columns must be whole 16-column blocks."""
-    if dim == 1 and (start % BLOCK or end % BLOCK):
-        raise ValueError(f"Cannot cut nvfp4 block scales at input columns [{start}, {end}): not whole {BLOCK}-column blocks.")
-    if not 0 <= start < end <= (n if dim == 0 else k):
-        raise ValueError(f"[{start}, {end}) is not a slice of an nvfp4 weight [{n}, {k}] along dim {dim}.")
     stored_rows, stored_blocks = _roundup(n, 16), _roundup(k, 16) // BLOCK
     rows = unswizzle_block_scales(block_scale, stored_rows, stored_blocks)
     if dim == 0:

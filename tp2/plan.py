@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .checkpoint import CheckpointLayout, convrot_group
 from .errors import PlanError
 from .h3_layout import H3Shape
-from .split import Shares, cut, cut_named, even, is_even, reduced, refusal, scaled
+from .split import Shares, cut, cut_named, even, is_even, join_or, reduced, refusal, scaled
 
 COLWISE = "colwise"  # Y = X A, A split by output rows; no collective
 COLWISE_PACKED = "colwise_packed"  # the same, per fused part ([q|k|v], [gate|up]): each rank its slice of each
@@ -49,10 +49,8 @@ H3_TP_PLAN: dict[str, tuple[str, int]] = {
 # the full form's adaln is ~260 M params per block at full size: halve it per rank; the curve form's is ~1 M
 ADALN_STYLE = {"curve": REPLICATE, "full": ROWWISE_SPLIT_INPUT}
 
-# Replicated on purpose: patch/condition projections and the time embedder (small, consumed by every rank
-# before the first block), norms and per-head q/k norms (per-channel weights), rope and the adaln curve table
-# (buffers), the final layer (one small head run once per forward), and the DiT blocks' adaln in curve form
-# (~1 M parameters per block). Listed so that an unknown tensor is an error instead of silently replicated.
+# Replicated on purpose: small layers every rank runs whole (projections, time embedder, final layer), per-channel
+# norms and buffers. Listed so that an unknown tensor is an error instead of silently replicated.
 H3_REPLICATED = (
     "video_patch_proj",
     "audio_patch_proj",
@@ -84,8 +82,7 @@ def compile_pattern(pattern: str) -> re.Pattern:
 
 
 def plan_fingerprint(tp_size: int, rows: list[list], shares: Shares) -> str:
-    """The short hash a plan is known by (rank-cache file names, the ranks' handshake): one row per tensor, and the
-    shares when they are uneven (an even plan's hash is the one it had before shares existed)."""
+    """The short hash a plan is known by (rank-cache file names, the ranks' handshake): its tensors, and uneven shares."""
     doc = {"tp_size": tp_size, "tensors": sorted(rows), **({} if is_even(shares) else {"shares": list(reduced(shares))})}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -172,7 +169,7 @@ def resolve_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None =
     plan, problems = _resolve(layout, tp_size, shares or even(tp_size))
     if problems:
         allowed = allowed_tp_sizes(layout) if shares is None or is_even(shares) else []
-        hint = f" Use tp_size {_join_or(allowed)}." if allowed else ""
+        hint = f" Use tp_size {join_or(allowed)}." if allowed else ""
         raise PlanError(problems[0] + hint)
     return plan
 
@@ -180,11 +177,6 @@ def resolve_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None =
 def allowed_tp_sizes(layout: CheckpointLayout, limit: int = 64) -> list[int]:
     """Every tp_size in 1..limit that this checkpoint can be split into."""
     return [n for n in range(1, limit + 1) if not _resolve(layout, n, even(n))[1]]
-
-
-def _join_or(values: list[int]) -> str:
-    s = [str(v) for v in values]
-    return s[0] if len(s) == 1 else ", ".join(s[:-1]) + " or " + s[-1]
 
 
 def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:

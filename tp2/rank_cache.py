@@ -1,14 +1,11 @@
 """The rank cache: this rank's slices of a checkpoint (the DiT or the text encoder), cut once into a file under
-TP2_CACHE_DIR/rank_cache, so the loader maps them from disk as it maps any checkpoint. `python -m tp2.rank_cache`
-cuts them ahead of time.
+TP2_CACHE_DIR/rank_cache, so the loader maps them from disk as it maps any checkpoint: ComfyUI's dynamic VRAM then fills
+its pinned host copy straight from the file instead of holding a second copy. `python -m tp2.rank_cache` cuts them ahead.
 
-Why: ComfyUI's dynamic VRAM keeps a pinned host copy of every weight. A tensor mapped from a file fills that copy straight
-from the file and nothing else is held; a tensor in ordinary memory (shard-on-read slices) is copied, and both copies stay
-alive. A cache file is named by the checkpoint's name and fingerprint, the plan's fingerprint, this rank and tp_size, and
-its header records them; it carries a digest per tensor, computed as it is written and checked (a tensor at a time) on
-load after a change of its size or mtime (tp2.checked_files). A file that fails a check or cannot be read (cut short,
-malformed) is deleted, with a warning naming it, and cut again; a disk without room leaves the rank on shard-on-read. Imports nothing from `comfy`: `read_all(path) -> state
-dict` is the loader's own file reader.
+A cache file is named by the checkpoint's name and fingerprint, the plan's fingerprint, this rank and tp_size; its header
+records them and a digest per tensor, checked on load after a change of its size or mtime (tp2.checked_files). A file
+that fails a check or cannot be read is deleted with a warning and cut again; a disk without room leaves the rank on
+shard-on-read. Imports nothing from `comfy`: `read_all(path) -> state dict` is the loader's own file reader.
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ log = logging.getLogger(__name__)
 META_RANK, META_SIZE, META_PLAN, META_SOURCE = "tp2.tp_rank", "tp2.tp_size", "tp2.plan", "tp2.source"
 META_VERSION, META_DIGESTS = "tp2.version", "tp2.tensor_digests"  # {tensor: 64-bit BLAKE2b of its bytes}
 SPARE_BYTES = 2 << 30  # a cache file is written only if the disk keeps this much free after it
-# Tensors start at multiples of ALIGN bytes in a cache file (those of whole ALIGN-byte lines first, the data after a
-# padded header), as they do in memory: a CPU BLAS may round a product by where its operands start (a one-row product
-# of the same weights mapped at offset 24 mod 64 differed in the last bit), so mapped slices compute what read ones do.
+# Tensors start at multiples of ALIGN bytes in a cache file, as in memory: a CPU BLAS may round a product by where its
+# operands start, so mapped slices compute what read ones do.
 ALIGN = 64
 ReadAll = Callable[[str], dict[str, torch.Tensor]]
 
@@ -76,17 +72,14 @@ def _remove_stale(out: str) -> None:
             log.info("rank cache: removed %s (%s)", other, why)
 
 
-def _nbytes(tensors: dict[str, TensorShard], tp_rank: int) -> int:
-    return sum(torch.Size(ts.local_shape(tp_rank)).numel() * DTYPES[ts.dtype].itemsize for ts in tensors.values())
-
-
 def write_cache_file(
     out: str, source: str, tensors: dict[str, TensorShard], identity: dict[str, str], tp_rank: int, tp_size: int, progress=None
 ) -> bool:
     """Cut this rank's tensors from `source` into `out` (streaming, digests in the header); False if there is no room."""
     os.makedirs(os.path.dirname(out), exist_ok=True)
     _remove_stale(out)
-    need, free = _nbytes(tensors, tp_rank), shutil.disk_usage(os.path.dirname(out)).free
+    need = sum(math.prod(ts.local_shape(tp_rank)) * DTYPES[ts.dtype].itemsize for ts in tensors.values())
+    free = shutil.disk_usage(os.path.dirname(out)).free
     if free < need + SPARE_BYTES:
         log.warning(
             "rank cache: %.1f GB free in %s, %.1f GB needed for %s: this rank reads its slices from the checkpoint and "

@@ -240,47 +240,34 @@ def write_streaming(
     workers: int = 1,
     align: int = 8,
 ) -> None:
-    """Write a safetensors file one tensor at a time (the header is computed from the layouts first).
-
-    With `digests_key`, the metadata gets that key holding every tensor's `tensor_digest` as JSON: the header is
-    written with placeholders of the same length and rewritten once the data is out. Writes to `path +
-    ".partial"` and renames at the end, so a crash never leaves a file that looks complete. `workers` > 1: the
-    next tensors are produced (and hashed) on that many threads while this one is written; only for `produce`
-    functions that may run on any thread in any order (reads of a file, not a shared random generator). The header is
-    padded so that the data starts at a multiple of `align` bytes.
-    """
+    """Write a safetensors file one tensor at a time, through `path + ".partial"` renamed at the end. `digests_key`:
+    the metadata key for every tensor's `tensor_digest` (placeholders of the same length, rewritten once the data is
+    out). `workers` > 1: the next tensors are produced and hashed on that many threads (`produce` must allow any thread
+    and order). The data starts at a multiple of `align` bytes."""
     digests = {t.name: "0" * DIGEST_CHARS for t in tensors}
     blob = _header_blob(tensors, metadata, digests_key, digests, align)
     tmp = path + ".partial"
     produced = functools.partial(_produced, hashed=digests_key is not None)
-    with _removed_on_error(tmp), open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for i, (data, digest) in enumerate(ordered_map(produced, tensors, workers)):
-            t = tensors[i]
-            if digest is not None:
-                digests[t.name] = digest
-            f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # no copy
-            del data
-            if progress is not None:
-                progress(i + 1, len(tensors))
-        if digests_key is not None:
-            final = _header_blob(tensors, metadata, digests_key, digests, align)
-            assert len(final) == len(blob), "digest placeholders changed the header length"
-            f.seek(8)
-            f.write(final)
-    os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def _removed_on_error(path: str):
-    """`path` deleted when the block raises (a full disk: the part written would hold the space it needs)."""
     try:
-        yield
-    except BaseException:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for i, (data, digest) in enumerate(ordered_map(produced, tensors, workers)):
+                t = tensors[i]
+                if digest is not None:
+                    digests[t.name] = digest
+                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # no copy
+                del data
+                if progress is not None:
+                    progress(i + 1, len(tensors))
+            if digests_key is not None:
+                f.seek(8)
+                f.write(_header_blob(tensors, metadata, digests_key, digests, align))
+    except BaseException:  # a full disk: the part written would hold the space it needs
         with contextlib.suppress(OSError):
-            os.remove(path)
+            os.remove(tmp)
         raise
+    os.replace(tmp, path)
 
 
 def _produced(t: PendingTensor, hashed: bool) -> tuple[torch.Tensor, str | None]:

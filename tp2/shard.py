@@ -1,6 +1,6 @@
 """Cutting a checkpoint into per-rank pieces, in memory or straight from disk (shard-on-read).
 
-A rank reads only its slices (`read_shard`, `shard_state_dict`), so it never holds the full checkpoint; a packed
+A rank reads only its slices (`read_shard`), so it never holds the full checkpoint; a packed
 tensor ([q|k|v], [gate|up]) gives each rank its slice of each part, a row-parallel bias lives on rank 0 only, and the
 text encoder's nvfp4 block scales are cut in their swizzled layout (tp2.nvfp4). The rank cache (tp2.rank_cache)
 writes what this reads into one file per rank. Imports nothing from `comfy`.
@@ -14,12 +14,10 @@ import time
 
 import torch
 
-from .checkpoint import CheckpointLayout
 from .errors import TP2Error
 from .nvfp4 import nvfp4_logical_shape, slice_block_scales
-from .plan import RANK0, SPLIT, Plan, TensorShard, resolve_plan
+from .plan import RANK0, SPLIT, TensorShard
 from .safetensors_io import DTYPES, TensorReader, ordered_map
-from .split import Shares
 from .te_plan import NVFP4_BLOCK_SCALE
 
 log = logging.getLogger(__name__)
@@ -42,29 +40,9 @@ def slice_tensor(full: torch.Tensor, ts: TensorShard, tp_rank: int) -> torch.Ten
     return full
 
 
-def unshard_tensor(pieces: list[torch.Tensor], ts: TensorShard) -> torch.Tensor:
-    """Inverse of `slice_tensor` over all ranks (pieces in rank order)."""
-    if ts.kind == SPLIT:
-        per_part = [p.chunk(ts.parts, dim=ts.dim) for p in pieces]
-        return torch.cat([chunks[i] for i in range(ts.parts) for chunks in per_part], dim=ts.dim)
-    if ts.kind == RANK0:
-        return torch.stack(pieces).sum(0).to(pieces[0].dtype)
-    return pieces[0]
-
-
 def check_rank(tp_rank: int, tp_size: int) -> None:
     if not 0 <= tp_rank < tp_size:
         raise TP2Error(f"tp_rank={tp_rank} is outside 0..{tp_size - 1} for tp_size={tp_size}. Set TP2_RANK below TP2_WORLD_SIZE.")
-
-
-def shard_state_dict(
-    path: str, tp_size: int, tp_rank: int, shares: Shares | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, str], Plan]:
-    """Shard-on-read: this rank's state dict, the file's metadata, and the plan (validated before any read)."""
-    check_rank(tp_rank, tp_size)
-    plan = resolve_plan(CheckpointLayout.from_file(path), tp_size, shares)
-    sd, metadata = read_shard(path, plan.tensors, tp_rank, tp_size, "")
-    return sd, metadata, plan
 
 
 def read_shard_tensor(reader: TensorReader, tensors: dict[str, TensorShard], name: str, tp_rank: int) -> torch.Tensor:

@@ -1,14 +1,8 @@
 """Each rank's share of the split layers (`--split 3:2`, TP2_SPLIT), and a width cut by the shares.
 
-    parse_split(text, tp_size)    "3:2" -> (3, 2); "" -> every share 1 (the even split); refused with what to write
-    cut(total, unit, shares)      per-rank [start, end) offsets of a width, as bounds (0, ..., total), or None
-    scaled(bounds, total, length) those bounds on a tensor dim that is a multiple of the width (q rows of heads)
-    named(shares)                 "3:2", or "even"
-    small(shares)                 the shares in small numbers: a VAE decode round, the numerics check's block
-
-An even split cuts a width into equal slices, or refuses it (the plans say which tp_sizes work): exactly the split
-before shares existed. Uneven shares give each rank whole `unit`s (a ConvRot group, a pair of heads, a KV head) in
-proportion, rounded by largest remainder; a rank left without one is refused. Imports nothing from `comfy`.
+An even split cuts a width into equal slices, or refuses it (the plans say which tp_sizes work). Uneven shares give
+each rank whole `unit`s (a ConvRot group, a pair of heads, a KV head) in proportion, rounded by largest remainder; a
+rank left without one is refused. Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
@@ -35,6 +29,12 @@ def reduced(shares: Shares) -> Shares:
 
 def named(shares: Shares) -> str:
     return "even" if is_even(shares) else ":".join(map(str, reduced(shares)))
+
+
+def join_or(values: list[int]) -> str:
+    """"2", "2 or 4", "1, 2 or 4"."""
+    s = [str(v) for v in values]
+    return s[0] if len(s) == 1 else ", ".join(s[:-1]) + " or " + s[-1]
 
 
 def cut_named(shares: Shares, widths: list[int]) -> str:

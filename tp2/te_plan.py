@@ -70,8 +70,7 @@ class TEPlan:
     head_dim: int
     ffn: int
     linears: dict[str, str]  # layer name -> COLWISE / ROWWISE / REPLICATE
-    tensors: dict[str, TensorShard]  # every tensor this rank reads, by name
-    skipped: tuple[str, ...]  # tensors in the file that the built model does not use (never read)
+    tensors: dict[str, TensorShard]  # every tensor this rank reads, by name (not those the built model lacks)
     bounds: dict[str, tuple[int, ...]]  # "q", "kv" (heads), "ffn" (columns), "vocab" (rows): rank r holds [b[r], b[r + 1])
 
     def local(self, pool: str, rank: int) -> int:
@@ -151,11 +150,9 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TE
         problems.insert(0, f"'{layout.source}' has no '{EMBEDDING}.weight': the encoder file is incomplete. Re-download it.")
     linears: dict[str, str] = {}
     tensors: dict[str, TensorShard] = {}
-    skipped = []
     for name, (dtype, full) in sorted(layout.tensors.items()):
         module, _, suffix = name.rpartition(".")
         if name in TE_SKIPPED or _layer_index(name) >= H3_TE_LAYERS:
-            skipped.append(name)
             continue
         style = _style(module)
         if style is None:
@@ -175,7 +172,7 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TE
     if problems:
         return None, problems
     bounds = {k: tuple(b // (head_dim if k in ("q", "kv") else 1) for b in v[1]) for k, v in pools.items() if k}
-    return TEPlan(tp_size, shares, hidden, vocab, heads, kv_heads, head_dim, ffn, linears, tensors, tuple(skipped), bounds), []
+    return TEPlan(tp_size, shares, hidden, vocab, heads, kv_heads, head_dim, ffn, linears, tensors, bounds), []
 
 
 def _pools(layout: CheckpointLayout, widths, tp_size: int, shares: Shares) -> tuple[dict, list[str]]:
@@ -183,29 +180,25 @@ def _pools(layout: CheckpointLayout, widths, tp_size: int, shares: Shares) -> tu
     KV heads: each KV head keeps its query heads), "kv" (KV rows), "ffn" (columns; whole 16-column nvfp4 blocks, and
     ConvRot groups), "vocab" (embedding rows); None: replicated."""
     head_dim, heads, kv_heads, ffn, vocab = widths
-    if is_even(shares):
-        problems = [
-            f"Cannot split the text encoder's {what} ({n}) across tp_size={tp_size}: not divisible."
-            for what, n in (("query heads", heads), ("KV heads", kv_heads), ("FFN width", ffn), ("vocabulary", vocab))
-            if n % tp_size
-        ]
-    else:
-        problems = []
-    group = convrot_group(layout.quant.get("model.layers.0.mlp.down_proj")) or 1
+    ffn_unit = math.lcm(BLOCK, convrot_group(layout.quant.get("model.layers.0.mlp.down_proj")) or 1)
     kv = cut(kv_heads, 1, shares) if kv_heads else None
     pools = {
         "q": (heads * head_dim, scaled(kv, kv_heads, heads * head_dim)),
         "kv": (kv_heads * head_dim, scaled(kv, kv_heads, kv_heads * head_dim)),
-        "ffn": (ffn, cut(ffn, math.lcm(BLOCK, group), shares)),
+        "ffn": (ffn, cut(ffn, ffn_unit, shares)),
         "vocab": (vocab, cut(vocab, 1, shares) if vocab else None),
         None: None,
     }
+    problems = []
     for what, n, unit, key in (
+        ("query heads", heads, None, "q"),  # uneven: they follow the KV heads, refused with them
         ("KV heads", kv_heads, 1, "kv"),
-        ("FFN width", ffn, math.lcm(BLOCK, group), "ffn"),
+        ("FFN width", ffn, ffn_unit, "ffn"),
         ("vocabulary", vocab, 1, "vocab"),
     ):
-        if not is_even(shares) and n and pools[key][1] is None:
+        if is_even(shares) and n % tp_size:
+            problems.append(f"Cannot split the text encoder's {what} ({n}) across tp_size={tp_size}: not divisible.")
+        elif not is_even(shares) and unit and n and pools[key][1] is None:
             problems.append(refusal(shares, f"text encoder's {what}", n, unit))
     return pools, problems
 

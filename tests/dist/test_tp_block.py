@@ -35,9 +35,10 @@ def _tp_worker(tp_rank, tp_size, ckpt, x, t_emb, feed_ref, reduce_dtype=torch.fl
     from harness import handshake
     from tp2.handshake import model_fingerprint
     from tp2.safetensors_io import file_fingerprint, read_header
-    from tp2.shard import shard_state_dict
+    from tp2.rank_cache import open_rank_shard
 
-    sd, _, plan = shard_state_dict(ckpt, tp_size, tp_rank, shares)
+    shard = open_rank_shard(ckpt, tp_rank, tp_size, shares=shares)
+    sd, plan = shard.state_dict, shard.plan
     tp = init_tp_group(read_tp_env())
     handshake(tp, model_fingerprint(plan.fingerprint(), file_fingerprint(read_header(ckpt)), tp_size))
     gemm = select_int8_gemm()

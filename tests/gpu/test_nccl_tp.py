@@ -31,11 +31,12 @@ def _inputs(hidden, t_dim):
 def _worker(tp_rank, tp_size, ckpt, x, t_emb, reduce_dtype):
     from kernels import select_int8_gemm
     from tp2.collectives import init_tp_group
+    from tp2.rank_cache import open_rank_shard
     from tp2.settings import read_tp_env
-    from tp2.shard import shard_state_dict
 
     torch.cuda.set_device(tp_rank)
-    sd, _, plan = shard_state_dict(ckpt, tp_size, tp_rank)
+    shard = open_rank_shard(ckpt, tp_rank, tp_size)
+    sd, plan = shard.state_dict, shard.plan
     sd = {k: v.cuda() for k, v in sd.items()}
     tp = init_tp_group(read_tp_env(), torch.device("cuda", tp_rank))
     lin = tp_linears(plan, sd, "blocks.0", tp, select_int8_gemm(), reduce_dtype)

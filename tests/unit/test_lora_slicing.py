@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import unshard_tensor
 
 from tp2.errors import AdapterPlacementError
 from tp2.lora import slice_like_weight, slice_lora_factors, state_dict_digest
 from tp2.plan import RANK0, SPLIT, WHOLE, TensorShard
-from tp2.shard import slice_tensor, unshard_tensor
+from tp2.shard import slice_tensor
 from tp2.split import cut
 
 OUT, IN, R = 24, 16, 3

@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
+from conftest import shard_state_dict
 
 import tp2.safetensors_io as sio
 from tp2.safetensors_io import PendingTensor, TensorReader, ordered_map, write_streaming
-from tp2.shard import shard_state_dict
 
 
 def test_results_come_in_order_whatever_order_they_finish_in():

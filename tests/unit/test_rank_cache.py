@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from conftest import shard_state_dict
 from safetensors.torch import load_file, save_file
 
 import tp2.rank_cache as rank_cache
@@ -20,7 +21,7 @@ from tp2.checkpoint import CheckpointLayout
 from tp2.errors import PlanError
 from tp2.rank_cache import open_rank_shard, read_rank_slices
 from tp2.safetensors_io import read_header
-from tp2.shard import read_shard, shard_state_dict
+from tp2.shard import read_shard
 from tp2.te_plan import resolve_te_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

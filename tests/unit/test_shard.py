@@ -12,13 +12,14 @@ import time
 
 import pytest
 import torch
+from conftest import shard_state_dict, unshard_tensor
 from safetensors.torch import load_file, save_file
 
 from tp2.checked_files import verified_before
 from tp2.checkpoint import CheckpointLayout
 from tp2.plan import RANK0, SPLIT, WHOLE, TensorShard, resolve_plan
 from tp2.safetensors_io import TensorReader, file_fingerprint, read_header
-from tp2.shard import shard_state_dict, slice_tensor, unshard_tensor
+from tp2.shard import slice_tensor
 from tp2.split import cut
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 PROBE = """
 import sys
-from tp2.shard import shard_state_dict
+from tp2.rank_cache import open_rank_shard
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -26,7 +26,8 @@ def status(key):
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset VmHWM to the current RSS
 base = status("VmRSS:")
-sd, _, plan = shard_state_dict(sys.argv[1], 2, 1)
+shard = open_rank_shard(sys.argv[1], 1, 2)
+sd, plan = shard.state_dict, shard.plan
 kept = sum(t.numel() * t.element_size() for t in sd.values())
 print(base, status("VmHWM:"), kept)
 """
