@@ -4,9 +4,7 @@ Every collective runs under the group's timeout; a peer that died or never came 
 surviving rank. A group may carry `stop_check` (the session's watcher): every wait on a CPU-side (gloo) collective
 polls it, so a peer that stopped the run (its reason) or went silent ends the wait within a poll with
 `PromptAbortedError(reason)`, not at the timeout. NCCL collectives are queued on the GPU stream, where the host does
-not wait; for them the watcher aborts the communicator (tp2/session.py).
-
-Env: TP2_RANK, TP2_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TP2_TIMEOUT_S (default 300). Imports torch only; never `comfy`.
+not wait; for them the watcher aborts the communicator (tp2/session.py). Imports torch only; never `comfy`.
 """
 
 from __future__ import annotations
@@ -30,9 +28,9 @@ from .settings import TPEnv
 log = logging.getLogger(__name__)
 
 
-def reduce_dtype_from_env(environ=None) -> torch.dtype:
+def reduce_dtype_from_env() -> torch.dtype:
     """The dtype row-parallel partial sums are reduced in: fp32 (default, no extra rounding) or bf16 (half the bytes)."""
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[settings.value("TP2_REDUCE_DTYPE", environ)]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[settings.value("TP2_REDUCE_DTYPE")]
 
 
 @dataclass
@@ -42,8 +40,8 @@ class TPGroup:
     tp_rank: int
     tp_size: int
     device: torch.device
-    group: dist.ProcessGroup | None  # tensor collectives
-    cpu_group: dist.ProcessGroup | None  # handshakes and small objects, never blocks a GPU stream
+    group: dist.ProcessGroup  # tensor collectives
+    cpu_group: dist.ProcessGroup  # handshakes and small objects, never blocks a GPU stream
     timeout_s: float
     stop_check: Callable[[], str | None] | None = None  # why the run must stop now (a peer's reason), else None
     loss_check: Callable[[], str | None] | None = None  # after a broken collective: which rank is gone, if known
@@ -51,7 +49,7 @@ class TPGroup:
 
     @functools.cached_property
     def backend(self) -> str:  # fixed for the group's life; read per collective
-        return dist.get_backend(self.group) if self.group is not None else "none"
+        return dist.get_backend(self.group)
 
 
 def init_tp_group(

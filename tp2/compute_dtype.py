@@ -1,9 +1,8 @@
 """The DiT's compute dtype per GPU architecture (TP2_COMPUTE_DTYPE=auto|fp32|bf16), and why.
 
-Below compute capability 8.0 (Turing and older) there are no bf16 tensor cores: bf16 is emulated (measured 23%
-slower than fp32 on a 2080 Ti), SDPA has no efficient bf16 kernel there (its math path materialises the score
-matrix: 33.8 GiB at 12,732 tokens), and fp16 overflows in the int8 layers' outputs; so `auto` picks fp32 there and
-bf16 from 8.0 on (Ampere, Ada, Hopper). Imports nothing from `comfy`.
+Below compute capability 8.0 (Turing and older) there are no bf16 tensor cores: bf16 is emulated (slower than fp32),
+SDPA has no efficient bf16 kernel there, and fp16 overflows in the int8 layers' outputs; so `auto` picks fp32 there
+and bf16 from 8.0 on (Ampere, Ada, Hopper). Imports nothing from `comfy`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The link between the ranks, measured once as the group forms, and what it means for speed.
-
-    measure_link(tp, gpus)     one timed all-reduce (LINK_MIB on a GPU, less on the CPU): bus GB/s and what carries it
-    link_kind(backend, gpus)   NVLink, PCIe peer-to-peer or through host memory, as `nvidia-smi topo` says (gloo: host)
-    prediction(link, ...)      the speed-up in words from TP2_BLOCK_MS, TP2_SPLIT and TP2_REDUCE_DTYPE (the ranks' log)
-    predict_speedup(...)       docs/PERFORMANCE.md's model of a pair (Mixed cards): the slowest rank's block at its
-                               share plus two all-reduces per block at the measured bus bandwidth, against the fastest
-                               card alone; under MEMORY_NOT_SPEED, TP buys memory, not speed
+"""The link between the ranks, measured once as the group forms (one timed all-reduce), and what it means for speed:
+the kind of link from `nvidia-smi topo`, and docs/PERFORMANCE.md's speed-up model of a pair (the slowest rank's block at
+its share plus two all-reduces per block, against the fastest card alone; under MEMORY_NOT_SPEED, TP buys memory).
 Bus bandwidth is NCCL's (nccl-tests): bytes / seconds x 2 (n - 1) / n. Imports torch only; never `comfy`.
 """
 

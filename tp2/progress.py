@@ -89,12 +89,10 @@ class Progress:
             return None
         what, since = self.waiting
         step, _, marks = token.removesuffix(WAITING).rpartition("#")
-        waited, where = (
-            now - since,
-            f"in {step.rsplit('/', 1)[-1]} at unit {marks.split('.')[0]}" if step else "between TP steps (in a node, or loading)",
-        )
+        waited = now - since
+        where = f"in {step.rsplit('/', 1)[-1]} at unit {marks.split('.')[0]}" if step else "between TP steps (in a node, or loading)"
         limit = self.stall_limit_s(between=not step)
-        if min(waited, still_s) < min(REPORT_S, limit / 2):
+        if min(waited, still_s) < self.report_s(between=not step):
             return None
         if min(waited, still_s) > limit:
             return (f"rank {rank} is stuck {where}: it is alive (its heartbeat goes on) but has made no progress for "

@@ -2,13 +2,8 @@
 
 A peer restarts, a prompt reaches one rank only, one rank's node cache serves a sampler the other runs; a timed-out or
 broken process group is unusable. So ranks agree over a TCPStore (hosted by rank 0, bounded polling, nothing left
-half-done), and the tensor process group is (re)made, under a new generation, once every rank agreed.
-
-    session.begin_run(run) / end_run()   the run (one prompt) this rank executes; its watcher (tp2/watch.py) says when a
-                                         peer stopped it or went silent
-    session.agree(key, fields)           a TPGroup for collectives, or PeerLostError / RankMismatchError / PromptAbortedError
-    session.stop_run(reason)             every rank is told (a watcher ends any wait within a poll); this rank gives up its group
-    session.abandon_group()              after a peer's stop or loss: the next agreement makes a fresh group
+half-done), and the tensor process group is (re)made, under a new generation, once every rank agreed. A stop (this
+rank's, or a peer's that the watcher of tp2/watch.py sees) gives up the group; the next agreement makes a fresh one.
 
 Under NCCL the pack aborts communicators itself (TORCH_NCCL_ASYNC_ERROR_HANDLING=0: PyTorch's watchdog must not end a
 process because a peer failed; see `tp2.settings.set_for_libraries`). Imports torch only; never `comfy`.
@@ -50,12 +45,6 @@ def is_loopback(addr: str) -> bool:
         return addr == "localhost" or ipaddress.ip_address(addr).is_loopback
     except ValueError:
         return False
-
-
-def watcher_aborts_communicator(backend: str) -> bool:
-    """Whether a stop seen by the watcher thread must abort the communicator from that thread: under NCCL the host
-    does not wait on collectives (the GPU spins in them), under gloo the prompt worker polls and leaves by itself."""
-    return backend == "nccl"
 
 
 log = logging.getLogger(__name__)
@@ -164,10 +153,12 @@ class TPSession(Rendezvous):
         self.group = None
 
     def _stopped_by_peer(self, reason: str) -> None:
-        """The watcher's callback: a peer stopped the run, or went silent."""
+        """The watcher's callback: a peer stopped the run, or went silent. Under NCCL the host does not wait on
+        collectives (the GPU spins in them), so the communicator is aborted from here; under gloo the prompt worker
+        polls and leaves by itself."""
         self.healthy = False
         group = self.group
-        if group is not None and watcher_aborts_communicator(group.backend):
+        if group is not None and group.backend == "nccl":
             log.warning("%s aborting the NCCL communicator: %s", self.tag, reason)
             _abort_nccl()
 

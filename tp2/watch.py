@@ -35,7 +35,7 @@ from .signing import decode_stop, sign, signed, unsigned
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5
-DEFAULT_HEARTBEAT_TIMEOUT_S = 15.0
+HEARTBEAT_TIMEOUT_S = 15.0
 PROBE_AFTER_S = 2.0  # a peer's heartbeat quiet this long: ask its HTTP port whether its process still exists
 STORE_OP_TIMEOUT_S = 5.0
 KEPT_RUNS = 2  # a rank keeps its store keys of its last runs: the current one, and the previous for a late peer
@@ -66,13 +66,22 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def _connect_error(host: str, port: int, timeout_s: float) -> OSError | None:
+    """Why a TCP connection to `host`:`port` fails now (ConnectionRefusedError: nothing listens), else None."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        return e
+    return None
+
+
 class Watcher:
     """This rank's view of its peers; a daemon thread keeps it fresh. One run at a time (the prompt worker's)."""
 
     def __init__(self, rank: int, size: int, addr: str, port: int, boot_id: str, secret: str | None = None,
-                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S, peer_urls: list[str] | None = None):  # fmt: skip
+                 peer_urls: list[str] | None = None):  # fmt: skip
         self.rank, self.size, self.addr, self.port, self.boot_id = rank, size, addr, port, boot_id
-        self.secret, self.heartbeat_timeout_s = secret, heartbeat_timeout_s
+        self.secret, self.heartbeat_timeout_s = secret, HEARTBEAT_TIMEOUT_S
         self.peer_urls = peer_urls or []  # every rank's HTTP address (TP2_RANK_URLS): a port that refuses = gone
         self.on_stop: Callable[[str], None] | None = None  # called once per run, from the watcher thread
         self._lock = threading.Lock()
@@ -155,13 +164,8 @@ class Watcher:
 
     def store_problem(self) -> str | None:
         """Why the rank store cannot be reached right now (a refused connection is told at once), else None."""
-        if self.rank == 0:
-            return None
-        try:
-            socket.create_connection((self.addr, self.port), timeout=1.0).close()
-            return None
-        except OSError as e:
-            return str(e)
+        refused = None if self.rank == 0 else _connect_error(self.addr, self.port, 1.0)
+        return None if refused is None else str(refused)
 
     def peer_state(self, run: str, rank: int) -> str | None:
         return self._get(f"tp2/run/{run}/state/rank{rank}")
@@ -180,9 +184,9 @@ class Watcher:
                 log.warning("[tp2 r%d/%d] watcher: %s", self.rank, self.size, e)
             time.sleep(POLL_S)
 
-    def poll(self, now: float | None = None) -> None:
+    def poll(self) -> None:
         """One round: beat, read the peers and the current run's stop notice; decide whether the run must stop."""
-        now = time.monotonic() if now is None else now
+        now = time.monotonic()
         try:
             store = self._client()
             self._beats += 1
@@ -257,17 +261,11 @@ class Watcher:
 
     def _process_gone(self, rank: int) -> bool:
         """Whether rank `rank`'s HTTP port refuses connections: its process ended. A frozen or busy process's port
-        still accepts (the kernel does), so this never mistakes a slow rank for a dead one."""
+        still accepts (the kernel does) and an unreachable one proves nothing, so a slow rank is never taken for dead."""
         if rank >= len(self.peer_urls):
             return False
         where = urlsplit(self.peer_urls[rank])
-        try:
-            socket.create_connection((where.hostname, where.port or 80), timeout=0.5).close()
-            return False
-        except ConnectionRefusedError:
-            return True
-        except OSError:  # unreachable or slow: not proof that the process ended
-            return False
+        return isinstance(_connect_error(where.hostname, where.port or 80, 0.5), ConnectionRefusedError)
 
     def _decide(self, reason: str, publish: bool = False) -> None:
         """The current run stops on this rank for `reason` (once per run); `publish`: tell the other ranks too (a
