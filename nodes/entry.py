@@ -115,10 +115,8 @@ def _warn_if_dynamic_vram_cannot_evict() -> None:
 
 
 def _register_boot() -> None:
-    """Join the rank store (rank 0 hosts it) and publish this process's boot id, retrying until rank 0 is up.
-
-    Peers compare boot ids at each prompt: a rank that restarted has an empty node cache, so every rank clears
-    its own before the next prompt and they execute the same nodes again."""
+    """Join the rank store (rank 0 hosts it) and publish this process's boot id, retrying until rank 0 is up; peers
+    compare boot ids at each prompt (nodes/prompt_lifecycle.py)."""
     deadline = time.monotonic() + STATE.env.timeout_s
     while time.monotonic() < deadline:
         try:

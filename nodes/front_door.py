@@ -143,8 +143,7 @@ class FrontDoor:
         try:
             with open(os.path.join(run_dir, f"rank{rank}.supervisor")) as f:
                 pid = int(f.read().strip())
-            os.kill(pid, 0)
-            with open(f"/proc/{pid}/stat") as f:  # a supervisor that ended unreaped (no init to reap it) is a zombie
+            with open(f"/proc/{pid}/stat") as f:  # none when it is gone; a zombie when it ended unreaped (no init to reap it)
                 return f.read().rsplit(")", 1)[1].split()[0] != "Z"
         except (OSError, ValueError, IndexError):
             return False
@@ -268,14 +267,14 @@ def read_secret() -> str | None:
     return secret
 
 
-def install_front_door(secret: str | None) -> FrontDoor | None:
-    """Add the middleware and GET /tp2/ranks to ComfyUI's server (before it starts); None when no secret is set."""
+def install_front_door(secret: str | None) -> None:
+    """Add the middleware and GET /tp2/ranks to ComfyUI's server (before it starts), when a secret is set."""
     global FRONT_DOOR
     from server import PromptServer
 
     if secret is None:
         log.warning("%s %s is not set: the front door is off (every rank accepts prompts; submit to all ranks)", STATE.tag, ENV_SECRET_FILE)
-        return None
+        return
     urls = settings.value(ENV_RANK_URLS)
     if len(urls) != STATE.env.tp_size:
         raise ValueError(f"{ENV_RANK_URLS} lists {len(urls)} URLs for tp_size {STATE.env.tp_size}; the launcher sets one per rank.")
@@ -284,4 +283,3 @@ def install_front_door(secret: str | None) -> FrontDoor | None:
     PromptServer.instance.routes.get("/tp2/ranks")(FRONT_DOOR.ranks)
     role = f"prompts only from rank 0 ({urls[0]})" if STATE.env.tp_rank else "the only queue; prompts go to the followers as they start"
     log.info("%s front door on: %s", STATE.tag, role)
-    return FRONT_DOOR

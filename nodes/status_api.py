@@ -1,7 +1,7 @@
 """Read-only status routes for the web UI's TP panel (web/tp2_panel.js) and anyone else who asks.
 
-    GET /tp2/status    this rank: tp_rank, tp_size, boot, process group (and its link, measured as it formed), last agreement, the prompt it runs and
-                       its progress (ComfyUI's own progress registry), peer heartbeats, the pack's settings
+    GET /tp2/status    this rank: tp_rank, tp_size, boot, process group and its link, last agreement, the prompt it runs
+                       and its progress (ComfyUI's own progress registry), peer heartbeats, the pack's settings
     GET /tp2/cluster   every rank's /tp2/status as this rank reaches them (the front door's rank URLs), each
                        with a health verdict; rank 0's UI polls it
 
@@ -14,6 +14,7 @@ import asyncio
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
+from . import front_door
 from .pack_nodes import split_named, status_text, unique_models
 from .patches import PATCHES
 from .state import STATE
@@ -45,7 +46,7 @@ def rank_status() -> dict:
         "last_agreement": STATE.last_agreement,
         "prompt": {"prompt_id": STATE.prompt.prompt_id, "run": STATE.prompt.run, "model_calls": STATE.prompt.model_calls},
         "progress": prompt_progress(),
-        "heartbeats": heartbeat_ages(),
+        "heartbeats": {str(r): round(age, 1) for r, age in session.watcher.heartbeat_ages().items()},  # seconds since each changed
         "settings": settings(),
         "models": [{"source": m.source, "plan": m.plan_summary, "loads": n} for m, n in unique_models()],
         "text": status_text(),
@@ -83,17 +84,10 @@ def prompt_progress() -> dict | None:
     return out
 
 
-def heartbeat_ages() -> dict[str, float]:
-    """Seconds since each peer's heartbeat last changed, as this rank's watcher saw it (empty before the first)."""
-    return {str(r): round(age, 1) for r, age in STATE.session.watcher.heartbeat_ages().items()}
-
-
 def settings() -> dict[str, str]:
     """The pack's settings as this rank resolved them at start (the env was read once, by activation)."""
     env = STATE.env
     sp = f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})" if STATE.sequence_parallel else "off"
-    from . import front_door
-
     return {
         "device": str(STATE.device),
         "rank store": "on loopback" if env.master_addr in ("127.0.0.1", "localhost", "::1") else "on the network",
@@ -148,8 +142,6 @@ async def get_status(request: web.Request) -> web.Response:
 
 
 async def get_cluster(request: web.Request) -> web.Response:
-    from . import front_door
-
     me = rank_status()
     if not me["active"]:
         return web.json_response({"active": False, "ranks": []})

@@ -1,6 +1,5 @@
 """The pack's registry of ComfyUI patches (nodes/patches.py) against a real ComfyUI checkout, in a fresh process:
-every install function puts its patch in the registry once, the registry lists them, and removing them all puts
-ComfyUI's originals back, object for object."""
+every install function puts its patch in the registry once and the registry lists them."""
 
 from __future__ import annotations
 
@@ -62,17 +61,14 @@ def install():
 install()
 first = {n: getattr(o, a) for n, (o, a) in targets.items()}
 install()  # a second activation changes nothing
-out = {"names": PATCHES.names(), "repr": repr(PATCHES),
+out = {"names": PATCHES.names(),
        "replaced": [n for n in targets if first[n] is not originals[n]],
        "stable": all(getattr(o, a) is first[n] for n, (o, a) in targets.items())}
-PATCHES.remove_all()
-out["restored"] = [n for n, (o, a) in targets.items() if getattr(o, a) is originals[n]]
-out["left"] = PATCHES.names()
 print("RESULT " + json.dumps(out))
 """
 
 
-def test_every_patch_is_registered_once_listed_and_removable():
+def test_every_patch_is_registered_once_and_listed():
     code = f"COMFYUI, ROOT = {COMFYUI_DIR!r}, {ROOT!r}\n" + SCRIPT
     res = subprocess.run([sys.executable, "-c", code], cwd=COMFYUI_DIR, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, TP2_PARALLEL_VAE="1"))  # fmt: skip
@@ -81,8 +77,6 @@ def test_every_patch_is_registered_once_listed_and_removable():
     out = json.loads(line[len("RESULT ") :])
     assert sorted(out["names"]) == sorted(EXPECTED), out["names"]
     assert sorted(out["replaced"]) == sorted(EXPECTED) and out["stable"], out
-    assert sorted(out["restored"]) == sorted(EXPECTED) and out["left"] == [], out
-    assert out["repr"].startswith("PatchRegistry(comfy.sd.load_diffusion_model"), out["repr"]
 
 
 CHAINED = r"""
