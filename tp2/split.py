@@ -32,7 +32,7 @@ def named(shares: Shares) -> str:
 
 
 def join_or(values: list[int]) -> str:
-    """"2", "2 or 4", "1, 2 or 4"."""
+    """ "2", "2 or 4", "1, 2 or 4"."""
     s = [str(v) for v in values]
     return s[0] if len(s) == 1 else ", ".join(s[:-1]) + " or " + s[-1]
 
