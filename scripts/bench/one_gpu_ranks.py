@@ -4,7 +4,7 @@
     python scripts/bench/one_gpu_ranks.py --comfyui DIR --base DIR --clip FILE --out DIR [--tp-size 2] [--cap-gib 22]
 
 Starts one plain ComfyUI (pack inactive: the TP1 reference) and tp_size ranks, all with CUDA_VISIBLE_DEVICES=0,
-the ranks' group over gloo (TP2_BENCH_GLOO_ON_CUDA=1: NCCL refuses two ranks on one GPU) and, with --cap-gib, each
+the ranks' group over gloo (TP2_BENCH_GLOO_ON_CUDA=1, read by scripts/bench/profiler_node: NCCL refuses two ranks on one GPU) and, with --cap-gib, each
 the GPU made a card of that much per process (scripts/bench/gpu_ballast.py holds the rest: the ranks and the plain
 server share cap x (tp_size + 1) GiB). Runs the text-encoder workflow (CLIPLoader type
 minimax -> CLIPTextEncode -> SaveH3Conditioning) twice on every server (cold: load and encode; warm: another text) and reports, per process: peak GPU memory
@@ -25,7 +25,7 @@ import time
 import urllib.request
 import uuid
 
-from bench_comfy import free_port  # this folder: scripts/bench
+from bench_comfy import free_port, link_bench_node  # this folder: scripts/bench
 from process_memory import ProcessSampler, hold_all_but, stop_all
 
 PROMPT = (
@@ -117,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--comfy-args", default="", help="extra ComfyUI arguments for every server (e.g. --cpu for a dry run)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
+    link_bench_node(a.base)  # its node forms the ranks' group over gloo (TP2_BENCH_GLOO_ON_CUDA)
     master = free_port()
     rank_env = {"TP2_WORLD_SIZE": str(a.tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "TP2_BENCH_GLOO_ON_CUDA": "1"}
     ballast = hold_all_but(a.cap_gib, {0: a.tp_size + 1}) if a.cap_gib else []  # the ranks and the plain server

@@ -1,7 +1,7 @@
 """What making a decoded video the same on every rank costs (nodes/same_outputs.py, tp2.same_bytes.same_everywhere):
 a float32 [1, T, H, W, 3] frames tensor as ComfyUI's VAE.decode returns it, on two ranks (gloo, the tensors on the
 CPU as ComfyUI keeps decoded frames), every rank equal (only digests travel) and rank 1 off (rank 0's bytes are
-broadcast). With `cuda`, the ranks share GPU 0 as in the benchmarks' one-GPU mode (TP2_BENCH_GLOO_ON_CUDA).
+broadcast). With `cuda`, the ranks share GPU 0 as in the benchmarks' one-GPU mode (their group over gloo).
 
     python scripts/bench/same_outputs_cost.py 832x480x124,1920x1088x362 [cuda]
 """
@@ -18,10 +18,12 @@ from harness import run_ranks, values  # noqa: E402
 
 
 def worker(tp_rank, tp_size, shapes, cuda):
+    from tp2 import collectives
     from tp2.collectives import init_tp_group
     from tp2.same_bytes import same_everywhere
     from tp2.settings import read_tp_env
 
+    collectives.group_backend = lambda device: "gloo"  # NCCL refuses two ranks on one GPU; gloo is the CPU's anyway
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     tp = init_tp_group(read_tp_env(), dev)
     out = []
@@ -42,8 +44,6 @@ def main() -> None:
     sizes = [s.split("x") for s in sys.argv[1].split(",")]
     shapes = [(1, int(f), int(h), int(w), 3) for w, h, f in sizes]
     cuda = len(sys.argv) > 2 and sys.argv[2] == "cuda"
-    if cuda:
-        os.environ["TP2_BENCH_GLOO_ON_CUDA"] = "1"
     outs = values(run_ranks(worker, 2, shapes, cuda, timeout_s=600, wall_s=1800))
     for r, rows in enumerate(outs):
         for shape, case, differ, secs in rows:
