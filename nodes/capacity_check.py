@@ -3,8 +3,7 @@ and added to an out-of-memory error if one comes (tp2.watch.with_advice).
 
 What is available is the device's free memory plus what this process already holds (its cached blocks, the weights
 dynamic VRAM can evict), less ComfyUI's --reserve-vram. It never refuses a prompt: its constants were fitted on H200s
-from a few measured lengths, and a real out-of-memory already stops every rank with the reason. On a CPU it runs
-only when a test sets TP2_TEST_AVAILABLE_GIB.
+from a few measured lengths, and a real out-of-memory already stops every rank with the reason. On a CPU it advises nothing.
 """
 
 from __future__ import annotations
@@ -79,9 +78,6 @@ def sampling_peak(device: torch.device):
 
 
 def _available_gib(device: torch.device) -> float | None:
-    test = settings.value("TP2_TEST_AVAILABLE_GIB")
-    if test is not None:
-        return test
     if device.type != "cuda":
         return None
     free, _total = torch.cuda.mem_get_info(device)

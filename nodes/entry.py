@@ -16,7 +16,6 @@ from ..tp2.collectives import reduce_dtype_from_env
 from ..tp2.session import TPSession
 from ..tp2.settings import read_tp_env
 from ..tp2.split import named, parse_split
-from .faults import maybe_break_int8
 from .pack_nodes import NODES, register_conditioning_folder
 from .state import STATE, log
 
@@ -59,7 +58,7 @@ def _take_settings(env, device) -> None:
     STATE.env, STATE.device = env, device
     STATE.shares = parse_split(settings.value("TP2_SPLIT"), env.tp_size)
     STATE.prompt_timeout_s = settings.value("TP2_PROMPT_TIMEOUT_S")
-    STATE.int8_gemm = maybe_break_int8(select_int8_gemm(settings.value("TP2_INT8_KERNEL")), env.tp_rank)
+    STATE.int8_gemm = select_int8_gemm(settings.value("TP2_INT8_KERNEL"))
     STATE.int8_kernel = STATE.int8_gemm.kernel_name
     STATE.reduce_dtype = reduce_dtype_from_env()
     STATE.sequence_parallel = settings.value("TP2_SEQUENCE_PARALLEL")

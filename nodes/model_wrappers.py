@@ -21,7 +21,6 @@ from ..tp2.session import detail_key
 from ..tp2.watch import with_advice
 from .attention_choice import attention_override
 from .capacity_check import capacity_advice, sampling_peak
-from .faults import inject_fault
 from .interrupts import SAMPLING
 from .lora import lora_patch_report
 from .parallel import role_guard
@@ -60,7 +59,6 @@ def _outer_sample(
         sigmas=tensor_digest(sigmas), patches=lora_patch_report(executor.class_obj.model_patcher, plan),  # LoRA identities, strengths
     )  # fmt: skip
     fields[detail_key("prompt")] = STATE.prompt.details  # names the node and input when the prompts differ
-    inject_fault(STATE.env.tp_rank, 0, STATE.session.stop_reason)  # tests only (TP2_TEST_FAULT); inert by default
     advice = capacity_advice(plan, latent_shapes, STATE.device, executor.class_obj.model_patcher)  # before the ranks meet
     agree_step(key, fields)
     STATE.sampling_key = key
@@ -92,9 +90,8 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     group = STATE.session.group
     prompt = STATE.prompt
     prompt.model_calls += 1
-    mark_progress()  # before rank 0's inputs are shared: a peer behind this rank from here on is waited for
     prompt.transformer_options = transformer_options  # the step is worked out from it only when a failure names it
-    inject_fault(STATE.env.tp_rank, prompt.model_calls, STATE.session.stop_reason)  # tests only (TP2_TEST_FAULT); inert by default
+    mark_progress()  # before rank 0's inputs are shared: a peer behind this rank from here on is waited for
     payload = kwargs.get("minimax_payload") or {}
     shared = None
     if STATE.env.tp_rank == 0:

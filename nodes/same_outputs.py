@@ -24,7 +24,6 @@ import folder_paths
 from ..tp2 import __version__
 from ..tp2.errors import PeerLostError
 from ..tp2.same_bytes import same_blob_everywhere, same_everywhere
-from .faults import nudge_file, nudge_output
 from .patches import PATCHES
 from .run import agree_step, in_step, step_key, tensor_digest
 from .state import STATE, log
@@ -46,7 +45,6 @@ def _hooked(how: str, original):
         # split: every tile came from the ranks' one schedule, identical; alone: a peer missed a step (logged there)
         if STATE.prompt.split_decodes > split_before or STATE.prompt.alone:
             return out
-        nudge_output(STATE.env.tp_rank, out)  # tests only (TP2_TEST_NUDGE_RANKS); inert by default
         _make_same(f"{type(self.first_stage_model).__name__} {how}", samples, out)
         return out
 
@@ -91,7 +89,6 @@ def _make_files_same(stage: str, paths: list[str]) -> None:
     t0, differ = time.monotonic(), set()
     with in_step():
         for path in paths:
-            nudge_file(STATE.env.tp_rank, path)  # tests only (TP2_TEST_NUDGE_RANKS); inert by default
             with open(path, "rb") as f:
                 blob, differ_here = same_blob_everywhere(f.read(), group)
             if differ_here and group.tp_rank != 0:

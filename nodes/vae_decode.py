@@ -17,7 +17,6 @@ import comfy.model_management as mm
 from ..tp2 import __version__, settings
 from ..tp2.chunk_decode import RoundRobinDecoder, spatial_tiles, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
-from .faults import inject_fault
 from .patches import PATCHES
 from .run import agree_step, in_step, mark_progress, step_key, tensor_digest
 from .state import STATE, log
@@ -108,7 +107,6 @@ def _local_decode(decode):
     """This rank's tile decode; an OOM becomes a TP2Error so ComfyUI does not retry on this rank alone."""
 
     def run(clip):
-        inject_fault(STATE.env.tp_rank, "tile", STATE.session.stop_reason)  # tests only (TP2_TEST_FAULT_FILE); inert by default
         try:
             return decode(clip)
         except Exception as e:

@@ -52,14 +52,18 @@ class TPGroup:
         return dist.get_backend(self.group)
 
 
+def group_backend(device: torch.device) -> str:
+    """NCCL on CUDA, gloo on the CPU (the benchmarks' one-GPU mode replaces this: NCCL refuses two ranks on one GPU)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def init_tp_group(
     env: TPEnv, device: torch.device | None = None, store: dist.Store | None = None, stop_check=None, loss_check=None, progress=None
 ) -> TPGroup:
-    """Join the TP world (NCCL on CUDA, gloo on CPU, or gloo on CUDA for the benchmarks' one-GPU mode,
-    TP2_BENCH_GLOO_ON_CUDA) over `store` (a session's generation-prefixed store), else over MASTER_ADDR:MASTER_PORT;
-    a peer that never arrives is an error after the timeout."""
+    """Join the TP world (group_backend(device)) over `store` (a session's generation-prefixed store), else over
+    MASTER_ADDR:MASTER_PORT; a peer that never arrives is an error after the timeout."""
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-    backend = "nccl" if device.type == "cuda" and not settings.value("TP2_BENCH_GLOO_ON_CUDA") else "gloo"
+    backend = group_backend(device)
     timeout = timedelta(seconds=env.timeout_s)
     where = {"store": store} if store is not None else {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
     try:

@@ -1,7 +1,7 @@
 """Every environment variable the pack reads or sets, in one place: named, typed, defaulted, documented.
 
     freeze()                      every setting read once as a rank starts; value() answers from that snapshot
-    SETTINGS                      name -> Setting (kind, default, what it does, launcher-exported, user setting or seam)
+    SETTINGS                      name -> Setting (kind, default, what it does, launcher-exported)
     value(name, environ=None)     the typed value of one setting (its default when unset); SettingError otherwise
     read_tp_env(environ=None)     this rank's TPEnv, or None when TP2_RANK and TP2_WORLD_SIZE are unset
     visible_gpus()                CUDA_VISIBLE_DEVICES (read, never set: it names the ranks' link)
@@ -38,7 +38,6 @@ class Setting:
     high: float | None = None
     launcher: bool = False  # scripts/start-tp2.sh exports it with this default
     shown: str | None = None  # the default as docs/SETTINGS.md states it, where it is worked out (not a fixed value)
-    seam: bool = False  # for the tests and benchmarks only, not a user setting (listed apart from the user's)
 
 
 SETTINGS: dict[str, Setting] = {
@@ -92,18 +91,6 @@ SETTINGS: dict[str, Setting] = {
         Setting("TP2_BLOCK_MS", "list", None, "each rank's H3 block, ms (`start-tp2.sh check` prints it): predicts the speed-up"),
         Setting("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),
         Setting("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
-        Setting("TP2_TEST_FAULT_FILE", "path", None, "tests only: a file naming a fault to inject once", seam=True),
-        Setting("TP2_TEST_BREAK_INT8_RANKS", "list", None, "tests only: these ranks' int8 GEMM is wrong on purpose", seam=True),
-        Setting("TP2_TEST_NUDGE_RANKS", "list", None, "tests only: decodes a few 1/255 off, output files 1 byte longer", seam=True),
-        Setting(
-            "TP2_TEST_BLOCK_REPEATS",
-            "list",
-            None,
-            "tests only: rank r's timed block runs this many times (e.g. 1,3: rank 1 measures three times slower)",
-            seam=True,
-        ),
-        Setting("TP2_TEST_AVAILABLE_GIB", "float", None, "tests only: GPU memory the capacity advice takes as available", low=0, seam=True),
-        Setting("TP2_BENCH_GLOO_ON_CUDA", "bool", "0", "benchmarks only: ranks sharing one GPU form their group over gloo", seam=True),
     )
 }
 _TRUE, _FALSE = ("1", "on", "true"), ("0", "off", "false")
@@ -234,22 +221,18 @@ def set_for_libraries(cuda: bool, loopback: bool, environ: dict | None = None) -
 
 
 def markdown() -> str:
-    """docs/SETTINGS.md: every setting with its kind, default and meaning; user settings first, then the seams."""
-
-    def table(seam: bool) -> str:
-        out = ["| Variable | Kind | Default | What it does |", "|---|---|---|---|"]
-        for s in SETTINGS.values():
-            if s.seam == seam:
-                kind = f"{s.kind}: {' / '.join(s.choices)}" if s.choices else s.kind
-                default = s.shown or (f"`{s.default}`" if s.default is not None else "unset")
-                out.append(f"| `{s.name}` | {kind} | {default} | {s.means} |")
-        return "\n".join(out)
+    """docs/SETTINGS.md: every setting with its kind, default and meaning."""
+    table = ["| Variable | Kind | Default | What it does |", "|---|---|---|---|"]
+    for s in SETTINGS.values():
+        kind = f"{s.kind}: {' / '.join(s.choices)}" if s.choices else s.kind
+        default = s.shown or (f"`{s.default}`" if s.default is not None else "unset")
+        table.append(f"| `{s.name}` | {kind} | {default} | {s.means} |")
 
     intro = (
         "Environment variables the pack reads (ComfyUI refuses unknown command-line flags). Generated from\n"
         "`tp2/settings.py` by `python -m tp2.settings > docs/SETTINGS.md`; a test checks it is current."
     )
-    sections = ["# Settings", intro, "## For users", table(False), "## Seams for the tests and benchmarks (not for users)", table(True)]
+    sections = ["# Settings", intro, "\n".join(table)]
     return "\n\n".join(sections) + "\n"
 
 

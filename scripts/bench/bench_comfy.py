@@ -36,6 +36,15 @@ import aiohttp
 import torch
 from process_memory import ProcessSampler, hold_all_but, servers_per_gpu, stop_all
 
+BENCH_NODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiler_node")
+
+
+def link_bench_node(base: str) -> None:
+    """scripts/bench/profiler_node into BASE/custom_nodes (as bench.sh links it): the profile, the one-GPU mode's group."""
+    link = os.path.join(base, "custom_nodes", "tp2_bench_profiler")
+    if not os.path.lexists(link):
+        os.symlink(BENCH_NODE, link)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -86,7 +95,7 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
             env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
                        TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900")  # fmt: skip
             if args.one_gpu and tp_size > 1:
-                env["TP2_BENCH_GLOO_ON_CUDA"] = "1"
+                env["TP2_BENCH_GLOO_ON_CUDA"] = "1"  # read by profiler_node: NCCL refuses two ranks on one GPU
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", args.base,
                "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
@@ -378,6 +387,7 @@ def main(argv=None) -> int:
     args.tp_sizes = [x.strip() for x in args.tp_sizes.split(",") if x.strip()]  # "2" or "2:bf16" (TP2_REDUCE_DTYPE=bf16)
     args.resolutions = [r for r in args.resolutions.split(",") if r]
     args.memory_resolutions = [r for r in args.memory_resolutions.split(",") if r]
+    link_bench_node(args.base)
     rows = asyncio.run(main_async(args))
     sqnr_vs_tp1(rows)
     with open(os.path.join(args.out, "bench.json"), "w") as f:

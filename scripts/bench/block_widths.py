@@ -62,7 +62,7 @@ def main() -> None:
             import torch
 
             timer = block_timer(torch.device("cuda"), shape)
-            block = statistics.median(timer(1) for _ in range(MEASUREMENTS)) * 1e3
+            block = statistics.median(timer() for _ in range(MEASUREMENTS)) * 1e3
             del timer
             torch.cuda.empty_cache()
             row = dict(split=text, rank=r, heads=heads, ffn=ffn, tokens=a.tokens, block_ms=round(block, 3))

@@ -35,7 +35,7 @@ import aiohttp
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from bench_comfy import free_port, pack_lines  # noqa: E402
+from bench_comfy import BENCH_NODE, free_port, pack_lines  # noqa: E402
 from make_models import FIXTURES, TINY_ENV  # noqa: E402
 from process_memory import ProcessSampler, hold_all_but, servers_per_gpu, stop_all  # noqa: E402
 
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
         args.comfy_args = "" if args.tiny else "--use-ck-attention"
     args.base, args.out = os.path.abspath(args.base), os.path.abspath(args.out)
     os.makedirs(os.path.join(args.base, "custom_nodes"), exist_ok=True)
-    links = {"minimax-h3-tp2": ROOT}
+    links = {"minimax-h3-tp2": ROOT, "tp2_bench_profiler": BENCH_NODE}  # the latter: the one-GPU mode's gloo group
     if args.tiny:  # the test-only nodes that make ComfyUI build the small VAE and the tiny encoder
         links.update({fx: os.path.join(FIXTURES, fx) for fx in ("h3_small_vae", "h3_tiny_text_encoder")})
     for name, target in links.items():

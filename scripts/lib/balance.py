@@ -58,7 +58,7 @@ def run_block(shape: BlockShape, x, weights, gemm) -> None:
 
 
 def block_timer(device, shape: BlockShape):
-    """A timer of `shape`'s block on `device` (weights made, WARMUP blocks run): timer(n) -> seconds for n blocks."""
+    """A timer of `shape`'s block on `device` (weights made, WARMUP blocks run): timer() -> seconds for one block."""
     import torch
 
     dtype = torch.bfloat16 if shape.int8 else torch.float32
@@ -73,23 +73,14 @@ def block_timer(device, shape: BlockShape):
     for _ in range(WARMUP):
         run_block(shape, x, weights, gemm)
 
-    def timer(repeats: int) -> float:
+    def timer() -> float:
         sync()
         start = time.perf_counter()
-        for _ in range(repeats):
-            run_block(shape, x, weights, gemm)
+        run_block(shape, x, weights, gemm)
         sync()
         return time.perf_counter() - start
 
     return timer
-
-
-def repeats_per_rank(tp_size: int) -> list[int]:
-    """TP2_TEST_BLOCK_REPEATS as whole numbers, one per rank (1 where unlisted)."""
-    listed = settings.value("TP2_TEST_BLOCK_REPEATS")
-    if not all(p.isdigit() and int(p) > 0 for p in listed):
-        raise ValueError(f"TP2_TEST_BLOCK_REPEATS={','.join(listed)} must be positive whole numbers, one per rank")
-    return [int(listed[r]) if r < len(listed) else 1 for r in range(tp_size)]
 
 
 def measure(cpu: bool, gpus: list[str]) -> tuple[list[str], list[list[float]], list[float | None]]:
@@ -97,20 +88,19 @@ def measure(cpu: bool, gpus: list[str]) -> tuple[list[str], list[list[float]], l
     CPU (tests) the ranks' measurements take turns, so a change in the machine's load meets every rank alike."""
     import torch
 
-    repeats = repeats_per_rank(len(gpus))
     if cpu:
         torch.set_num_threads(1)  # steadier beside other work on a shared CPU
         timer = block_timer(torch.device("cpu"), CPU_BLOCK)
-        rounds = [[timer(n) for n in repeats] for _ in range(MEASUREMENTS)]
+        rounds = [[timer() for _ in gpus] for _ in range(MEASUREMENTS)]
         return ["cpu"] * len(gpus), [list(rank) for rank in zip(*rounds)], [None] * len(gpus)
     names, seconds, free = [], [], []
     visible = list(dict.fromkeys(gpus))  # a GPU ranks share is made visible once; its free memory is divided among them
-    for gpu, n in zip(gpus, repeats):
+    for gpu in gpus:
         device = torch.device("cuda", visible.index(gpu))
         names.append(f"GPU {gpu} ({torch.cuda.get_device_name(device)})")
         free.append(torch.cuda.mem_get_info(device)[0] / 2**30 / gpus.count(gpu))
         timer = block_timer(device, H3_BLOCK)
-        seconds.append([timer(n) for _ in range(MEASUREMENTS)])
+        seconds.append([timer() for _ in range(MEASUREMENTS)])
         del timer  # its weights
         torch.cuda.empty_cache()
     return names, seconds, free

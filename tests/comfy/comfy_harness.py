@@ -1,5 +1,7 @@
 """Real ComfyUI servers for tests: one process per rank, each with its own base directory (models, custom_nodes
-with this pack linked, input/output/temp/user, sqlite db), on loopback ports; and a small HTTP client.
+with this pack and the tests' seams linked, input/output/temp/user, sqlite db), on loopback ports; and a small HTTP client.
+The seams (fixtures/tp2_seams: faults, a broken int8 GEMM, nudged outputs, the memory taken as available) act only
+when a test sets their TP2_TEST_* variables.
 
 The ComfyUI checkout itself is never written to: everything a server writes lives under its base directory.
 Which checkout: COMFYUI_DIR from conftest (the scripts' rule: $COMFYUI_DIR, else the one scripts/install.sh
@@ -23,6 +25,14 @@ import uuid
 from conftest import COMFYUI_DIR, free_port  # noqa: F401 - the tests import free_port from here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEAMS = os.path.join(ROOT, "tests", "comfy", "fixtures", "tp2_seams")
+
+
+def link_pack(custom_nodes: str) -> None:
+    """The pack, and beside it the tests' seams, linked into a server's custom_nodes."""
+    for name, target in (("minimax-h3-tp2", ROOT), ("tp2_seams", SEAMS)):
+        if not os.path.lexists(os.path.join(custom_nodes, name)):
+            os.symlink(target, os.path.join(custom_nodes, name))
 
 
 def have_comfyui() -> bool:
@@ -41,8 +51,8 @@ class Server:
         self.follower = False  # a TP rank behind rank 0's front door: prompts are queued on rank 0 only
         for sub in ("custom_nodes", "input", "output", "temp", "user", "models/diffusion_models", "models/h3_conditioning"):
             os.makedirs(os.path.join(base, sub), exist_ok=True)
-        if pack and not os.path.exists(os.path.join(base, "custom_nodes", "minimax-h3-tp2")):
-            os.symlink(ROOT, os.path.join(base, "custom_nodes", "minimax-h3-tp2"))
+        if pack:
+            link_pack(os.path.join(base, "custom_nodes"))
         for rel, src in models.items():
             dst = os.path.join(base, "models", rel)
             os.makedirs(os.path.dirname(dst), exist_ok=True)
@@ -196,7 +206,7 @@ def tiny_base(root) -> str:
     base = os.path.join(str(root), "base")
     for sub in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning", "models/vae"):
         os.makedirs(os.path.join(base, sub), exist_ok=True)
-    os.symlink(ROOT, os.path.join(base, "custom_nodes", "minimax-h3-tp2"))
+    link_pack(os.path.join(base, "custom_nodes"))
     make_checkpoint(os.path.join(base, "models/diffusion_models/h3_tiny_int8.safetensors"), "--int8")
     make_tiny_h3.main(["--conditioning", os.path.join(base, "models/h3_conditioning/h3_tiny_cond.safetensors")])
     make_tiny_h3.main(["--vae", os.path.join(base, "models/vae/h3_tiny_vae.safetensors")])

@@ -2,7 +2,7 @@
 model): one queue on rank 0, a rank's failure reaches every rank in seconds with its reason, a frozen or killed
 rank is named, and each case ends with the next prompt succeeding on every rank with byte-identical outputs.
 
-Faults are injected through TP2_TEST_FAULT_FILE (nodes/faults.py; inert unless that file exists)."""
+Faults are injected through TP2_TEST_FAULT_FILE (fixtures/tp2_seams; inert unless that file exists)."""
 
 from __future__ import annotations
 

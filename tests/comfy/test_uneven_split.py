@@ -33,6 +33,7 @@ from comfy_harness import (
 )
 from conftest import TINY_COND, make_checkpoint
 from safetensors.torch import load
+from slowed_balance import slowed_python
 
 from tp2.numerics import sqnr_db
 
@@ -203,10 +204,10 @@ def test_a_split_no_model_here_takes_is_refused_before_any_rank_starts(tmp_path,
 
 
 def test_split_auto_gives_the_slower_rank_less(tmp_path, base):
-    """Rank 1's timed block runs three times (TP2_TEST_BLOCK_REPEATS): it measures about 3x slower, so it gets about
+    """Rank 1's timed block runs three times (tests/slowed_balance.py as $PYTHON): it measures about 3x slower, so it gets about
     a quarter; the measurements and the decision are printed and kept in RUN_DIR/split."""
     port = free_port()
-    res = _start(tmp_path, base, port, "--split", "auto", env=dict(TP_ENV, TP2_TEST_BLOCK_REPEATS="1,3"))
+    res = _start(tmp_path, base, port, "--split", "auto", env=dict(TP_ENV, PYTHON=slowed_python(tmp_path, "1,3")))
     try:
         assert res.returncode == 0, res.stdout + res.stderr
         a, b = map(int, re.search(r"--split auto chose (\d+):(\d+)", res.stdout).groups())

@@ -5,7 +5,7 @@ The VAE is NOT the real one: the real H3 video VAE is 2.6 B parameters with widt
 too big for a 2-CPU test machine. A test-only custom node (tests/comfy/fixtures/h3_small_vae, linked into these
 servers only, active only with H3_TEST_SMALL_VAE=1) makes ComfyUI build its own `MiniMaxH3VideoVAE` class at a
 small width, and the checkpoint has random weights with the real key names, so ComfyUI detects, loads and runs it
-as the H3 VAE through its normal VAELoader / VAEDecode path. Faults are injected through TP2_TEST_FAULT_FILE (nodes/faults.py).
+as the H3 VAE through its normal VAELoader / VAEDecode path. Faults are injected through TP2_TEST_FAULT_FILE (fixtures/tp2_seams).
 """
 
 from __future__ import annotations

@@ -4,12 +4,17 @@ docs/PERFORMANCE.md come from `pytest tests/gpu/test_numerics_check_gpu.py -s`).
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import types
 
 import pytest
 import torch
-from gpu_pack import NEEDS_GPU_AND_H3, pack_module
+from gpu_pack import NEEDS_GPU_AND_H3, ROOT, pack_module
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "comfy", "fixtures"))
+from tp2_seams import broken_int8  # noqa: E402 - the comfy tests' broken GEMM (TP2_TEST_BREAK_INT8_RANKS)
 
 pytestmark = NEEDS_GPU_AND_H3
 
@@ -20,7 +25,6 @@ def pack():
         check=pack_module("nodes.numerics_check"),
         state=pack_module("nodes.state").STATE,
         kernels=pack_module("kernels"),
-        faults=pack_module("nodes.faults"),
         errors=pack_module("tp2.errors"),
         env=pack_module("tp2.collectives").TPEnv,
         attention=pack_module("kernels.attention"),
@@ -35,9 +39,8 @@ def _configure(pack, tp_size, kernel, attention, fused, broken=False, monkeypatc
 
     (registry.enable if kernel == "triton" else registry.disable)("triton")  # ... unless --enable-triton-backend
     gemm = pack.kernels.select_int8_gemm(kernel)
-    if broken:
-        monkeypatch.setenv("TP2_TEST_BREAK_INT8_RANKS", "0")
-        gemm = pack.faults.maybe_break_int8(gemm, 0)
+    if broken:  # as tests/comfy/fixtures/tp2_seams breaks it
+        gemm = broken_int8(gemm)
     s.int8_gemm, s.int8_kernel, s.reduce_dtype = gemm, gemm.kernel_name, torch.float32
     s.sequence_parallel = s.sp_fused_norm = fused
     monkeypatch.setenv("TP2_ATTN_BACKEND", attention)

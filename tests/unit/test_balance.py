@@ -68,9 +68,10 @@ def test_describe_auto_names_each_rank_and_the_slowest():
 
 
 def test_balance_on_the_cpu_sees_a_slowed_rank():
-    env = dict(os.environ, PYTHONPATH=ROOT, TP2_TEST_BLOCK_REPEATS="1,3")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    slowed = [sys.executable, os.path.join(ROOT, "tests", "slowed_balance.py"), "1,3"]  # rank 1's block timed three times in a row
     res = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "lib", "balance.py"), "1", "0", "1"],
+        [*slowed, os.path.join(ROOT, "scripts", "lib", "balance.py"), "1", "0", "1"],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from slowed_balance import slowed_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHER = os.path.join(ROOT, "scripts", "start-tp2.sh")
@@ -327,12 +328,12 @@ def test_a_check_that_does_not_end_names_its_file(tmp_path):
 def test_check_on_the_cpu_answers_in_seconds_without_comfyui_or_model_files(tmp_path):
     """`start-tp2.sh check --cpu`: no ComfyUI started (a stand-in folder, no custom_nodes, no models), no run folder;
     each rank's block at its share, the link from a real gloo all-reduce between two processes, the capacity table,
-    and the speed-up. Rank 1 slowed threefold (TP2_TEST_BLOCK_REPEATS): the even split runs at its pace, under the
+    and the speed-up. Rank 1 slowed threefold (tests/slowed_balance.py as $PYTHON): the even split runs at its pace, under the
     fastest card alone, and the output says plainly that TP buys memory there; --split auto's 3:1 predicts more."""
     comfy = tmp_path / "ComfyUI"
     comfy.mkdir()
     (comfy / "main.py").write_text("")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TP2_")} | {"PYTHON": sys.executable, "TP2_TEST_BLOCK_REPEATS": "1,3"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TP2_")} | {"PYTHON": slowed_python(tmp_path, "1,3")}
     t0 = time.monotonic()
     res = subprocess.run(["bash", LAUNCHER, "check", "--comfyui", str(comfy), "--cpu", "--run-dir", str(tmp_path / "run")],
                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip

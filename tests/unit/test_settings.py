@@ -1,6 +1,6 @@
 """tp2/settings.py is the one place settings live: the launcher's defaults and docs/SETTINGS.md agree with it, no
-pack module reads the environment itself, and bad values are refused with one error type that says what the
-variable does."""
+pack module reads the environment itself nor names a test or benchmark seam (those live with the tests and the
+benchmarks), and bad values are refused with one error type that says what the variable does."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def test_no_pack_module_reads_the_environment_itself():
                     continue
                 for i, line in enumerate(open(path), 1):
                     # Triton's own TRITON_INTERPRET is read where the probe needs it (kernels/ cannot import tp2)
-                    if ("os.environ" in line or "os.getenv" in line) and "TRITON_INTERPRET" not in line:
+                    reads = ("os.environ" in line or "os.getenv" in line) and "TRITON_INTERPRET" not in line
+                    if reads or "TP2_TEST_" in line or "TP2_BENCH_" in line:
                         offenders.append(f"{os.path.relpath(path, ROOT)}:{i}")
     assert not offenders, offenders
 
@@ -65,7 +66,7 @@ def test_typed_values_and_defaults():
     assert value("TP2_SEQUENCE_PARALLEL", {}) is False and value("TP2_SEQUENCE_PARALLEL", {"TP2_SEQUENCE_PARALLEL": "on"}) is True
     assert value("TP2_SP_CHUNK_ROWS", {"TP2_SP_CHUNK_ROWS": " 4 "}) == 4 and value("TP2_TIMEOUT_S", {}) == 300.0
     assert value("TP2_RANK_URLS", {"TP2_RANK_URLS": "http://a,http://b"}) == ["http://a", "http://b"]
-    assert value("TP2_SECRET_FILE", {}) is None and value("TP2_TEST_BREAK_INT8_RANKS", {}) == []
+    assert value("TP2_SECRET_FILE", {}) is None and value("TP2_BLOCK_MS", {}) == []
     assert settings.cache_dir({"TP2_CACHE_DIR": "/x"}) == "/x"
 
 

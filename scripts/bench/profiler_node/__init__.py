@@ -1,6 +1,9 @@
-"""Benchmark-only ComfyUI custom node: a per-kernel GPU profile of one H3 diffusion-model call (no nodes of its own).
+"""Benchmark-only ComfyUI custom node: a per-kernel GPU profile of one H3 diffusion-model call (no nodes of its own),
+and the one-GPU mode's process group.
 
-bench.sh links it into the benchmark's custom_nodes; it does nothing unless TP2_BENCH_PROFILE_DIR is set. Then
+bench.sh, whole_video.py and one_gpu_ranks.py link it into the benchmark's custom_nodes. With TP2_BENCH_GLOO_ON_CUDA=1
+(ranks sharing one GPU: NCCL refuses two ranks on one device) the pack's tp2.collectives.group_backend answers gloo
+once the server starts. The profile is taken only when TP2_BENCH_PROFILE_DIR is set. Then
 the TP2_BENCH_PROFILE_CALL-th call (default 3: warmed up) of ComfyUI's MiniMaxH3Model.forward runs under
 torch.profiler and this process writes DIR/<tag>.json and DIR/<tag>.txt: every GPU kernel's total time and
 count, the time per category (int8 GEMM, attention, NCCL, quantise, norm/rope, elementwise copies), and from the
@@ -17,6 +20,7 @@ import re
 import tempfile
 
 NODE_CLASS_MAPPINGS: dict = {}
+PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 log = logging.getLogger("tp2_bench_profiler")
 
 CATEGORIES = (  # first match wins; kernel names of comfy-kitchen 0.2.31, PyTorch 2.11 and NCCL
@@ -163,5 +167,25 @@ def _install(out_dir: str, call_no: int) -> None:
     h3.MiniMaxH3Model.forward = profiled_forward
 
 
+def _gloo_on_cuda() -> None:
+    """The pack's groups over gloo (found as ComfyUI loaded it, after every custom node is: the order is the folder's)."""
+    import sys
+
+    from server import PromptServer
+
+    async def replace(app) -> None:
+        want = os.path.join(PACK, "tp2", "collectives.py")
+        for name, mod in list(sys.modules.items()):
+            if name.endswith(".tp2.collectives") and os.path.realpath(getattr(mod, "__file__", "") or "") == want:
+                mod.group_backend = lambda device: "gloo"
+                log.info("the TP group forms over gloo (TP2_BENCH_GLOO_ON_CUDA)")
+                return
+        raise RuntimeError(f"TP2_BENCH_GLOO_ON_CUDA: the pack at {PACK} is not loaded; link it into custom_nodes")
+
+    PromptServer.instance.app.on_startup.append(replace)
+
+
+if os.environ.get("TP2_BENCH_GLOO_ON_CUDA") == "1":
+    _gloo_on_cuda()
 if os.environ.get("TP2_BENCH_PROFILE_DIR"):
     _install(os.environ["TP2_BENCH_PROFILE_DIR"], int(os.environ.get("TP2_BENCH_PROFILE_CALL", "3")))
