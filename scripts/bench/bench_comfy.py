@@ -81,6 +81,22 @@ class GpuMemory:
             self.proc.terminate()
 
 
+# variant parts (--tp-sizes), joined with +: the environment or the ComfyUI flags each one sets
+ENV_PARTS = {
+    "bf16": {"TP2_REDUCE_DTYPE": "bf16"},  # the row-parallel reduce in bf16
+    "sp": {"TP2_SEQUENCE_PARALLEL": "1"},
+    "bf16ag": {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_INT8_GATHER": "0"},  # SP, int8 linears' inputs gathered in bf16
+    "fnorm": {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_FUSED_NORM": "1"},  # SP with the fused norm/modulation kernels
+}
+FLAG_PARTS = {
+    "lean": ("--disable-cuda-malloc",),  # the launcher's --lean-memory: torch's native allocator
+    "fp32": ("--force-fp32",),  # fp32 compute, what a card below compute capability 8.0 runs
+    "hv": ("--highvram", "--disable-async-offload"),  # every model resident, whatever --comfy-args says
+}
+NUMBERED_PARTS = {"chunk": "TP2_SP_CHUNK_ROWS", "split": "TP2_SPLIT"}  # chunk16384; split3-1 is --split 3:1
+PARTS = (*ENV_PARTS, *FLAG_PARTS, "chunkN", "splitA-B", "sdpa", "half", "pack")
+
+
 def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple[subprocess.Popen, int, str]]:
     master = free_port()
     servers = []
@@ -101,47 +117,20 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
         options = set(variant.split("+")) - {""}
-        known = {"bf16", "sp", "sdpa", "half", "bf16ag", "fnorm", "simple", "pack", "lean", "hv", "fp32"}
-        unknown = {
-            o
-            for o in options - known
-            if not ((o[:3] == "nch" and o[3:].isdigit()) or (o[:4] == "nmax" and o[4:].isdigit()) or (o[:5] == "chunk" and o[5:].isdigit()))
-            and not (o[:5] == "split" and o[5:].replace("-", "").isdigit())
-        }
-        if unknown:
-            raise SystemExit(
-                f"unknown variant {sorted(unknown)} in --tp-sizes (combine bf16, sp, chunkN, bf16ag, fnorm, nchN, nmaxN, simple, sdpa, half, pack, lean, hv, fp32, splitA-B with +)"
-            )
-        for o in options:
-            if o.startswith("nch"):  # NCCL tuning: at least N channels
-                env["NCCL_MIN_NCHANNELS"] = o[3:]
-            if o.startswith("nmax"):  # NCCL tuning: at most N channels (fewer SMs taken from overlapping GEMMs)
-                env["NCCL_MAX_NCHANNELS"] = o[4:]
-        if "simple" in options:  # NCCL tuning: the Simple protocol only
-            env["NCCL_PROTO"] = "Simple"
-        if "lean" in options:  # the launcher's --lean-memory: torch's native allocator (ComfyUI's --disable-cuda-malloc)
-            cmd += [] if "--disable-cuda-malloc" in cmd else ["--disable-cuda-malloc"]
-        if "fp32" in options:  # fp32 compute (ComfyUI's --force-fp32), what a card below compute capability 8.0 runs
-            cmd += ["--force-fp32"]
-        if "hv" in options:  # every model resident (ComfyUI's --highvram), whatever --comfy-args says
-            cmd += [a for a in ("--highvram", "--disable-async-offload") if a not in cmd]
-        if "bf16ag" in options:  # sequence parallel, int8 linears' inputs gathered in bf16 (not quantised first)
-            env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_INT8_GATHER="0")
-        if "fnorm" in options:  # sequence parallel with the fused norm/modulation kernels
-            env.update(TP2_SEQUENCE_PARALLEL="1", TP2_SP_FUSED_NORM="1")
+        for o in sorted(options):
+            name = o.rstrip("0123456789-")
+            if o in ENV_PARTS:
+                env.update(ENV_PARTS[o])
+            elif o in FLAG_PARTS:
+                cmd += [a for a in FLAG_PARTS[o] if a not in cmd]
+            elif name in NUMBERED_PARTS and o != name:
+                env[NUMBERED_PARTS[name]] = o[len(name) :].replace("-", ":")
+            elif o not in ("sdpa", "half", "pack"):
+                raise SystemExit(f"unknown variant {o!r} in --tp-sizes (combine with +: {', '.join(PARTS)})")
         if "half" in options and tp_size != 1:
             raise SystemExit("variant 'half' (one GPU, a TP2 rank's half-width model, no communication) is for tp 1 only")
         if args.profile:
             env["TP2_BENCH_PROFILE_DIR"] = os.path.join(args.out, "profile", f"tp{tp_size}{variant.replace('+', '-')}")
-        for o in options:
-            if o.startswith("chunk"):  # the sequence-parallel MLP in row chunks of at most N rows (TP2_SP_CHUNK_ROWS)
-                env["TP2_SP_CHUNK_ROWS"] = o[5:]
-            if o.startswith("split"):  # uneven shares, the launcher's --split: split3-1 is 3:1
-                env["TP2_SPLIT"] = o[5:].replace("-", ":")
-        if "bf16" in options:
-            env["TP2_REDUCE_DTYPE"] = "bf16"
-        if "sp" in options:
-            env["TP2_SEQUENCE_PARALLEL"] = "1"
         if "sdpa" in options:  # torch SDPA attention instead of comfy-kitchen int8 attention, TP1 and TP ranks alike
             cmd = [a for a in cmd if a != "--use-ck-attention"]
             if tp_size > 1:
@@ -370,9 +359,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--tp-sizes",
         default="1,2",
-        help="configurations in order, e.g. 1,2,2:bf16,2:bf16+sp,1:sdpa,1:half. Variant parts, joined with +: bf16 "
-        "(bf16 reduce), sp (sequence parallel), bf16ag (SP, int8 inputs gathered in bf16), fnorm "
-        "(SP, fused norm kernels), chunkN (the SP MLP in row chunks of at most N rows), nchN / nmaxN (NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS=N), simple (NCCL_PROTO=Simple), sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no communication), pack (tp 1 only: the pack active on one GPU, TP2_WORLD_SIZE=1, its own block path with sp/fnorm), lean (the launcher's --lean-memory: torch's native allocator), hv (ComfyUI's --highvram --disable-async-offload added: every model resident), fp32 (--force-fp32: fp32 compute)",
+        help="configurations in order, e.g. 1,2,2:bf16+fnorm,1:half+pack. Variant parts, joined with +: ENV_PARTS, FLAG_PARTS "
+        "and NUMBERED_PARTS in this file, sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no "
+        "communication), pack (tp 1 only: the pack active on one GPU, TP2_WORLD_SIZE=1)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088", help="TP-only memory runs: WxH or WxHxFRAMES")

@@ -3,10 +3,8 @@
 
     python scripts/bench/gpu_ballast.py --leave-gib 22 &    # prints "held N GiB, left L GiB" once it holds them
 
-Every process started afterwards on that GPU meets a real limit: torch's allocator, ComfyUI's free-memory
-decisions and its dynamic VRAM's eviction see the same free memory a 22 GiB card would have (its CUDA context comes
-out of it, as on the card). Processes sharing the GPU share what is left (two ranks of the one-GPU mode: leave
-2 x 22). A benchmark tool; the speed of what runs beside it is the big GPU's.
+Processes started afterwards on that GPU meet a real limit (torch's allocator, ComfyUI's free-memory decisions and
+dynamic VRAM's eviction see a 22 GiB card's free memory); processes sharing the GPU share what is left.
 """
 
 from __future__ import annotations

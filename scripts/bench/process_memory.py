@@ -1,10 +1,9 @@
-"""GPU and host memory of benchmark processes, sampled beside them (nvidia-smi per process, /proc/PID/status), and
-small cards made of big GPUs.
+"""GPU and host memory of benchmark processes (nvidia-smi per process, /proc/PID/status), and small cards made of big GPUs.
 
-    sampler = ProcessSampler(); sampler.pids.add(pid)   every 0.5 s: GPU MiB per process, host RSS of the pids added
-    sampler.peak(pid, "gpu_mib", t0, t1)                 the peak between two times (None: never seen)
-    held = hold_all_but(gib, servers_per_gpu(tp, one_gpu))   each GPU made a card of `gib` per process on it
-    stop_all(held)
+sampler = ProcessSampler(); sampler.pids.add(pid)   every 0.5 s: GPU MiB per process, host RSS of the pids added
+sampler.peak(pid, "gpu_mib", t0, t1)                 the peak between two times (None: never seen)
+held = hold_all_but(gib, servers_per_gpu(tp, one_gpu))   each GPU made a card of `gib` per process on it
+stop_all(held)
 """
 
 from __future__ import annotations

@@ -4,15 +4,12 @@
     python scripts/bench/whole_video.py --comfyui DIR --base DIR --front-end DIR --out DIR [--configs tp1,tp2] [--one-gpu]
         [--workflow h3_tp2_t2v_832x480] [--fast] [--steps N] [--frames N] [--size WxH] [--prompts cold,warm] [--tiny]
 
-BASE: a ComfyUI --base-directory whose models/ holds the bundled workflows' four files (scripts/bench/make_models.py); the pack
-is linked into BASE/custom_nodes. Configs, side by side in one run, each on its own servers: `tp1` stock ComfyUI on one GPU
-(pack inactive), `tp1pack` the pack at tp_size 1, `tpN` N ranks, GPU r each, NCCL (--one-gpu: GPU 0, gloo; memory real, speed
-not); suffix `@G` (tp2@22) caps each process at G GiB (gpu_ballast.py holds the rest). Prompts: cold (as shipped, first after
-start), warm (new text and seed; all but the loaders run again). Per prompt and process: wall time per phase (PHASES: spans
-between `executing` events; s/step from KSampler's progress) and in all; nvidia-smi peak (every 0.5 s, also per phase); the
-pack's capacity and peak log lines; peak host RSS, anonymous and file-backed; models (re)loaded ("Requested to load": none when
-warm = encoder and DiT resident); the MP4's size and sha256 (equal on all ranks). Writes OUT/whole_video.jsonl (a line per
-prompt) and OUT/whole_video_table.md (each phase's ratio to stock TP1). --tiny: CPU stand-ins, 64x64, 5 frames, 2 steps.
+BASE's models/ holds the bundled workflows' four files (scripts/bench/make_models.py). Configs, side by side, each on its
+own servers: `tp1` stock ComfyUI, `tp1pack` the pack at tp_size 1, `tpN` N ranks (--one-gpu: all on GPU 0 over gloo;
+memory real, speed not); `@G` (tp2@22) caps each process at G GiB (gpu_ballast.py). Prompts: cold (as shipped), warm (new
+text and seed). Per prompt and process: wall time per phase (spans between `executing` events), nvidia-smi peak, the
+pack's capacity lines, peak host RSS, models (re)loaded, the MP4's size and sha256. Writes OUT/whole_video.jsonl and
+OUT/whole_video_table.md (each phase's ratio to stock TP1). --tiny: CPU stand-ins, 64x64, 5 frames, 2 steps.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import hashlib
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,7 +31,7 @@ import aiohttp
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from bench_comfy import BENCH_NODE, free_port, pack_lines  # noqa: E402
+from bench_comfy import BENCH_NODE, free_port, pack_lines, stop_servers, wait_ready  # noqa: E402
 from make_models import FIXTURES, TINY_ENV  # noqa: E402
 from process_memory import ProcessSampler, hold_all_but, servers_per_gpu, stop_all  # noqa: E402
 
@@ -83,23 +79,6 @@ def start_servers(args, config: str) -> list[dict]:
         proc = subprocess.Popen(cmd, cwd=args.comfyui, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
         servers.insert(0, {"name": name, "rank": r, "proc": proc, "port": int(cmd[cmd.index("--port") + 1]), "dir": d, "log": log})
     return servers
-
-
-async def wait_ready(session, servers, timeout_s=900):
-    deadline = time.monotonic() + timeout_s
-    for s in servers:
-        while True:
-            if s["proc"].poll() is not None:
-                raise RuntimeError(f"{s['name']} exited:\n" + open(s["log"], errors="replace").read()[-4000:])
-            try:
-                async with session.get(f"http://127.0.0.1:{s['port']}/system_stats") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{s['name']} not ready after {timeout_s} s")
-            await asyncio.sleep(0.5)
 
 
 def bundled_workflow(args, tag: str, config: str) -> dict:
@@ -217,17 +196,6 @@ async def run_prompt(session, servers, wf, sampler: ProcessSampler) -> list[dict
     return results
 
 
-def stop_servers(servers):
-    for s in servers:
-        if s["proc"].poll() is None:
-            os.killpg(s["proc"].pid, signal.SIGTERM)
-    for s in servers:
-        try:
-            s["proc"].wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(s["proc"].pid, signal.SIGKILL)
-
-
 def environment(args) -> dict:
     env = {"commit": args.commit}
     try:
@@ -256,7 +224,7 @@ async def main_async(args) -> list[dict]:
                 servers = start_servers(args, config)
                 sampler.pids.update(s["proc"].pid for s in servers)
                 try:
-                    await wait_ready(session, servers)
+                    await wait_ready(session, [(s["proc"], s["port"], s["log"]) for s in servers], 900)
                     for tag in args.prompts:
                         results = await run_prompt(session, servers, bundled_workflow(args, tag, config), sampler)
                         shas = {r["mp4_sha256"] for r in results}
@@ -267,7 +235,7 @@ async def main_async(args) -> list[dict]:
                         out.flush()
                         print(json.dumps({k: v for k, v in row.items() if k != "environment"}), flush=True)
                 finally:
-                    stop_servers(servers)
+                    stop_servers([(s["proc"], s["port"], s["log"]) for s in servers])
                     stop_all(ballast)
     finally:
         sampler.stop()

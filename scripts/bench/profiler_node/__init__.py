@@ -1,14 +1,10 @@
 """Benchmark-only ComfyUI custom node: a per-kernel GPU profile of one H3 diffusion-model call (no nodes of its own),
 and the one-GPU mode's process group.
 
-bench.sh, whole_video.py and one_gpu_ranks.py link it into the benchmark's custom_nodes. With TP2_BENCH_GLOO_ON_CUDA=1
-(ranks sharing one GPU: NCCL refuses two ranks on one device) the pack's tp2.collectives.group_backend answers gloo
-once the server starts. The profile is taken only when TP2_BENCH_PROFILE_DIR is set. Then
-the TP2_BENCH_PROFILE_CALL-th call (default 3: warmed up) of ComfyUI's MiniMaxH3Model.forward runs under
-torch.profiler and this process writes DIR/<tag>.json and DIR/<tag>.txt: every GPU kernel's total time and
-count, the time per category (int8 GEMM, attention, NCCL, quantise, norm/rope, elementwise copies), and from the
-timeline how much NCCL time ran while no compute kernel did (exposed communication). <tag> is rank<N> under TP,
-else tp1. Nothing here changes what is computed.
+The benchmarks link it into custom_nodes. TP2_BENCH_GLOO_ON_CUDA=1 (ranks sharing one GPU, which NCCL refuses): the
+pack's tp2.collectives.group_backend answers gloo. TP2_BENCH_PROFILE_DIR=DIR: the TP2_BENCH_PROFILE_CALL-th call
+(default 3) of MiniMaxH3Model.forward runs under torch.profiler and DIR/<tag>.json and .txt get every GPU kernel's time
+and count, the time per category, and the NCCL time no compute kernel overlapped. Nothing here changes what is computed.
 """
 
 from __future__ import annotations
