@@ -28,20 +28,23 @@ from tp2.split import even, parse_split
 CPU_STAND_IN_GIB = 22.0  # the capacity table without a GPU: a 2080 Ti 22 GB per rank
 
 
-def gpu_lines(gpus: list[str], block_s: list[float], free: list[float | None], shares) -> list[str]:
-    """A line per rank's device: name, capability, compute dtype, free memory, the block at its share."""
+def gpu_lines(gpus: list[str], block_s: list[float], free: list[float | None], shares) -> tuple[list[str], str]:
+    """A line per rank's device (name, capability, compute dtype, free memory, the block at its share), and the dtype
+    the ranks compute in together: fp32 where any of them would (what the launcher sets)."""
     import torch
 
-    lines = []
+    lines, dtypes = [], set()
     for r, gpu in enumerate(gpus):
         at_share = f"one block at its share {shares[r]}/{sum(shares)}: {block_s[r] * shares[r] / sum(shares) * 1e3:.2f} ms"
         if free[r] is None:
+            dtypes.add(compute_dtype(None))
             lines.append(f"rank {r}: CPU (the stand-in block), compute dtype {compute_dtype(None)}, {at_share}")
             continue
         p = torch.cuda.get_device_properties(list(dict.fromkeys(gpus)).index(gpu))
+        dtypes.add(compute_dtype((p.major, p.minor)))
         lines.append(f"rank {r}: GPU {gpu} {p.name}, compute capability {p.major}.{p.minor}, compute dtype "
                      f"{compute_dtype((p.major, p.minor))}, {free[r]:.1f} of {p.total_memory / 2**30:.1f} GiB free, {at_share}")  # fmt: skip
-    return lines
+    return lines, "fp32" if "fp32" in dtypes else "bf16"
 
 
 def compute_dtype(capability: tuple[int, int] | None) -> str:
@@ -63,16 +66,6 @@ def capacity_lines(free_gib: list[float], shares, cpu: bool, dtype: str) -> list
             cells.append(f"{label} {frames} ({frames / 24:.1f} s)" if frames else f"{label} none")
         lines.append(f"  {w}x{h}: " + ", ".join(cells))
     return lines
-
-
-def pair_dtype(gpus: list[str], cpu: bool) -> str:
-    """The ranks compute in one dtype: fp32 where any of them would (what the launcher sets)."""
-    if cpu:
-        return compute_dtype(None)
-    import torch
-
-    caps = [torch.cuda.get_device_capability(list(dict.fromkeys(gpus)).index(g)) for g in gpus]
-    return "fp32" if "fp32" in {compute_dtype(c) for c in caps} else "bf16"
 
 
 def main(argv: list[str]) -> int:
@@ -103,8 +96,8 @@ def main(argv: list[str]) -> int:
     block_s, auto = [statistics.median(s) for s in samples], auto_split(names, samples, free)[0]
     shares = chosen or (auto if a.split == "auto" else even(a.tp_size))
     free_gib = [CPU_STAND_IN_GIB if f is None else f for f in free]
-    print("\n".join([*gpu_lines(gpus, block_s, free, shares), f"link: {link.text()}",
-                     *capacity_lines(free_gib, shares, a.cpu, pair_dtype(gpus, a.cpu)), *balance.speed_lines(block_s, auto, link, chosen, a.cpu),
+    lines, dtype = gpu_lines(gpus, block_s, free, shares)
+    print("\n".join([*lines, f"link: {link.text()}", *capacity_lines(free_gib, shares, a.cpu, dtype), *balance.speed_lines(block_s, auto, link, chosen, a.cpu),
                      f"for the ranks' log: TP2_BLOCK_MS={','.join(f'{s * 1e3:.3f}' for s in block_s)}"]))  # fmt: skip
     return 0
 
