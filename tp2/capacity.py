@@ -45,8 +45,7 @@ MEASURED_FAST = (1920, 1088, 362, 2, 14.14)
 POOL_OVER_LIVE = {"cudaMallocAsync": 1.39, "expandable": 1.31, "native": 1.24}
 LEAN_ALLOCATOR = "native"  # the launcher's --lean-memory: ComfyUI's --disable-cuda-malloc
 RESOLUTIONS = ((832, 480), (1344, 768), (1600, 896), (1920, 1088))
-MODES = (("resident (--highvram)", False, ASYNC), ("streamed (dynamic VRAM)", True, ASYNC),
-         ("streamed, --lean-memory", True, LEAN_ALLOCATOR))  # fmt: skip
+MODES = (("resident", False, ASYNC), ("streamed", True, ASYNC), ("--lean-memory", True, LEAN_ALLOCATOR))
 SHARES_OFF_BY = 0.02  # --split's default: the smallest shares whose fractions are this close to the memory's
 
 
@@ -123,20 +122,9 @@ def predict_peak_gib(
     return weights + FIXED_GIB.get(tp_size, FIXED_GIB[2]) + activations
 
 
-def longest_frames(
-    width: int,
-    height: int,
-    gpu_gib: float,
-    tp_size: int,
-    up_to: int = 3600,
-    streamed: bool = False,
-    allocator: str = ASYNC,
-    fraction: float | None = None,
-    dtype: str = "bf16",
-    fast: bool = False,
-) -> int | None:
-    """The longest length on the 17k+5 grid whose predicted peak is at most `gpu_gib` (None: not even 5 frames)."""
-    how = dict(streamed=streamed, allocator=allocator, fraction=fraction, dtype=dtype, fast=fast)
+def longest_frames(width: int, height: int, gpu_gib: float, tp_size: int, up_to: int = 3600, **how) -> int | None:
+    """The longest length on the 17k+5 grid whose predicted peak is at most `gpu_gib` (None: not even 5 frames);
+    `how`: predict_peak_gib's options (streamed, allocator, fraction, dtype, fast)."""
     best = None
     for frames in range(5, up_to + 1, 17):
         if predict_peak_gib(tokens(width, height, frames), tp_size, **how) > gpu_gib:
@@ -145,50 +133,22 @@ def longest_frames(
     return best
 
 
-def advice(
-    width: int,
-    height: int,
-    frames: int,
-    tp_size: int,
-    available_gib: float,
-    streamed: bool = False,
-    allocator: str = ASYNC,
-    fraction: float | None = None,
-    dtype: str = "bf16",
-    fast: bool = False,
-) -> str:
-    """What would fit instead on this rank (its `fraction` of the split layers, None: 1/tp_size): the longest length at
-    this resolution, the smallest tp_size for this length (the rank's share relative to an even one kept), and (where
-    it is what stops the prompt) the leaner allocator."""
-    how = dict(streamed=streamed, allocator=allocator, dtype=dtype, fast=fast)
-    fit = longest_frames(width, height, available_gib, tp_size, fraction=fraction, **how)
+def advice(width: int, height: int, frames: int, tp_size: int, available_gib: float, streamed: bool = False, **how) -> str:
+    """What would fit instead on this rank (`how`: allocator, fraction, dtype, fast as predict_peak_gib takes them): the
+    longest length at this resolution, the smallest tp_size for this length (the rank's share relative to an even one
+    kept), and (where it is what stops the prompt) the leaner allocator."""
+    fit = longest_frames(width, height, available_gib, tp_size, streamed=streamed, **how)
     parts = [f"at {width}x{height} up to {fit} frames fit" if fit else f"not even 5 frames fit at {width}x{height}"]
-    n = tokens(width, height, frames)
-    lean = predict_peak_gib(n, tp_size, streamed=True, allocator=LEAN_ALLOCATOR, fraction=fraction, dtype=dtype, fast=fast)
-    if streamed and allocator == ASYNC and lean <= available_gib:
+    n, fraction = tokens(width, height, frames), how.pop("fraction", None)
+    lean = predict_peak_gib(n, tp_size, fraction=fraction, **{**how, "streamed": True, "allocator": LEAN_ALLOCATOR})
+    if streamed and how.get("allocator", ASYNC) == ASYNC and lean <= available_gib:
         parts.append(f"or start the ranks with --lean-memory (~{lean:.1f} GiB per rank)")
     for bigger in (2, 4):  # the sizes the int8 release splits into (python -m tp2.inspect)
-        need = predict_peak_gib(n, bigger, fraction=None if fraction is None else fraction * tp_size / bigger, **how)
+        need = predict_peak_gib(n, bigger, streamed=streamed, fraction=None if fraction is None else fraction * tp_size / bigger, **how)
         if bigger > tp_size and need <= available_gib:
             parts.append(f"or use tp_size {bigger} (~{need:.1f} GiB per rank)")
             break
     return ", ".join(parts)
-
-
-def table(gpu_gib: float, tp_size: int, dtype: str = "bf16", fast: bool = False) -> str:
-    lines = [f"longest H3 video per rank on {gpu_gib:g} GiB at tp_size {tp_size}, {dtype} compute{', --fast' if fast else ''} (frames, seconds at 24 fps, predicted peak GiB): "
-             "the DiT's weights resident, streamed block by block by ComfyUI's dynamic VRAM (its default on NVIDIA), and "
-             "streamed with the launcher's --lean-memory (torch's native allocator)", "",
-             "| resolution | " + " | ".join(m for m, _, _ in MODES) + " |", "|---|" + "---|" * len(MODES)]  # fmt: skip
-    for w, h in RESOLUTIONS:
-        cells = []
-        for _, streamed, allocator in MODES:
-            how = dict(streamed=streamed, allocator=allocator, dtype=dtype, fast=fast)
-            f = longest_frames(w, h, gpu_gib, tp_size, **how)
-            peak = predict_peak_gib(tokens(w, h, f), tp_size, **how) if f else 0.0
-            cells.append(f"{f} ({f / 24:.1f} s, {peak:.1f})" if f else "none")
-        lines.append(f"| {w}x{h} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def memory_shares(gpus: list[float]) -> Shares:
@@ -203,39 +163,36 @@ def memory_shares(gpus: list[float]) -> Shares:
 
 
 def longest_on_every_rank(
-    width: int,
-    height: int,
-    gpus: list[float],
-    shares: Shares,
-    streamed: bool = False,
-    allocator: str = ASYNC,
-    dtype: str = "bf16",
-    fast: bool = False,
+    width: int, height: int, gpus: list[float], shares: Shares, streamed: bool = False, **how
 ) -> tuple[int | None, int]:
     """The longest length that fits on every rank (rank r: gpus[r] GiB, shares[r] / sum(shares) of the split layers)
-    and the rank that limits it (the lowest of those that tie)."""
-    how = dict(streamed=streamed, allocator=allocator, dtype=dtype, fast=fast)
-    fits = [longest_frames(width, height, g, len(shares), fraction=s / sum(shares), **how) for g, s in zip(gpus, shares)]
+    and the rank that limits it (the lowest of those that tie); `how`: allocator, dtype, fast."""
+    fits = [longest_frames(width, height, g, len(shares), streamed=streamed, fraction=s / sum(shares), **how) for g, s in zip(gpus, shares)]
     rank = min(range(len(fits)), key=lambda r: fits[r] or 0)
     return fits[rank], rank
 
 
-def rank_table(gpus: list[float], shares: Shares, dtype: str = "bf16", fast: bool = False) -> str:
-    """Per resolution and mode: the longest length on every rank at `shares` and the rank that limits it, beside what
-    the even split allows on the same GPUs."""
+def table(gpus: list[float], shares: Shares, dtype: str = "bf16", fast: bool = False) -> str:
+    """Per resolution and mode, the longest length that fits on every rank at `shares`: on equal GPUs at the even split
+    with its predicted peak, else with the rank that limits it, beside what the even split allows on the same GPUs."""
+    alike = len(set(gpus)) == 1 and is_even(shares)
     compared = (shares,) if is_even(shares) else (shares, even(len(gpus)))
-    short = ("resident", "streamed", "--lean-memory")
-    beside = ", beside the even split" if len(compared) > 1 else ""
-    lines = [f"longest H3 video that fits on every rank of GPUs with {', '.join(f'{g:g}' for g in gpus)} GiB (rank 0 first), {dtype} compute{', --fast' if fast else ''}: "
-             f"frames (seconds at 24 fps) and the rank that limits it at split {named(shares)}{beside}; "
-             "resident: --highvram, streamed: ComfyUI's dynamic VRAM, --lean-memory: streamed on torch's native allocator", "",
-             "| resolution | " + " | ".join(f"{m} {named(s)}" for m in short for s in compared) + " |",
-             "|---|" + "---|" * len(short) * len(compared)]  # fmt: skip
+    on = f"{gpus[0]:g} GiB at tp_size {len(gpus)}" if alike else f"GPUs with {', '.join(f'{g:g}' for g in gpus)} GiB (rank 0 first)"
+    cell = (
+        "(seconds at 24 fps, predicted peak GiB)" if alike else f"(seconds at 24 fps) and the rank that limits it at split {named(shares)}"
+    )
+    lines = [f"longest H3 video per rank on {on}, {dtype} compute{', --fast' if fast else ''}: frames {cell}"
+             f"{', beside the even split' if len(compared) > 1 else ''}; resident: --highvram, streamed: ComfyUI's dynamic VRAM "
+             "(its default on NVIDIA), --lean-memory: streamed on torch's native allocator", "",
+             "| resolution | " + " | ".join(f"{m}{'' if alike else ' ' + named(s)}" for m, _, _ in MODES for s in compared) + " |",
+             "|---|" + "---|" * len(MODES) * len(compared)]  # fmt: skip
     for w, h in RESOLUTIONS:
         cells = []
         for (_, streamed, allocator), s in ((mode, s) for mode in MODES for s in compared):
-            f, r = longest_on_every_rank(w, h, gpus, s, streamed, allocator, dtype, fast)
-            cells.append((f"{f} ({f / 24:.1f} s)" if f else "none") + ("" if s != shares else f", rank {r}"))
+            f, r = longest_on_every_rank(w, h, gpus, s, streamed, allocator=allocator, dtype=dtype, fast=fast)
+            how = dict(streamed=streamed, allocator=allocator, dtype=dtype, fast=fast)
+            said = f", {predict_peak_gib(tokens(w, h, f), len(gpus), **how):.1f}" if alike and f else ""
+            cells.append((f"{f} ({f / 24:.1f} s{said})" if f else "none") + ("" if alike or s != shares else f", rank {r}"))
         lines.append(f"| {w}x{h} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -278,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         shares = parse_split(a.split, tp_size) if a.split else memory_shares(gpus)
     except PlanError as e:
         ap.error(f"{e} (Left out here, it follows --gpu-mem: {named(memory_shares(gpus))}.)")
-    even_gpus = len(set(gpus)) == 1 and is_even(shares)
-    print(table(gpus[0], tp_size, a.dtype, a.fast) if even_gpus else rank_table(gpus, shares, a.dtype, a.fast))
+    print(table(gpus, shares, a.dtype, a.fast))
     return 0
 
 
