@@ -1,15 +1,9 @@
 """Every environment variable the pack reads or sets, in one place: named, typed, defaulted, documented.
 
-    freeze()                      every setting read once as a rank starts; value() answers from that snapshot
-    SETTINGS                      name -> Setting (kind, default, what it does, launcher-exported)
-    value(name, environ=None)     the typed value of one setting (its default when unset); SettingError otherwise
-    read_tp_env(environ=None)     this rank's TPEnv, or None when TP2_RANK and TP2_WORLD_SIZE are unset
-    visible_gpus()                CUDA_VISIBLE_DEVICES (read, never set: it names the ranks' link)
-    torch_allocator_conf()        PYTORCH_CUDA_ALLOC_CONF (read, never set: the capacity check names the allocator from it)
-    set_for_libraries(...)        what the pack sets for PyTorch (NCCL error handling) and gloo (its interface)
-
-Every other module asks here; none reads `os.environ`. The launcher's defaults (scripts/start-tp2.sh) and
-docs/SETTINGS.md (generated: `python -m tp2.settings`) are checked against SETTINGS by tests/unit/test_settings.py.
+`freeze()` reads every setting once as a rank starts and `value(name)` answers from that snapshot; SETTINGS names each
+(kind, default, meaning, whether the launcher exports it). Every other module asks here; none reads `os.environ`
+(CUDA_VISIBLE_DEVICES and PYTORCH_CUDA_ALLOC_CONF are read here, never set). docs/SETTINGS.md is generated
+(`python -m tp2.settings`); it and the launcher's defaults are checked against SETTINGS by tests/unit/test_settings.py.
 Imports nothing from `comfy`.
 """
 
@@ -40,59 +34,38 @@ class Setting:
     shown: str | None = None  # the default as docs/SETTINGS.md states it, where it is worked out (not a fixed value)
 
 
-SETTINGS: dict[str, Setting] = {
-    s.name: s
-    for s in (
-        Setting("TP2_RANK", "int", None, "this process's rank, 0-based (set by the launcher)", low=0),
-        Setting("TP2_WORLD_SIZE", "int", None, "the number of ranks (set by the launcher)", low=1),
-        Setting("MASTER_ADDR", "text", "127.0.0.1", "where rank 0's rendezvous store listens"),
-        Setting("MASTER_PORT", "int", "29511", "the rendezvous store's port", low=1, high=65535, shown="a free port"),
-        Setting(
-            "TP2_SPLIT",
-            "text",
-            None,
-            "each rank's share of the split layers, rank 0 first, e.g. 3:2 (unset: even; set by the launcher's --split)",
-        ),
-        Setting("TP2_TIMEOUT_S", "float", "300", "seconds any collective waits for a peer", low=1e-9, launcher=True),
-        Setting("TP2_PROMPT_TIMEOUT_S", "float", "45", "seconds ranks wait for each other at a sampler", low=1e-9, launcher=True),
-        Setting(
-            "TP2_STALL_S",
-            "float",
-            None,
-            "seconds a rank waits on a peer alive but not progressing, then the prompt fails",
-            low=1e-9,
-            shown="8x the run's slowest unit, at least 60 (between steps: TP2_TIMEOUT_S)",
-        ),  # fmt: skip
-        Setting("TP2_INT8_KERNEL", "choice", "auto", "the row-parallel int8 GEMM", ("auto", "cuda", "triton", "eager"), launcher=True),
-        Setting("TP2_ATTN_BACKEND", "choice", "auto", "the attention backend", ("auto", "ck", "sdpa"), launcher=True),
-        Setting(
-            "TP2_COMPUTE_DTYPE",
-            "choice",
-            "auto",
-            "the DiT's compute dtype (auto: fp32 below compute capability 8.0, else bf16)",
-            ("auto", "fp32", "bf16"),
-        ),
-        Setting("TP2_REDUCE_DTYPE", "choice", "fp32", "the row-parallel all-reduce dtype", ("fp32", "bf16"), launcher=True),
-        Setting("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
-        Setting("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),
-        Setting("TP2_SP_FUSED_NORM", "bool", "0", "norm + modulation (+ gated residual) as one kernel on CUDA", launcher=True),
-        Setting("TP2_SP_CHUNK_ROWS", "int", "16384", "rows per chunk of the MLP at long sequences", low=2),
-        Setting("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
-        Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
-        Setting("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
-        Setting("TP2_CACHE_DIR", "path", None, "the rank cache, and the record of its files checked", shown="~/.cache/minimax-h3-tp2"),
-        Setting(
-            "TP2_RANK_CACHE",
-            "choice",
-            "auto",
-            "a rank's slices cut once to disk, then mapped (auto: cut with dynamic VRAM, use files already cut)",
-            ("auto", "on", "off"),
-        ),
-        Setting("TP2_BLOCK_MS", "list", None, "each rank's H3 block, ms (`start-tp2.sh check` prints it): predicts the speed-up"),
-        Setting("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),
-        Setting("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
-    )
-}
+# fmt: off
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("TP2_RANK", "int", None, "this process's rank, 0-based (set by the launcher)", low=0),
+    Setting("TP2_WORLD_SIZE", "int", None, "the number of ranks (set by the launcher)", low=1),
+    Setting("MASTER_ADDR", "text", "127.0.0.1", "where rank 0's rendezvous store listens"),
+    Setting("MASTER_PORT", "int", "29511", "the rendezvous store's port", low=1, high=65535, shown="a free port"),
+    Setting("TP2_SPLIT", "text", None, "each rank's share of the split layers, rank 0 first, e.g. 3:2 (unset: even; set by the "
+            "launcher's --split)"),
+    Setting("TP2_TIMEOUT_S", "float", "300", "seconds any collective waits for a peer", low=1e-9, launcher=True),
+    Setting("TP2_PROMPT_TIMEOUT_S", "float", "45", "seconds ranks wait for each other at a sampler", low=1e-9, launcher=True),
+    Setting("TP2_STALL_S", "float", None, "seconds a rank waits on a peer alive but not progressing, then the prompt fails", low=1e-9,
+            shown="8x the run's slowest unit, at least 60 (between steps: TP2_TIMEOUT_S)"),
+    Setting("TP2_INT8_KERNEL", "choice", "auto", "the row-parallel int8 GEMM", ("auto", "cuda", "triton", "eager"), launcher=True),
+    Setting("TP2_ATTN_BACKEND", "choice", "auto", "the attention backend", ("auto", "ck", "sdpa"), launcher=True),
+    Setting("TP2_COMPUTE_DTYPE", "choice", "auto", "the DiT's compute dtype (auto: fp32 below compute capability 8.0, else bf16)",
+            ("auto", "fp32", "bf16")),
+    Setting("TP2_REDUCE_DTYPE", "choice", "fp32", "the row-parallel all-reduce dtype", ("fp32", "bf16"), launcher=True),
+    Setting("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
+    Setting("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),
+    Setting("TP2_SP_FUSED_NORM", "bool", "0", "norm + modulation (+ gated residual) as one kernel on CUDA", launcher=True),
+    Setting("TP2_SP_CHUNK_ROWS", "int", "16384", "rows per chunk of the MLP at long sequences", low=2),
+    Setting("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
+    Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
+    Setting("TP2_RANK_URLS", "list", None, "every rank's HTTP address, rank 0 first (set by the launcher)"),
+    Setting("TP2_CACHE_DIR", "path", None, "the rank cache, and the record of its files checked", shown="~/.cache/minimax-h3-tp2"),
+    Setting("TP2_RANK_CACHE", "choice", "auto", "a rank's slices cut once to disk, then mapped (auto: cut with dynamic VRAM, use files "
+            "already cut)", ("auto", "on", "off")),
+    Setting("TP2_BLOCK_MS", "list", None, "each rank's H3 block, ms (`start-tp2.sh check` prints it): predicts the speed-up"),
+    Setting("TP2_MAX_RESTARTS", "int", "5", "launcher: restarts in a row of a rank whose process ended", low=0, launcher=True),
+    Setting("TP2_START_TIMEOUT_S", "float", "300", "launcher: seconds to wait for every rank's HTTP API", low=1e-9, launcher=True),
+)}
+# fmt: on
 _TRUE, _FALSE = ("1", "on", "true"), ("0", "off", "false")
 
 
