@@ -16,8 +16,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ENV_ATTN_BACKEND = "TP2_ATTN_BACKEND"
-ATTN_BACKENDS = ("auto", "ck", "sdpa")
+ENV_ATTN_BACKEND = "TP2_ATTN_BACKEND"  # auto | ck | sdpa, checked by tp2.settings
 
 PROBE_SHAPE = (8, 4096, 128)  # (heads, tokens, head_dim) of the timing problem
 _chosen: dict[tuple[str, str, str], str] = {}
@@ -53,9 +52,7 @@ def select_attention(
 ) -> str:
     """Pick a backend name from `candidates` ({name: (fn(q, k, v, heads) or None, why unavailable)}), timed in
     `dtype` (the model's compute dtype); logs the choice once per device and dtype."""
-    name = (name or "auto").strip().lower()
-    if name not in ATTN_BACKENDS:
-        raise AttentionUnavailableError(f"{ENV_ATTN_BACKEND}={name} is not a backend: choose one of {', '.join(ATTN_BACKENDS)}.")
+    name = name or "auto"
     key = (name, str(device), str(dtype))
     if key in _chosen:
         return _chosen[key]

@@ -35,11 +35,8 @@ def _unavailable(name: str, why: str) -> KernelUnavailableError:
 
 def select_int8_gemm(name: str = "auto") -> Int8Gemm:
     """The int8 GEMM callable for `name` (the pack passes TP2_INT8_KERNEL's value), validated and logged once."""
-    name = name.strip().lower()
     if name in _selected:
         return _selected[name]
-    if name not in INT8_KERNELS:
-        raise _unavailable(name, f"unknown kernel (choose {', '.join(INT8_KERNELS)})")
     from comfy_kitchen import registry
 
     if name != "auto":
