@@ -166,10 +166,6 @@ def accept_int8_rows(changes: ModelChanges, name: str, linear: torch.nn.Module) 
     changes.replace(f"{name}.forward", linear, "forward", make)
 
 
-def _rowwise_forward(self, x, *args, **kwargs):
-    return rowwise_call(self, x)
-
-
 def _hooked_linear_input_act(original):
     """comfy.ops.linear_input_act for TP models: row-parallel linears reduce; others run `original`."""
 
@@ -191,7 +187,7 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
     changes = changes_of(diffusion_model)
     for name, module, style in planned_linears(diffusion_model, plan.linears, "model"):
         if ROLE_OF_STYLE[style] == "rowwise" and plan.tp_size > 1:
-            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: types.MethodType(_rowwise_forward, m))
+            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(rowwise_call, m))
             if style == ROWWISE_SPLIT_INPUT:
                 bounds, r = plan.tensors[plan.prefix + name + ".weight"].bounds, STATE.env.tp_rank
                 module.tp_split_input, module.tp_input_range = True, (bounds[r], bounds[r + 1])

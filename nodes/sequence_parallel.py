@@ -166,10 +166,8 @@ def changed_comfy_code(h3) -> list[str]:
     """The functions of ComfyUI's H3 module whose source is not what the sequence-parallel path was written against."""
     changed = []
     for dotted, want in STANDS_IN_FOR.items():
-        obj = h3
         try:
-            for part in dotted.split("."):
-                obj = getattr(obj, part)
+            obj = functools.reduce(getattr, dotted.split("."), h3)
             got = hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode()).hexdigest()[:16]
         except (AttributeError, OSError, TypeError):
             got = "missing"
