@@ -29,6 +29,14 @@ def _quantises_views(h3, transformer_options) -> bool:
     return h3.optimized_attention is ck
 
 
+def norm_rope_(q, k, table, qw, kw, eps, fused: bool) -> None:
+    """The q/k RMSNorm + rope in place, [s, heads, head_dim]: with `fused` the pack's kernel where it runs, else comfy-kitchen's."""
+    if fused and qk_norm_rope.available(q, k, table):
+        qk_norm_rope.rms_rope_split_half_(q, k, table, qw, kw, eps)
+    else:
+        comfy.quant_ops.ck.rms_rope_split_half_(q[None], k[None], table, qw, kw, epsilon=eps, rot_dim=2 * table.shape[-3])
+
+
 def attention_forward(h3, attn, x, rope_freqs, transformer_options: dict, fused=False, out_reduce: Reduction | None = None) -> torch.Tensor:
     """ComfyUI's `h3.Attention.forward(attn, x, ...)` (h3: comfy.ldm.minimax.model), with the two changes above. With
     `out_reduce`, the row-parallel out_proj reduces as it says; without, out_proj runs its own forward. `x` may come
@@ -44,14 +52,12 @@ def attention_forward(h3, attn, x, rope_freqs, transformer_options: dict, fused=
         k = k.view(s, attn.heads, attn.head_dim)
         qw = comfy.model_management.cast_to(attn.q_norm.weight, device=device)
         kw = comfy.model_management.cast_to(attn.k_norm.weight, device=device)
-        rot = rope_freqs.shape[-3] * 2
         if comfy.model_management.in_training:
+            rot = rope_freqs.shape[-3] * 2
             q, k = comfy.quant_ops.ck.rms_rope_split_half(q[None], k[None], rope_freqs, qw, kw, epsilon=attn.q_norm.eps, rot_dim=rot)
             q, k = q[0], k[0]
-        elif fused and qk_norm_rope.available(q, k, rope_freqs):
-            qk_norm_rope.rms_rope_split_half_(q, k, rope_freqs, qw, kw, attn.q_norm.eps)
         else:
-            comfy.quant_ops.ck.rms_rope_split_half_(q[None], k[None], rope_freqs, qw, kw, epsilon=attn.q_norm.eps, rot_dim=rot)
+            norm_rope_(q, k, rope_freqs, qw, kw, attn.q_norm.eps, fused)
     else:
         q = attn.q_norm(q.view(s, attn.heads, attn.head_dim))
         k = attn.k_norm(k.view(s, attn.heads, attn.head_dim))

@@ -37,10 +37,10 @@ def tp_plan(patcher) -> Plan | None:
     return plan if plan is not None and plan.tp_size > 1 else None
 
 
-def _shard_of(plan: Plan, key: str) -> TensorShard | None:
-    if not key.startswith(MODEL_PREFIX):
-        return None
-    return plan.tensors.get(plan.prefix + key[len(MODEL_PREFIX) :])
+def _sharded(plan: Plan, key: str) -> TensorShard | None:
+    """The shard of the model weight a patch key names, where ranks hold different data for it (else None)."""
+    ts = plan.tensors.get(plan.prefix + key[len(MODEL_PREFIX) :]) if key.startswith(MODEL_PREFIX) else None
+    return ts if ts is not None and is_sharded(ts) else None
 
 
 def _slice_value(v, ts: TensorShard, key: str):
@@ -66,10 +66,10 @@ def shard_new_patches(before: dict, patcher, plan: Plan, source: str) -> None:
     """Replace the patches added since `before` (key -> count) by this rank's slices; refuse all-or-nothing."""
     refused, replaced = [], {}
     for key, entries in patcher.patches.items():
-        ts = _shard_of(plan, key)
+        ts = _sharded(plan, key)
         for i in range(before.get(key, 0), len(entries)):
             strength, v, strength_model, offset, function = entries[i]
-            if ts is None or not is_sharded(ts):
+            if ts is None:
                 _tag(v, source)
                 continue
             try:
@@ -102,14 +102,13 @@ def lora_patch_report(patcher, plan: Plan) -> str:
     unsliced = []
     h = hashlib.sha256()
     for key in sorted(patcher.patches):
-        ts = _shard_of(plan, key)
         for strength, v, strength_model, offset, _fn in patcher.patches[key]:
             source = getattr(v, _SOURCE, None)
-            if source is None and ts is not None and is_sharded(ts):
+            if source is None and _sharded(plan, key):
                 unsliced.append(f"{key} ({type(v).__name__})")
             h.update(f"{key}|{strength}|{strength_model}|{offset}|{source or type(v).__name__}\n".encode())
     for hook_patches in patcher.hook_patches.values():
-        unsliced += [f"{key} (hook patch)" for key in hook_patches if (ts := _shard_of(plan, key)) is not None and is_sharded(ts)]
+        unsliced += [f"{key} (hook patch)" for key in hook_patches if _sharded(plan, key)]
     if unsliced:
         raise AdapterPlacementError(
             f"{STATE.tag} {len(unsliced)} sharded weight(s) carry patches that were not sliced for this rank: "

@@ -17,15 +17,14 @@ import comfy.patcher_extension as pe
 from ..tp2.collectives import broadcast_tree, carries_tensors
 from ..tp2.handshake import model_fingerprint
 from ..tp2.plan import Plan
+from ..tp2.same_bytes import bytes_digest
 from ..tp2.session import detail_key
-from ..tp2.watch import with_advice
 from .attention_choice import attention_override
 from .capacity_check import capacity_advice, sampling_peak
-from .interrupts import SAMPLING
 from .lora import lora_patch_report
 from .parallel import role_guard
 from .patches import changes_of
-from .run import agree_step, leave_run, mark_progress, step_key, tensor_digest
+from .run import agree_step, in_step, mark_progress, step_key
 from .sequence_parallel import SP_FORWARD, SequenceParallelForward
 from .state import STATE, log
 
@@ -55,27 +54,17 @@ def _outer_sample(
     """comfy.samplers.CFGGuider.outer_sample's OUTER_SAMPLE wrapper (its arguments, by name)."""
     key = step_key("sampler")
     fields = dict(
-        model_fields, prompt=STATE.prompt.fingerprint, sampler=str(STATE.prompt.steps["sampler"]), seed=str(seed),
-        sigmas=tensor_digest(sigmas), patches=lora_patch_report(executor.class_obj.model_patcher, plan),  # LoRA identities, strengths
+        model_fields, sampler=str(STATE.prompt.steps["sampler"]), seed=str(seed), sigmas=bytes_digest(sigmas)[:12],
+        patches=lora_patch_report(executor.class_obj.model_patcher, plan),  # LoRA identities, strengths
     )  # fmt: skip
     fields[detail_key("prompt")] = STATE.prompt.details  # names the node and input when the prompts differ
     advice = capacity_advice(plan, latent_shapes, STATE.device, executor.class_obj.model_patcher)  # before the ranks meet
     agree_step(key, fields)
     STATE.sampling_key = key
-    SAMPLING.active = True
-    try:
-        with sampling_peak(STATE.device):
-            return executor(
-                noise, latent_image, sampler, sigmas, denoise_mask, callback, disable_pbar, seed, latent_shapes=latent_shapes, **kwargs
-            )
-    except BaseException as e:
-        told = with_advice(e, advice)
-        leave_run(told, *_step_of(STATE.prompt.transformer_options))
-        if told is e:
-            raise
-        raise told from e
-    finally:
-        SAMPLING.active = False
+    with in_step(advice, lambda: _step_of(STATE.prompt.transformer_options)), sampling_peak(STATE.device):
+        return executor(
+            noise, latent_image, sampler, sigmas, denoise_mask, callback, disable_pbar, seed, latent_shapes=latent_shapes, **kwargs
+        )
 
 
 def _refine_text(original, text_states):

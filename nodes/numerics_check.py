@@ -44,19 +44,14 @@ def _checked(device: torch.device, dtype: torch.dtype, kernel: str, shares: tupl
 
 
 def _block_path(device: torch.device, dtype: torch.dtype, fused: bool, kitchen: str) -> BlockPath:
-    import comfy.quant_ops
+    from .h3_attention import norm_rope_
 
     override = attention_override(device, dtype)
 
     def attention(q, k, v, heads):
         return override(None, q, k, v, heads, skip_reshape=True)
 
-    def rope(q, k, table, qw, kw, eps):
-        if fused and qk_norm_rope.available(q, k, table):
-            qk_norm_rope.rms_rope_split_half_(q, k, table, qw, kw, eps)
-        else:
-            comfy.quant_ops.ck.rms_rope_split_half_(q[None], k[None], table, qw, kw, epsilon=eps, rot_dim=2 * table.shape[-3])
-
+    rope = functools.partial(norm_rope_, fused=fused)
     rope_name = "pack Triton" if fused and qk_norm_rope.triton is not None and device.type == "cuda" else "comfy-kitchen"
     names = {"int8 GEMM": STATE.int8_kernel, "attention": STATE.attention, "q/k norm + rope": rope_name, "comfy-kitchen": kitchen}
     norm = None

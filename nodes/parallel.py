@@ -34,6 +34,20 @@ def _is_comfy_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, comfy.ops.CastWeightBiasOp) and type(module).__name__ == "Linear"
 
 
+def planned_linears(model: torch.nn.Module, linears: dict[str, str], what: str):
+    """(name, module, plan style) of every ComfyUI linear in `model`, each given its role; PlanError for one the plan never saw."""
+    for name, module in model.named_modules():
+        if not _is_comfy_linear(module):
+            continue
+        style = linears.get(name)
+        if style is None:
+            raise PlanError(
+                f"{STATE.tag} the built {what} has a linear '{name}' the plan never saw: refused. Report this with your ComfyUI version."
+            )
+        setattr(module, ROLE_ATTR, ROLE_OF_STYLE[style])
+        yield name, module, style
+
+
 def tp_group():
     """The process group of the TP sampling run in progress (MissingRoleError outside one)."""
     session = STATE.session
@@ -152,10 +166,6 @@ def accept_int8_rows(changes: ModelChanges, name: str, linear: torch.nn.Module) 
     changes.replace(f"{name}.forward", linear, "forward", make)
 
 
-def _rowwise_forward(self, x, *args, **kwargs):
-    return rowwise_call(self, x)
-
-
 def _hooked_linear_input_act(original):
     """comfy.ops.linear_input_act for TP models: row-parallel linears reduce; others run `original`."""
 
@@ -173,18 +183,11 @@ def _hooked_linear_input_act(original):
 
 def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
     """Give every linear of the built model its plan role, replace row-parallel forwards, and check the build:
-    PlanError / MissingRoleError when a width differs from the plan's, a linear has no role, or int8 was dropped."""
+    PlanError when a width differs from the plan's, a linear is not in the plan, or int8 was dropped."""
     changes = changes_of(diffusion_model)
-    for name, module in diffusion_model.named_modules():
-        if not _is_comfy_linear(module):
-            continue
-        style = plan.linears.get(name)
-        if style is None:
-            require_role(module, name)  # raises: a linear the plan never saw
-        role = ROLE_OF_STYLE[style]
-        setattr(module, ROLE_ATTR, role)
-        if role == "rowwise" and plan.tp_size > 1:
-            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: types.MethodType(_rowwise_forward, m))
+    for name, module, style in planned_linears(diffusion_model, plan.linears, "model"):
+        if ROLE_OF_STYLE[style] == "rowwise" and plan.tp_size > 1:
+            changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(rowwise_call, m))
             if style == ROWWISE_SPLIT_INPUT:
                 bounds, r = plan.tensors[plan.prefix + name + ".weight"].bounds, STATE.env.tp_rank
                 module.tp_split_input, module.tp_input_range = True, (bounds[r], bounds[r + 1])
@@ -197,21 +200,21 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
 
 
 def _verify_widths(dm: torch.nn.Module, plan: Plan) -> None:
-    blocks = [("blocks", b) for b in dm.blocks] + [("token_refiner.blocks", b) for b in dm.token_refiner.blocks]
-    if (len(dm.blocks), len(dm.token_refiner.blocks)) != (plan.num_layers, plan.refiner_layers):
-        raise PlanError(
-            f"ComfyUI built {len(dm.blocks)} blocks + {len(dm.token_refiner.blocks)} refiner blocks, the plan has "
-            f"{plan.num_layers} + {plan.refiner_layers}. The checkpoint and the built model disagree; report this with the file name."
-        )
-    want_heads, want_ffn = plan.local_heads(STATE.env.tp_rank), plan.local_ffn(STATE.env.tp_rank)
-    for i, (where, block) in enumerate(blocks):
-        heads, fc1_rows = block.attn.heads, int(block.mlp.fc1.weight.shape[0])  # a QuantizedTensor: its logical shape
-        if heads != want_heads or fc1_rows != 2 * want_ffn:
-            raise PlanError(
-                f"{where} block {i}: ComfyUI built {heads} heads and fc1 with {fc1_rows} rows, this rank's plan needs "
-                f"{want_heads} heads and {2 * want_ffn} rows (tp_size={plan.tp_size}). The loaded state dict "
-                "was not this rank's shard; restart the rank and report the log."
-            )
+    counts = {"blocks": len(dm.blocks), "refiner blocks": len(dm.token_refiner.blocks)}
+    why = "The checkpoint and the built model disagree; report this with the file name."
+    refuse_widths("the model", counts, {"blocks": plan.num_layers, "refiner blocks": plan.refiner_layers}, why)
+    want = {"heads": plan.local_heads(STATE.env.tp_rank), "fc1 rows": 2 * plan.local_ffn(STATE.env.tp_rank)}
+    why = f"(tp_size={plan.tp_size}) The loaded state dict was not this rank's shard; restart the rank and report the log."
+    for where, blocks in (("blocks", dm.blocks), ("token_refiner.blocks", dm.token_refiner.blocks)):
+        for i, block in enumerate(blocks):
+            built = {"heads": block.attn.heads, "fc1 rows": int(block.mlp.fc1.weight.shape[0])}  # a QuantizedTensor: its logical shape
+            refuse_widths(f"{where}.{i}", built, want, why)
+
+
+def refuse_widths(where: str, built: dict, want: dict, why: str) -> None:
+    """PlanError when ComfyUI built `where` with other widths than this rank's plan needs."""
+    if built != want:
+        raise PlanError(f"{STATE.tag} {where}: ComfyUI built {built}, this rank's plan needs {want}. {why}")
 
 
 def _check_module(module, args):

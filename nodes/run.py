@@ -7,13 +7,12 @@ the steps; each counts the same on every rank, so their keys match.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 
 import comfy.model_management as mm
-import torch
 
+from ..tp2 import __version__
 from ..tp2.errors import PeerLostError, PromptAbortedError
-from ..tp2.watch import describe_failure
+from ..tp2.watch import describe_failure, with_advice
 from .interrupts import SAMPLING
 from .state import STATE
 
@@ -26,10 +25,11 @@ def step_key(kind: str) -> str:
 
 
 def agree_step(key: str, fields: dict[str, str]):
-    """Every rank agrees on `fields` at `key` (bounded wait; rank 0 gives up when it is interrupted) and the agreement
-    is recorded for the status node; returns the process group. A peer that never arrives raises PeerLostError,
-    and every rank's node cache is cleared before the next prompt (the cache epoch)."""
+    """Every rank agrees on `fields`, the pack version and the prompt at `key` (bounded wait; rank 0 gives up when it
+    is interrupted) and the agreement is recorded for the status node; returns the process group. A peer that never
+    arrives raises PeerLostError, and every rank's node cache is cleared before the next prompt (the cache epoch)."""
     session = STATE.session
+    fields = {"pack_version": __version__, "prompt": STATE.prompt.fingerprint, **fields}
     try:
         group = session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
     except PeerLostError:
@@ -51,16 +51,20 @@ def rank0_abort() -> str | None:
 
 
 @contextlib.contextmanager
-def in_step():
-    """A TP step every rank runs together outside sampling (the split decode, the encode): an interrupt waits for its
-    end on every rank, and a failure in it is this rank's to tell every rank (leave_run)."""
+def in_step(advice: str | None = None, at=lambda: (None, None)):
+    """A TP step every rank runs together (sampling, the split decode, the encode): an interrupt waits for its end on
+    every rank, and a failure in it is this rank's to tell every rank (leave_run; at the sampling step `at()` names),
+    an out-of-memory error led by the capacity `advice` where there is one."""
     was_sampling = getattr(SAMPLING, "active", False)
     SAMPLING.active = True
     try:
         yield
     except BaseException as e:
-        leave_run(e)
-        raise
+        told = with_advice(e, advice)
+        leave_run(told, *at())
+        if told is e:
+            raise
+        raise told from e
     finally:
         SAMPLING.active = was_sampling
 
@@ -73,10 +77,3 @@ def leave_run(e: BaseException, step: int | None = None, steps: int | None = Non
         STATE.session.abandon_group()
     elif not (isinstance(e, mm.InterruptProcessingException) and STATE.prompt.coordinated_stop):
         STATE.session.stop_run(describe_failure(STATE.env.tp_rank, e, step, steps))
-
-
-def tensor_digest(t) -> str:
-    """A short content hash the ranks compare (values as fp32; non-tensors by their text)."""
-    if not isinstance(t, torch.Tensor):
-        return str(t)
-    return hashlib.sha256(t.detach().float().cpu().numpy().tobytes()).hexdigest()[:12]

@@ -21,11 +21,10 @@ import comfy.sd
 import execution
 import folder_paths
 
-from ..tp2 import __version__
 from ..tp2.errors import PeerLostError
-from ..tp2.same_bytes import same_blob_everywhere, same_everywhere
+from ..tp2.same_bytes import bytes_digest, same_blob_everywhere, same_everywhere
 from .patches import PATCHES
-from .run import agree_step, in_step, step_key, tensor_digest
+from .run import agree_step, in_step, step_key
 from .state import STATE, log
 
 
@@ -52,14 +51,8 @@ def _hooked(how: str, original):
 
 
 def _make_same(stage: str, samples, out) -> None:
-    fields = {"latent": f"{tuple(samples.shape)}:{tensor_digest(samples)}", "output": f"{tuple(out.shape)} {out.dtype}"}
-    group = _meet("decoded", stage, fields, f"{stage} output")
-    if group is None:
-        return
-    t0 = time.monotonic()
-    with in_step():
-        differ = same_everywhere(out, group)
-    _log_compared(stage, differ, t0, "decoded", "output")
+    fields = {"latent": f"{tuple(samples.shape)}:{bytes_digest(samples)[:12]}", "output": f"{tuple(out.shape)} {out.dtype}"}
+    _compare("decoded", stage, fields, lambda group: same_everywhere(out, group), "decoded", "output")
 
 
 def _files_made_same(original):
@@ -83,11 +76,9 @@ def _output_paths(ui: dict) -> list[str]:
 
 def _make_files_same(stage: str, paths: list[str]) -> None:
     """Every rank's files at `paths` (each rank its own output folder) end as rank 0's bytes."""
-    group = _meet("saved", stage, {"files": str(len(paths))}, "files")
-    if group is None:
-        return
-    t0, differ = time.monotonic(), set()
-    with in_step():
+
+    def make_same(group) -> list[int]:
+        differ = set()
         for path in paths:
             with open(path, "rb") as f:
                 blob, differ_here = same_blob_everywhere(f.read(), group)
@@ -96,22 +87,24 @@ def _make_files_same(stage: str, paths: list[str]) -> None:
                     f.write(blob)
                 os.replace(path + ".tp2-part", path)
             differ.update(differ_here)
-    _log_compared(stage, sorted(differ), t0, "wrote", "files")
+        return sorted(differ)
+
+    _compare("saved", stage, {"files": str(len(paths))}, make_same, "wrote", "files")
 
 
-def _meet(kind: str, stage: str, fields: dict[str, str], what: str):
-    """Every rank at this prompt's next `kind` step agrees on `fields` (with the pack version, the prompt and the
-    stage): the group, or None when a peer never came (this rank's `what` is kept, logged as possibly different)."""
-    fields = {"pack_version": __version__, "prompt": STATE.prompt.fingerprint, "stage": stage, **fields}
+def _compare(kind: str, stage: str, fields: dict[str, str], make_same, verb: str, what: str) -> None:
+    """Every rank at this prompt's next `kind` step agrees on `fields` and the stage, then `make_same(group)` gives
+    every rank rank 0's `what` and returns the ranks whose bytes differed (logged as `verb` other bytes). A peer that
+    never came leaves this rank's `what` as it is, logged as possibly different."""
     try:
-        return agree_step(step_key(kind), fields)
+        group = agree_step(step_key(kind), {"stage": stage, **fields})
     except PeerLostError as e:
-        log.warning("%s %s: this rank's %s is kept, and may differ from the other ranks'", STATE.tag, e, what)
+        log.warning("%s %s: %s: this rank's %s is kept, and may differ from the other ranks'", STATE.tag, stage, e, what)
         STATE.prompt.alone = True
-        return None
-
-
-def _log_compared(stage: str, differ: list[int], t0: float, verb: str, what: str) -> None:
+        return
+    t0 = time.monotonic()
+    with in_step():
+        differ = make_same(group)
     if differ:
         log.warning(
             "%s %s: rank(s) %s %s other bytes than rank 0; every rank now has rank 0's %s (%.2f s)",

@@ -29,7 +29,7 @@ from .h3_attention import attention_forward
 from .parallel import Int8Rows, accept_int8_rows, held_weight, int8_rows_call, rowwise_call, tp_group
 from .patches import changes_of
 from .sp_gathers import gather, vote_int8_gathers
-from .sp_norms import fused_norm_ok, norm_modulated
+from .sp_norms import fused_norm_ok, gated_norm
 from .state import STATE, log
 
 SP_FORWARD = "tp2_sequence_parallel"  # transformer_options key of the model evaluation's SequenceParallelForward
@@ -74,12 +74,6 @@ def _split(sp: SequenceParallelForward, x: torch.Tensor, mod_segments, block) ->
     return local
 
 
-def _mlp(sp: SequenceParallelForward, mlp, rows) -> torch.Tensor:
-    """ComfyUI's MLP.forward (fc2(swiglu(fc1(x))), fc2 row-parallel) on every rank's rows (`gather`'s): this rank's
-    rows of its output."""
-    return reduce_scatter_sequence(lambda: _mlp_rows(mlp, rows), sp.layout, tp_group()).to(rows.dtype)
-
-
 def _mlp_rows(mlp, rows) -> torch.Tensor:
     """fc2's partial sums (reduce dtype) for the gathered `rows`, in chunks of at most TP2_SP_CHUNK_ROWS rows, so
     fc1's output exists for one chunk at a time; each weight is cast once for all chunks (held_weight)."""
@@ -106,7 +100,8 @@ def _mlp_rows(mlp, rows) -> torch.Tensor:
 
 
 def _entered(self, x, mod_segments, transformer_options):
-    """This model call's sequence-parallel state, `x` as this rank's rows, and the previous block's deferred residual."""
+    """This model call's sequence-parallel state, `x` as this rank's rows, and the previous block's deferred residual
+    (gate, mlp), or (None, None)."""
     sp = transformer_options.get(SP_FORWARD)
     if sp is None:
         raise PlanError(
@@ -128,42 +123,31 @@ def _entered(self, x, mod_segments, transformer_options):
             f"{STATE.tag} sequence-parallel block got {x.shape[0]} rows, expected this rank's share of the sequence: "
             "the blocks did not run in order (a block patch?). Unset TP2_SEQUENCE_PARALLEL on every rank."
         )
-    return sp, x, pending
+    return sp, x, (pending.gate, pending.mlp) if pending is not None else (None, None)
 
 
 def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
-    mod_scale_shift, mod_gate = h3._mod_scale_shift, h3._mod_gate
-    sp, x, pending = _entered(self, x, mod_segments, transformer_options)
+    sp, x, (gate, y) = _entered(self, x, mod_segments, transformer_options)
     layout, segments = sp.layout, sp.segments
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
     fused = fused_norm_ok(self, x, segments)
-    if fused and pending is not None:  # the previous block's x += gate * mlp and this norm in one pass
-        h = norm_modulated(x, self.norm1, shift_msa, scale_msa, segments, pending.gate, pending.mlp)
-    elif fused:
-        h = norm_modulated(x, self.norm1, shift_msa, scale_msa, segments)
-    else:
-        if pending is not None:
-            x = mod_gate(x, pending.gate, pending.mlp, segments)
-        h = mod_scale_shift(self.norm1(x), shift_msa, scale_msa, segments)
+    x, h = gated_norm(h3, fused, x, self.norm1, shift_msa, scale_msa, segments, gate, y)  # the previous block's residual first
     # every activation is dropped as soon as nothing reads it (attention_forward empties the list)
     rows = [gather(sp, h, self.attn.qkv_proj)]
-    del pending, h
+    del gate, y, h
     attn = attention_forward(h3, self.attn, rows, rope_freqs, transformer_options, fused=fused, out_reduce=layout)
-    if fused:  # x += gate * attn and the second norm in one pass
-        h = norm_modulated(x, self.norm2, shift_mlp, scale_mlp, segments, gate_msa, attn)
-    else:
-        x = mod_gate(x, gate_msa, attn, segments)
-        h = mod_scale_shift(self.norm2(x), shift_mlp, scale_mlp, segments)
+    x, h = gated_norm(h3, fused, x, self.norm2, shift_mlp, scale_mlp, segments, gate_msa, attn)
     gathered = gather(sp, h, self.mlp.fc1)
     del attn, h
-    mlp = _mlp(sp, self.mlp, gathered)
+    # ComfyUI's MLP.forward (fc2(swiglu(fc1(x))), fc2 row-parallel) on every rank's rows: this rank's rows of its output
+    mlp = reduce_scatter_sequence(functools.partial(_mlp_rows, self.mlp, gathered), layout, tp_group()).to(gathered.dtype)
     del gathered
     # the MLP residual is left to the next block only where ComfyUI's loop hands each block's output straight to the
     # next one (no block replacement patches)
     if fused and not self.tp2_sp_last and not transformer_options.get("patches_replace", {}).get("dit"):
         sp.pending = _PendingResidual(x, gate_mlp, mlp)
         return x
-    x = mod_gate(x, gate_mlp, mlp, segments)
+    x = h3._mod_gate(x, gate_mlp, mlp, segments)
     return gather(sp, x) if self.tp2_sp_last else x
 
 
@@ -173,7 +157,7 @@ STANDS_IN_FOR = {
     "Attention.forward": "91973d57b4143f16",  # nodes/h3_attention.attention_forward
     "_mod_scale_shift": "796cae2505e9742d",  # the fused norm kernels reproduce its roundings
     "_mod_gate": "0aaa07a6860a2d3e",
-    "MLP.forward": "6dc02869745c7552",  # _mlp: fc2(swiglu(fc1(x))) in row chunks, with the reduction named
+    "MLP.forward": "6dc02869745c7552",  # _mlp_rows: fc2(swiglu(fc1(x))) in row chunks, with the reduction named
     "MiniMaxH3Model._forward": "a72c515aa53aa677",  # its block loop hands each output straight on (the pending residual)
 }
 
@@ -182,10 +166,8 @@ def changed_comfy_code(h3) -> list[str]:
     """The functions of ComfyUI's H3 module whose source is not what the sequence-parallel path was written against."""
     changed = []
     for dotted, want in STANDS_IN_FOR.items():
-        obj = h3
         try:
-            for part in dotted.split("."):
-                obj = getattr(obj, part)
+            obj = functools.reduce(getattr, dotted.split("."), h3)
             got = hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode()).hexdigest()[:16]
         except (AttributeError, OSError, TypeError):
             got = "missing"

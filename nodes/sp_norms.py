@@ -1,5 +1,5 @@
-"""The sequence-parallel blocks' fused norms (TP2_SP_FUSED_NORM=1, CUDA with Triton): norm + modulation, with the
-gated residual before it, as one kernel per modulation segment (kernels/norm_modulate.py).
+"""The sequence-parallel blocks' norms: fused (TP2_SP_FUSED_NORM=1, CUDA with Triton), norm + modulation with the
+gated residual before it as one kernel per modulation segment (kernels/norm_modulate.py); else ComfyUI's ops.
 """
 
 from __future__ import annotations
@@ -36,3 +36,13 @@ def norm_modulated(x, norm, shift, scale, segments, gate=None, y=None) -> torch.
             norm_modulate.gate_norm_modulate(x[a:b], y[a:b], gate[row], w, eps, scale1[row], shift[row], h[a:b])
     h[segments[-1][1] if segments else 0 :].zero_()
     return h
+
+
+def gated_norm(h3, fused: bool, x, norm, shift, scale, segments, gate=None, y=None):
+    """(x, its modulated norm) after x += gate * y where given: in one pass with `fused`, else by ComfyUI's ops (h3's
+    _mod_gate and _mod_scale_shift)."""
+    if fused:
+        return x, norm_modulated(x, norm, shift, scale, segments, gate, y)
+    if gate is not None:
+        x = h3._mod_gate(x, gate, y, segments)
+    return x, h3._mod_scale_shift(norm(x), shift, scale, segments)

@@ -18,19 +18,18 @@ import comfy.sd
 import comfy.utils
 import torch
 
-from ..tp2 import __version__
 from ..tp2.checkpoint import CheckpointLayout
 from ..tp2.collectives import all_reduce
 from ..tp2.errors import PeerLostError, PlanError, TP2Error
-from ..tp2.layers import ROLE_ATTR
 from ..tp2.plan import ROWWISE
 from ..tp2.rank_cache import read_rank_slices
+from ..tp2.same_bytes import bytes_digest
 from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
 from .loader import rank_cache_args, record_load
 from .lora import TE_PLAN_ATTR
-from .parallel import ROLE_OF_STYLE, _is_comfy_linear, full_precision_rowwise_call, role_guard, tp_group
+from .parallel import full_precision_rowwise_call, planned_linears, refuse_widths, role_guard, tp_group
 from .patches import PATCHES, changes_of
-from .run import agree_step, in_step, step_key, tensor_digest
+from .run import agree_step, in_step, step_key
 from .state import STATE, log
 
 CONFIG_KEY = "qwen3vl_32b_model_config"  # ComfyUI's per-model config override (comfy/sd1_clip.py SDClipModel)
@@ -95,15 +94,7 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
     _verify_widths(transformer, plan)
     setattr(clip.cond_stage_model, TE_PLAN_ATTR, plan)  # read by the LoRA hook (nodes/lora.py)
     changes = changes_of(clip.cond_stage_model)
-    for name, module in transformer.named_modules():
-        if not _is_comfy_linear(module):
-            continue
-        style = plan.linears.get(name)
-        if style is None:
-            raise PlanError(
-                f"{STATE.tag} the built text encoder has a linear '{name}' the plan never saw: refused. Report this with your ComfyUI version."
-            )
-        setattr(module, ROLE_ATTR, ROLE_OF_STYLE[style])
+    for name, module, style in planned_linears(transformer, plan.linears, "text encoder"):
         if style == ROWWISE:
             _require_full_precision(name, module)
             changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(full_precision_rowwise_call, m))
@@ -117,22 +108,15 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
 
 def _verify_widths(transformer, plan: TEPlan) -> None:
     mine = plan.local_config(STATE.env.tp_rank)
-    rows = transformer.model.embed_tokens.num_embeddings
-    if rows != mine["vocab_size"]:
-        raise PlanError(
-            f"{STATE.tag} ComfyUI built the text encoder's embedding with {rows} rows, this rank's plan needs {mine['vocab_size']} "
-            "(its share of the vocabulary). ComfyUI ignored the pack's width override; report this with your ComfyUI version."
-        )
-    layers = transformer.model.layers
-    for i, layer in enumerate(layers):
+    why = f"(tp_size={plan.tp_size}) ComfyUI ignored the pack's width override; report this with your ComfyUI version."
+    rows = {"vocabulary rows": transformer.model.embed_tokens.num_embeddings}
+    refuse_widths("the text encoder's embedding", rows, {"vocabulary rows": mine["vocab_size"]}, why)
+    want = {"heads": mine["num_attention_heads"], "KV heads": mine["num_key_value_heads"], "head_dim": plan.head_dim}
+    want["FFN"] = mine["intermediate_size"]
+    for i, layer in enumerate(transformer.model.layers):
         attn = layer.self_attn
-        got = (attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.mlp.down_proj.in_features)
-        want = (mine["num_attention_heads"], mine["num_key_value_heads"], plan.head_dim, mine["intermediate_size"])
-        if got != want:
-            raise PlanError(
-                f"{STATE.tag} text encoder layer {i}: ComfyUI built heads/KV heads/head_dim/FFN {got}, this rank's plan "
-                f"needs {want} (tp_size={plan.tp_size}). ComfyUI ignored the pack's width override; report this with your ComfyUI version."
-            )
+        built = {"heads": attn.num_heads, "KV heads": attn.num_kv_heads, "head_dim": attn.head_dim, "FFN": layer.mlp.down_proj.in_features}
+        refuse_widths(f"text encoder layer {i}", built, want, why)
 
 
 def _require_full_precision(name: str, module) -> None:
@@ -163,14 +147,8 @@ def _vocab_parallel_forward(own, plan: TEPlan):
 def _encoding_in_step(original, plan: TEPlan):
     @functools.wraps(original)
     def forward(*args, **kwargs):
-        fields = {
-            "pack_version": __version__,
-            "prompt": STATE.prompt.fingerprint,
-            "plan": plan.fingerprint(),
-            "inputs": inputs_digest(args, kwargs),
-        }
         try:
-            agree_step(step_key("text-encode"), fields)
+            agree_step(step_key("text-encode"), {"plan": plan.fingerprint(), "inputs": inputs_digest(args, kwargs)})
         except PeerLostError as e:
             raise TP2Error(
                 f"{STATE.tag} the text encoder is split over the ranks and cannot run on this rank alone: {e}. Queue the "
@@ -191,7 +169,7 @@ def inputs_digest(args, kwargs) -> str:
 
     def walk(v) -> None:
         if isinstance(v, torch.Tensor):
-            parts.append(f"{tuple(v.shape)}:{tensor_digest(v)}")
+            parts.append(f"{tuple(v.shape)}:{bytes_digest(v)}")
         elif isinstance(v, dict):
             for k in sorted(v, key=str):
                 walk(v[k])

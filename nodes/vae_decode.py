@@ -14,11 +14,12 @@ import time
 
 import comfy.model_management as mm
 
-from ..tp2 import __version__, settings
+from ..tp2 import settings
 from ..tp2.chunk_decode import RoundRobinDecoder, spatial_tiles, temporal_chunks
 from ..tp2.errors import PeerLostError, TP2Error
+from ..tp2.same_bytes import bytes_digest
 from .patches import PATCHES
-from .run import agree_step, in_step, mark_progress, step_key, tensor_digest
+from .run import agree_step, in_step, mark_progress, step_key
 from .state import STATE, log
 
 ENV_PARALLEL_VAE = "TP2_PARALLEL_VAE"
@@ -46,10 +47,8 @@ def _hooked_decode_temporal(original):
         clips = temporal_chunks(z, pad_tokens, num_chunks, vae.tokens_chunk_size, vae.token_overlap)
         units = _decode_units(vae, clips)
         fields = {
-            "pack_version": __version__,
-            "prompt": STATE.prompt.fingerprint,
             "latent_shape": str(tuple(z.shape)),
-            "latent": tensor_digest(z),
+            "latent": bytes_digest(z)[:12],
             "dtype": f"{z.dtype} on {z.device.type}",
             "chunks": f"{num_chunks} x ({vae.tokens_chunk_size}+{vae.token_overlap}), pad {pad_tokens}",
             "tiles": f"{len(units)} of {tuple(units[0].shape)}",
