@@ -18,7 +18,6 @@ import os
 import re
 import time
 
-from ..tp2 import settings
 from ..tp2.signing import signed, unsigned
 from .patches import PATCHES
 from .state import STATE, log
@@ -31,13 +30,10 @@ WATCHED = ("put", "get", "task_done", "wipe_queue", "delete_queue_item", "wipe_h
 _ID = re.compile(r'\["(?:running|pending)", *-?\d+, *"((?:[^"\\]|\\.)*)"|\["history", *"((?:[^"\\]|\\.)*)"')
 
 
-def install_queue_journal(secret: str | None) -> None:
-    secret_file = settings.value("TP2_SECRET_FILE")
-    if STATE.env.tp_rank != 0 or not secret_file or secret is None:
-        return
+def install_queue_journal(run_dir: str, secret: str) -> None:
     from server import PromptServer
 
-    path = os.path.join(os.path.dirname(secret_file), JOURNAL)
+    path = os.path.join(run_dir, JOURNAL)
     queue = PromptServer.instance.prompt_queue
     try:
         _restore(queue, PromptServer.instance, path, secret)

@@ -24,7 +24,7 @@ class LoadedModel:
     checkpoint_fingerprint: str
     origin: str  # where its weights came from: "shard-on-read", "rank file ...", "rank cache ...", "mapped whole"
     load_seconds: float
-    changes: object = None  # nodes.patches.ModelChanges: what the pack replaced on the model's objects
+    changes: object  # nodes.patches.ModelChanges: what the pack replaced on the model's objects
     split: str = "even"  # the split its plan really cut (tp2.split.cut_named), which may differ from the one asked for
 
 
