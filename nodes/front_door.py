@@ -61,25 +61,19 @@ class FrontDoor:
     async def forward(self, path: str, body: dict) -> list[str]:
         """POST `body` to `path` on every follower; the problems, one line per rank that did not take it."""
 
-        async def one(rank: int, url: str) -> str | None:
+        async def one(rank: int, url: str, again: bool = True) -> str | None:
             try:
-                async with ClientSession(timeout=FORWARD_TIMEOUT) as s:
-                    for attempt in (1, 2):
-                        async with s.post(url + path, json=body, headers={HEADER: self.secret}) as r:
-                            status, text = r.status, await r.text()
-                        if status == 200:
-                            return None
-                        if attempt == 1 and status == 409 and "tp2_out_of_order" in text:  # it moved its mark back: again
-                            log.warning(
-                                "%s rank %d held an order later than any rank 0 sent (not rank 0's): handed over again", STATE.tag, rank
-                            )
-                            continue
-                        return f"rank {rank} ({url}) refused it ({status}): {_error_text(text)}"
+                async with ClientSession(timeout=FORWARD_TIMEOUT) as s, s.post(url + path, json=body, headers={HEADER: self.secret}) as r:
+                    status, text = r.status, await r.text()
             except asyncio.TimeoutError:
                 return (f"rank {rank} ({url}) did not answer within {FORWARD_TIMEOUT.total:.0f} s: it is frozen or overloaded "
                         f"(scripts/start-tp2.sh status; restart it with scripts/start-tp2.sh restart --rank {rank})")  # fmt: skip
             except (ClientError, OSError) as e:
                 return f"rank {rank} ({url}) is not reachable ({type(e).__name__}: {e}); start it again (scripts/start-tp2.sh status)"
+            if again and status == 409 and "tp2_out_of_order" in text:  # it moved its mark back: hand it over again, once
+                log.warning("%s rank %d held an order later than any rank 0 sent (not rank 0's): handed over again", STATE.tag, rank)
+                return await one(rank, url, again=False)
+            return None if status == 200 else f"rank {rank} ({url}) refused it ({status}): {_error_text(text)}"
 
         return [p for p in await asyncio.gather(*(one(r, u) for r, u in self.followers)) if p]
 

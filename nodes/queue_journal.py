@@ -27,7 +27,7 @@ SIGNED_AS = "tp2/queue_journal"  # the store-key-like name each line's signature
 KEPT_RECORDS = 32  # finished prompts' history records kept across a restart
 LOST = "rank 0's process ended while this prompt ran and the launcher started it again; queue the prompt again"
 WATCHED = ("put", "get", "task_done", "wipe_queue", "delete_queue_item", "wipe_history", "delete_history_item")
-_ID = re.compile(r'\["(?:running|pending)", *-?\d+, *"((?:[^"\\]|\\.)*)"|\["history", *"((?:[^"\\]|\\.)*)"')
+_ID = re.compile(r'\[(?:"(?:running|pending)", *-?\d+|"history"), *"((?:[^"\\]|\\.)*)"')  # the prompt id of a line
 
 
 def install_queue_journal(run_dir: str, secret: str) -> None:
@@ -100,9 +100,8 @@ def _restore(queue, server, path: str, secret: str) -> None:
         row, why = _row(line, secret)
         if row is None:
             problems.append(f"line {n}: {why}")
-            m = _ID.match(line)
-            if m:
-                pid = json.loads(f'"{m[1] if m[1] is not None else m[2]}"')
+            if m := _ID.match(line):
+                pid = json.loads(f'"{m[1]}"')
                 failed[pid] = f"rank 0 restarted and could not read this prompt's entry in its queue journal ({why}): queue it again"
         elif row[0] == "history":
             queue.history[row[1]] = row[2]
