@@ -14,7 +14,6 @@ from ..kernels import select_int8_gemm
 from ..tp2 import settings
 from ..tp2.collectives import reduce_dtype_from_env
 from ..tp2.session import TPSession
-from ..tp2.settings import read_tp_env
 from ..tp2.split import parse_split
 from .pack_nodes import NODES, register_conditioning_folder
 from .state import STATE, log
@@ -24,7 +23,7 @@ def activate() -> None:
     """Read the TP env; when present, create this rank's session and install the hooks (once)."""
     if STATE.active:
         return
-    env = read_tp_env()
+    env = settings.read_tp_env()
     if env is None:
         log.info(
             "minimax-h3-tp2: tensor parallelism is off in this ComfyUI (not started as a rank); start one ComfyUI per GPU "

@@ -77,7 +77,6 @@ class FrontDoor:
 
         return [p for p in await asyncio.gather(*(one(r, u) for r, u in self.followers)) if p]
 
-    # -- rank 0 ----------------------------------------------------------------------------------------
     async def dispatch(self, prompt: dict, prompt_id: str, extra_data: dict, outputs: list, reset: bool) -> tuple[str, bool, str | None]:
         """Send the prompt rank 0 is starting to every follower: (the run id, whether every rank clears its node cache
         first, why a follower could not take it). A follower its launcher is starting again is waited for first (and
@@ -150,7 +149,6 @@ class FrontDoor:
             log.warning("%s could not repeat %s on a follower: %s", STATE.tag, route, p)
         return await handler(request)
 
-    # -- followers -------------------------------------------------------------------------------------
     async def _follower(self, request: web.Request, handler, route: str):
         if not hmac.compare_digest(request.headers.get(HEADER, ""), self.secret):
             why = (f"This ComfyUI is tensor-parallel rank {STATE.env.tp_rank} of {STATE.env.tp_size}, a follower: use rank 0 "

@@ -9,7 +9,6 @@ import threading
 from dataclasses import dataclass, field
 
 from ..tp2 import settings
-from ..tp2.settings import TPEnv
 
 log = logging.getLogger("minimax_h3_tp2")
 
@@ -46,7 +45,7 @@ class Prompt:
 
 @dataclass
 class RankState:
-    env: TPEnv | None = None
+    env: settings.TPEnv | None = None
     session: object | None = None  # tp2.session.TPSession, created at activation
     device: object | None = None
     int8_kernel: str = "auto"
