@@ -44,8 +44,9 @@ def activate() -> None:
     STATE.session = TPSession(env, device, boot_id=STATE.boot_id, secret=secret, peer_urls=settings.value("TP2_RANK_URLS"))
     _install_hooks(secret)
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
+    # the settings as "name value" ("sequence parallel:" is the sequence-parallel forward's own log line)
     log.info("%s minimax-h3-tp2 active: MASTER %s:%d, split %s; %s", STATE.tag, env.master_addr, env.master_port, split_named(),
-             "; ".join(f"{k}: {v}" for k, v in resolved_settings().items()))  # fmt: skip
+             "; ".join(f"{k} {v}" for k, v in resolved_settings().items()))  # fmt: skip
     _warn_if_dynamic_vram_cannot_evict()
 
 
