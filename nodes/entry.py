@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 
+import comfy.model_management
 import torch
 from comfy_api.latest import ComfyExtension
 
@@ -15,8 +16,10 @@ from ..tp2 import settings
 from ..tp2.collectives import reduce_dtype_from_env
 from ..tp2.session import TPSession
 from ..tp2.split import parse_split
+from .front_door import read_secret
 from .pack_nodes import NODES, register_conditioning_folder
 from .state import STATE, log
+from .status_api import resolved_settings, split_named
 
 
 def activate() -> None:
@@ -31,11 +34,6 @@ def activate() -> None:
         )
         return
     settings.freeze()  # every setting read once, now: a bad value is refused at start-up
-    import comfy.model_management
-
-    from .front_door import read_secret
-    from .status_api import resolved_settings, split_named
-
     device = comfy.model_management.get_torch_device()
     device = device if device.type == "cuda" else torch.device("cpu")
     _take_settings(env, device)

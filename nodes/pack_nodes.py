@@ -8,6 +8,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..tp2.conditioning import load_conditioning, save_conditioning
+from .status_api import status_text
 
 CATEGORY = "MiniMax-H3 TP"
 CONDITIONING_FOLDER = "h3_conditioning"
@@ -41,8 +42,6 @@ class TP2Status(io.ComfyNode):
 
     @classmethod
     def execute(cls, after=None) -> io.NodeOutput:
-        from .status_api import status_text  # the front door it reports on needs ComfyUI's execution module
-
         text = status_text()
         return io.NodeOutput(text, ui={"text": [text]})
 

@@ -15,12 +15,6 @@ from collections import Counter
 from collections.abc import Callable
 
 
-def _owner_name(owner: object) -> str:
-    if isinstance(owner, type):
-        return f"{owner.__module__}.{owner.__qualname__}"
-    return getattr(owner, "__name__", type(owner).__name__)
-
-
 class ModelChanges:
     """The per-instance changes the pack made to one model's objects: obj.attr = make(what it was), each named.
     They live and go with the model; nothing puts them back."""
@@ -44,7 +38,8 @@ class PatchRegistry(ModelChanges):
     """Process-wide patches of ComfyUI's modules and classes, each named "<owner>.<attr>"."""
 
     def install(self, owner: object, attr: str, make: Callable[[object], object]) -> None:
-        self.replace(f"{_owner_name(owner)}.{attr}", owner, attr, make)
+        owner_name = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__  # a class, or a module
+        self.replace(f"{owner_name}.{attr}", owner, attr, make)
 
     def names(self) -> list[str]:
         return list(self._changes)
