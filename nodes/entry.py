@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 
+import comfy.model_management
 import torch
 from comfy_api.latest import ComfyExtension
 
@@ -14,17 +15,18 @@ from ..kernels import select_int8_gemm
 from ..tp2 import settings
 from ..tp2.collectives import reduce_dtype_from_env
 from ..tp2.session import TPSession
-from ..tp2.settings import read_tp_env
-from ..tp2.split import named, parse_split
+from ..tp2.split import parse_split
+from .front_door import read_secret
 from .pack_nodes import NODES, register_conditioning_folder
 from .state import STATE, log
+from .status_api import resolved_settings, split_named
 
 
 def activate() -> None:
     """Read the TP env; when present, create this rank's session and install the hooks (once)."""
     if STATE.active:
         return
-    env = read_tp_env()
+    env = settings.read_tp_env()
     if env is None:
         log.info(
             "minimax-h3-tp2: tensor parallelism is off in this ComfyUI (not started as a rank); start one ComfyUI per GPU "
@@ -32,10 +34,6 @@ def activate() -> None:
         )
         return
     settings.freeze()  # every setting read once, now: a bad value is refused at start-up
-    import comfy.model_management
-
-    from .front_door import read_secret
-
     device = comfy.model_management.get_torch_device()
     device = device if device.type == "cuda" else torch.device("cpu")
     _take_settings(env, device)
@@ -44,12 +42,9 @@ def activate() -> None:
     STATE.session = TPSession(env, device, boot_id=STATE.boot_id, secret=secret, peer_urls=settings.value("TP2_RANK_URLS"))
     _install_hooks(secret)
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
-    log.info(
-        "%s minimax-h3-tp2 active on %s: MASTER %s:%d, split %s, int8 kernel %s, reduce %s, sequence parallel %s, timeouts %.0f s (collectives) / %.0f s (prompt rendezvous)",
-        STATE.tag, device, env.master_addr, env.master_port, named(STATE.shares), STATE.int8_kernel, STATE.reduce_dtype,
-        f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})" if STATE.sequence_parallel else "off",
-        env.timeout_s, STATE.prompt_timeout_s,
-    )  # fmt: skip
+    # the settings as "name value" ("sequence parallel:" is the sequence-parallel forward's own log line)
+    log.info("%s minimax-h3-tp2 active: MASTER %s:%d, split %s; %s", STATE.tag, env.master_addr, env.master_port, split_named(),
+             "; ".join(f"{k} {v}" for k, v in resolved_settings().items()))  # fmt: skip
     _warn_if_dynamic_vram_cannot_evict()
 
 
@@ -76,7 +71,6 @@ def _install_hooks(secret: str | None) -> None:
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
     from .prompt_lifecycle import track_prompts
-    from .queue_journal import install_queue_journal
     from .same_outputs import install_same_outputs
     from .status_api import install_status_routes
     from .text_encoder import install_text_encoder_hook
@@ -89,7 +83,6 @@ def _install_hooks(secret: str | None) -> None:
     track_prompts()
     install_interrupt_deferral()
     install_front_door(secret)
-    install_queue_journal(secret)
     install_status_routes(PromptServer.instance.routes)  # read-only GETs, with or without the front door
     install_parallel_vae_decode()
     install_same_outputs()

@@ -25,12 +25,11 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from execution import SENSITIVE_EXTRA_DATA_KEYS
 
 from ..tp2 import settings
+from .queue_journal import install_queue_journal
 from .state import STATE, log
 
 HEADER = "X-TP2-Secret"
-ENV_SECRET_FILE = "TP2_SECRET_FILE"
-ENV_RANK_URLS = "TP2_RANK_URLS"
-FOLLOWER_GUARDED = ("/prompt", "/queue", "/interrupt", "/free", "/history")  # routes, as _route names them
+FOLLOWER_GUARDED = ("/prompt", "/queue", "/interrupt", "/free", "/history")  # POST routes, as _route names them
 REPEATED = ("/free", "/history")  # rank 0 repeats these on every follower
 FORWARD_TIMEOUT = ClientTimeout(total=60, sock_connect=3)
 PROBE_TIMEOUT = ClientTimeout(total=5, sock_connect=2)
@@ -46,16 +45,10 @@ def _route(request: web.Request) -> str:
     return path
 
 
-def _guarded_on_follower(request: web.Request) -> bool:
-    if request.method != "POST":
-        return False
-    route = _route(request)
-    return route in FOLLOWER_GUARDED or (route.startswith("/jobs/") and route.endswith("/cancel"))
-
-
 class FrontDoor:
     def __init__(self, secret: str, rank_urls: list[str]):
         self.secret, self.rank_urls = secret, rank_urls
+        self.run_dir = os.path.dirname(settings.value("TP2_SECRET_FILE"))  # the launcher's: the secret file's folder
         self.seq = 0  # rank 0: prompts dispatched by this process
         self.orders: dict[str, dict] = {}  # follower: prompt id -> rank 0's order for it (run, seq, boot, reset)
         self.last_order: tuple[str, int] | None = None  # follower: (rank 0 boot id, seq) of the last order taken
@@ -68,29 +61,22 @@ class FrontDoor:
     async def forward(self, path: str, body: dict) -> list[str]:
         """POST `body` to `path` on every follower; the problems, one line per rank that did not take it."""
 
-        async def one(rank: int, url: str) -> str | None:
+        async def one(rank: int, url: str, again: bool = True) -> str | None:
             try:
-                async with ClientSession(timeout=FORWARD_TIMEOUT) as s:
-                    for attempt in (1, 2):
-                        async with s.post(url + path, json=body, headers={HEADER: self.secret}) as r:
-                            status, text = r.status, await r.text()
-                        if status == 200:
-                            return None
-                        if attempt == 1 and status == 409 and "tp2_out_of_order" in text:  # it moved its mark back: again
-                            log.warning(
-                                "%s rank %d held an order later than any rank 0 sent (not rank 0's): handed over again", STATE.tag, rank
-                            )
-                            continue
-                        return f"rank {rank} ({url}) refused it ({status}): {_error_text(text)}"
+                async with ClientSession(timeout=FORWARD_TIMEOUT) as s, s.post(url + path, json=body, headers={HEADER: self.secret}) as r:
+                    status, text = r.status, await r.text()
             except asyncio.TimeoutError:
                 return (f"rank {rank} ({url}) did not answer within {FORWARD_TIMEOUT.total:.0f} s: it is frozen or overloaded "
                         f"(scripts/start-tp2.sh status; restart it with scripts/start-tp2.sh restart --rank {rank})")  # fmt: skip
             except (ClientError, OSError) as e:
                 return f"rank {rank} ({url}) is not reachable ({type(e).__name__}: {e}); start it again (scripts/start-tp2.sh status)"
+            if again and status == 409 and "tp2_out_of_order" in text:  # it moved its mark back: hand it over again, once
+                log.warning("%s rank %d held an order later than any rank 0 sent (not rank 0's): handed over again", STATE.tag, rank)
+                return await one(rank, url, again=False)
+            return None if status == 200 else f"rank {rank} ({url}) refused it ({status}): {_error_text(text)}"
 
         return [p for p in await asyncio.gather(*(one(r, u) for r, u in self.followers)) if p]
 
-    # -- rank 0 ----------------------------------------------------------------------------------------
     async def dispatch(self, prompt: dict, prompt_id: str, extra_data: dict, outputs: list, reset: bool) -> tuple[str, bool, str | None]:
         """Send the prompt rank 0 is starting to every follower: (the run id, whether every rank clears its node cache
         first, why a follower could not take it). A follower its launcher is starting again is waited for first (and
@@ -137,19 +123,18 @@ class FrontDoor:
 
     def restarting(self, rank: int) -> bool:
         """Whether the launcher's supervisor of `rank` is alive to start it again (RUN_DIR/rank<r>.supervisor)."""
-        run_dir = os.path.dirname(settings.value(ENV_SECRET_FILE) or "")
-        if not run_dir or os.path.exists(os.path.join(run_dir, "stopping")):
+        if os.path.exists(os.path.join(self.run_dir, "stopping")):
             return False
         try:
-            with open(os.path.join(run_dir, f"rank{rank}.supervisor")) as f:
+            with open(os.path.join(self.run_dir, f"rank{rank}.supervisor")) as f:
                 pid = int(f.read().strip())
             with open(f"/proc/{pid}/stat") as f:  # none when it is gone; a zombie when it ended unreaped (no init to reap it)
                 return f.read().rsplit(")", 1)[1].split()[0] != "Z"
         except (OSError, ValueError, IndexError):
             return False
 
-    async def _rank0(self, request: web.Request, handler):
-        route, body = _route(request), await _json(request)
+    async def _rank0(self, request: web.Request, handler, route: str):
+        body = await _json(request)
         if route == "/prompt":
             prompt_id = body.get("prompt_id")
             if prompt_id is not None and _known_prompt_id(prompt_id):
@@ -164,13 +149,12 @@ class FrontDoor:
             log.warning("%s could not repeat %s on a follower: %s", STATE.tag, route, p)
         return await handler(request)
 
-    # -- followers -------------------------------------------------------------------------------------
-    async def _follower(self, request: web.Request, handler):
+    async def _follower(self, request: web.Request, handler, route: str):
         if not hmac.compare_digest(request.headers.get(HEADER, ""), self.secret):
             why = (f"This ComfyUI is tensor-parallel rank {STATE.env.tp_rank} of {STATE.env.tp_size}, a follower: use rank 0 "
                    f"({self.rank_urls[0]}); it queues prompts and runs them on every rank.")  # fmt: skip
             return _refusal("tp2_follower", why, 403)
-        if _route(request) != "/prompt":
+        if route != "/prompt":
             return await handler(request)
         # a restarted follower takes prompts only once its peers can see it restarted (its boot id is published)
         await asyncio.get_running_loop().run_in_executor(None, STATE.boot_registered.wait, 15.0)
@@ -204,10 +188,11 @@ class FrontDoor:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
-        if STATE.env.tp_rank != 0:
-            return await self._follower(request, handler) if _guarded_on_follower(request) else await handler(request)
-        if request.method == "POST" and _route(request) in ("/prompt", *REPEATED):
-            return await self._rank0(request, handler)
+        route = _route(request) if request.method == "POST" else ""
+        if STATE.env.tp_rank == 0 and route in ("/prompt", *REPEATED):
+            return await self._rank0(request, handler, route)
+        if STATE.env.tp_rank != 0 and (route in FOLLOWER_GUARDED or (route.startswith("/jobs/") and route.endswith("/cancel"))):
+            return await self._follower(request, handler, route)
         return await handler(request)
 
     async def ranks(self, request: web.Request):
@@ -255,31 +240,33 @@ FRONT_DOOR: FrontDoor | None = None
 
 def read_secret() -> str | None:
     """The run's secret (TP2_SECRET_FILE), or None when the front door is off."""
-    path = settings.value(ENV_SECRET_FILE)
+    path = settings.value("TP2_SECRET_FILE")
     if not path:
         return None
     with open(path) as f:
         secret = f.read().strip()
     if len(secret) < 16:
         raise ValueError(
-            f"{ENV_SECRET_FILE}={path} holds {len(secret)} characters; the launcher writes 64. Restart the ranks with scripts/start-tp2.sh."
+            f"TP2_SECRET_FILE={path} holds {len(secret)} characters; the launcher writes 64. Restart the ranks with scripts/start-tp2.sh."
         )
     return secret
 
 
 def install_front_door(secret: str | None) -> None:
-    """Add the middleware and GET /tp2/ranks to ComfyUI's server (before it starts), when a secret is set."""
+    """Add the middleware, GET /tp2/ranks and rank 0's queue journal to ComfyUI's server (before it starts), when a secret is set."""
     global FRONT_DOOR
     from server import PromptServer
 
     if secret is None:
-        log.warning("%s %s is not set: the front door is off (every rank accepts prompts; submit to all ranks)", STATE.tag, ENV_SECRET_FILE)
+        log.warning("%s TP2_SECRET_FILE is not set: the front door is off (every rank accepts prompts; submit to all ranks)", STATE.tag)
         return
-    urls = settings.value(ENV_RANK_URLS)
+    urls = settings.value("TP2_RANK_URLS")
     if len(urls) != STATE.env.tp_size:
-        raise ValueError(f"{ENV_RANK_URLS} lists {len(urls)} URLs for tp_size {STATE.env.tp_size}; the launcher sets one per rank.")
+        raise ValueError(f"TP2_RANK_URLS lists {len(urls)} URLs for tp_size {STATE.env.tp_size}; the launcher sets one per rank.")
     FRONT_DOOR = FrontDoor(secret, urls)
     PromptServer.instance.app.middlewares.append(FRONT_DOOR.middleware)
     PromptServer.instance.routes.get("/tp2/ranks")(FRONT_DOOR.ranks)
     role = f"prompts only from rank 0 ({urls[0]})" if STATE.env.tp_rank else "the only queue; prompts go to the followers as they start"
     log.info("%s front door on: %s", STATE.tag, role)
+    if STATE.env.tp_rank == 0:
+        install_queue_journal(FRONT_DOOR.run_dir, secret)

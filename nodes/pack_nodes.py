@@ -8,9 +8,7 @@ import folder_paths
 from comfy_api.latest import io
 
 from ..tp2.conditioning import load_conditioning, save_conditioning
-from ..tp2.split import even, is_even, named
-from .patches import PATCHES
-from .state import STATE
+from .status_api import status_text
 
 CATEGORY = "MiniMax-H3 TP"
 CONDITIONING_FOLDER = "h3_conditioning"
@@ -21,47 +19,6 @@ def register_conditioning_folder() -> None:
     if CONDITIONING_FOLDER not in folder_paths.folder_names_and_paths:
         path = os.path.join(folder_paths.models_dir, CONDITIONING_FOLDER)
         folder_paths.folder_names_and_paths[CONDITIONING_FOLDER] = ([path], {".safetensors"})
-
-
-def unique_models() -> list[tuple[object, int]]:
-    """The H3 models this rank built, each once with how often it was loaded (a cache clear or "Unload models" loads
-    the same file again), most recent load last."""
-    latest: dict[tuple, tuple] = {}
-    for m in STATE.models:
-        key = (m.source, m.plan_fingerprint, m.checkpoint_fingerprint, m.origin)
-        loads = latest.pop(key, (None, 0))[1]  # popped and put back: the most recent load ends the list
-        latest[key] = (m, loads + 1)
-    return list(latest.values())
-
-
-def split_named() -> str:
-    """The ranks' shares: "even", or as --split takes them with each rank's part ("3:2 (rank 0 60%, rank 1 40%)"), and
-    each loaded model whose plan cut another split ("; h3_tiny.safetensors cut even (3:1 asked: too few units)")."""
-    shares = STATE.shares or even(STATE.env.tp_size)
-    parts = "" if is_even(shares) else f" ({', '.join(f'rank {r} {s / sum(shares):.0%}' for r, s in enumerate(shares))})"
-    other = [f"; {m.source} cut {m.split}" for m, _ in unique_models() if m.split != named(shares)]
-    return named(shares) + parts + "".join(other)
-
-
-def status_text() -> str:
-    if not STATE.active:
-        return "TP inactive: TP2_RANK / TP2_WORLD_SIZE are not set, ComfyUI runs as usual."
-    env = STATE.env
-    lines = [f"rank {env.tp_rank} of tp_size {env.tp_size}, split {split_named()}"]
-    session = STATE.session
-    lines.append(f"process group: generation {session.generation}, {'healthy' if session.healthy else 'not formed / needs re-forming'}")
-    lines.append(f"last agreement: {STATE.last_agreement}")
-    lines.append(f"kernels: int8 GEMM {STATE.int8_kernel}, attention {STATE.attention}")
-    lines.append(f"numerics check: {STATE.numerics}")
-    lines.append(f"patched: {', '.join(PATCHES.names()) or 'nothing'}")
-    lines.append(f"timeouts: collectives {env.timeout_s:.0f} s, prompt rendezvous {STATE.prompt_timeout_s:.0f} s")
-    for m, loads in unique_models():
-        times = f", loaded {loads} times" if loads > 1 else ""
-        lines.append(
-            f"model {m.source}: {m.plan_summary}; checkpoint {m.checkpoint_fingerprint}; {m.origin}, {m.load_seconds:.1f} s{times}"
-        )
-        lines.append(f"  changed on the model: {m.changes.summary() if m.changes is not None else 'nothing'}")
-    return "\n".join(lines)
 
 
 class TP2Status(io.ComfyNode):

@@ -15,32 +15,6 @@ from collections import Counter
 from collections.abc import Callable
 
 
-def _owner_name(owner: object) -> str:
-    if isinstance(owner, type):
-        return f"{owner.__module__}.{owner.__qualname__}"
-    return getattr(owner, "__name__", type(owner).__name__)
-
-
-class PatchRegistry:
-    """Process-wide patches of ComfyUI's modules and classes."""
-
-    def __init__(self):
-        self._names: list[str] = []
-
-    def install(self, owner: object, attr: str, make: Callable[[object], object]) -> None:
-        """Replace owner.attr with make(original) unless this registry already did."""
-        name = f"{_owner_name(owner)}.{attr}"
-        if name not in self._names:
-            setattr(owner, attr, make(getattr(owner, attr)))
-            self._names.append(name)
-
-    def names(self) -> list[str]:
-        return list(self._names)
-
-
-PATCHES = PatchRegistry()
-
-
 class ModelChanges:
     """The per-instance changes the pack made to one model's objects: obj.attr = make(what it was), each named.
     They live and go with the model; nothing puts them back."""
@@ -50,15 +24,28 @@ class ModelChanges:
 
     def replace(self, name: str, obj: object, attr: str, make: Callable[[object], object]) -> None:
         """obj.attr = make(obj.attr) under `name` (e.g. "blocks.3.attn.out_proj.forward"), unless already done."""
-        if name in self._changes:
-            return
-        setattr(obj, attr, make(getattr(obj, attr)))
-        self._changes[name] = (obj, attr)
+        if name not in self._changes:
+            setattr(obj, attr, make(getattr(obj, attr)))
+            self._changes[name] = (obj, attr)
 
     def summary(self) -> str:
         """What was changed, by kind: "forward of 4 Linear, preprocess_text_embeds of 1 MiniMaxH3Model"."""
         kinds = Counter(f"{attr} of {{}} {type(obj).__name__}" for obj, attr in self._changes.values())
         return ", ".join(kind.format(n) for kind, n in kinds.items()) or "nothing"
+
+
+class PatchRegistry(ModelChanges):
+    """Process-wide patches of ComfyUI's modules and classes, each named "<owner>.<attr>"."""
+
+    def install(self, owner: object, attr: str, make: Callable[[object], object]) -> None:
+        owner_name = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__  # a class, or a module
+        self.replace(f"{owner_name}.{attr}", owner, attr, make)
+
+    def names(self) -> list[str]:
+        return list(self._changes)
+
+
+PATCHES = PatchRegistry()
 
 
 def changes_of(model: object) -> ModelChanges:

@@ -48,8 +48,7 @@ def _caches_may_differ() -> bool:
     if boots is not None:
         # a restart is a known id replaced by another; a first registration (None -> id) is not
         seen = SEEN.boots or [None] * len(boots)
-        if any(old is not None and new is not None and old != new for old, new in zip(seen, boots)):
-            changed = True
+        changed |= any(old is not None and new is not None and old != new for old, new in zip(seen, boots))
         SEEN.boots = [new if new is not None else old for old, new in zip(seen, boots)]
     return changed
 
@@ -83,12 +82,9 @@ def _tracking_execute_async(original):
             if front_door.FRONT_DOOR is not None and STATE.env.tp_rank == 0 and mm.processing_interrupted():
                 # interrupted while rank 0 handed it over (ComfyUI clears the flag as a prompt starts): it ends here,
                 # and a follower that took it is told by the stop notice below
-                log.warning("%s prompt %s interrupted while it was handed to the other ranks", STATE.tag, prompt_id)
                 _fail_before_start(self, prompt, prompt_id, extra_data, execute_outputs, None)
             elif refused:
-                why = f"Tensor-parallel ranks unavailable: {refused}"
-                log.warning("%s prompt %s not started: %s", STATE.tag, prompt_id, why)
-                _fail_before_start(self, prompt, prompt_id, extra_data, execute_outputs, why)
+                _fail_before_start(self, prompt, prompt_id, extra_data, execute_outputs, f"Tensor-parallel ranks unavailable: {refused}")
             else:
                 await original(self, prompt, prompt_id, extra_data, execute_outputs)
         finally:
@@ -117,6 +113,7 @@ def _failure(executor) -> str | None:
 
 def _fail_before_start(executor, prompt, prompt_id, extra_data, outputs, why: str | None) -> None:
     """Record the prompt as failed (`why`) or interrupted (None) without running a node, as ComfyUI records a node's."""
+    log.warning("%s prompt %s not started: %s", STATE.tag, prompt_id, why or "interrupted while it was handed to the other ranks")
     executor.server.client_id = extra_data.get("client_id")
     executor.status_messages = []
     executor.add_message("execution_start", {"prompt_id": prompt_id}, broadcast=False)

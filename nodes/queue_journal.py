@@ -18,7 +18,6 @@ import os
 import re
 import time
 
-from ..tp2 import settings
 from ..tp2.signing import signed, unsigned
 from .patches import PATCHES
 from .state import STATE, log
@@ -28,16 +27,13 @@ SIGNED_AS = "tp2/queue_journal"  # the store-key-like name each line's signature
 KEPT_RECORDS = 32  # finished prompts' history records kept across a restart
 LOST = "rank 0's process ended while this prompt ran and the launcher started it again; queue the prompt again"
 WATCHED = ("put", "get", "task_done", "wipe_queue", "delete_queue_item", "wipe_history", "delete_history_item")
-_ID = re.compile(r'\["(?:running|pending)", *-?\d+, *"((?:[^"\\]|\\.)*)"|\["history", *"((?:[^"\\]|\\.)*)"')
+_ID = re.compile(r'\[(?:"(?:running|pending)", *-?\d+|"history"), *"((?:[^"\\]|\\.)*)"')  # the prompt id of a line
 
 
-def install_queue_journal(secret: str | None) -> None:
-    secret_file = settings.value("TP2_SECRET_FILE")
-    if STATE.env.tp_rank != 0 or not secret_file or secret is None:
-        return
+def install_queue_journal(run_dir: str, secret: str) -> None:
     from server import PromptServer
 
-    path = os.path.join(os.path.dirname(secret_file), JOURNAL)
+    path = os.path.join(run_dir, JOURNAL)
     queue = PromptServer.instance.prompt_queue
     try:
         _restore(queue, PromptServer.instance, path, secret)
@@ -104,9 +100,8 @@ def _restore(queue, server, path: str, secret: str) -> None:
         row, why = _row(line, secret)
         if row is None:
             problems.append(f"line {n}: {why}")
-            m = _ID.match(line)
-            if m:
-                pid = json.loads(f'"{m[1] if m[1] is not None else m[2]}"')
+            if m := _ID.match(line):
+                pid = json.loads(f'"{m[1]}"')
                 failed[pid] = f"rank 0 restarted and could not read this prompt's entry in its queue journal ({why}): queue it again"
         elif row[0] == "history":
             queue.history[row[1]] = row[2]

@@ -9,7 +9,6 @@ import threading
 from dataclasses import dataclass, field
 
 from ..tp2 import settings
-from ..tp2.settings import TPEnv
 
 log = logging.getLogger("minimax_h3_tp2")
 
@@ -24,7 +23,7 @@ class LoadedModel:
     checkpoint_fingerprint: str
     origin: str  # where its weights came from: "shard-on-read", "rank file ...", "rank cache ...", "mapped whole"
     load_seconds: float
-    changes: object = None  # nodes.patches.ModelChanges: what the pack replaced on the model's objects
+    changes: object  # nodes.patches.ModelChanges: what the pack replaced on the model's objects
     split: str = "even"  # the split its plan really cut (tp2.split.cut_named), which may differ from the one asked for
 
 
@@ -46,7 +45,7 @@ class Prompt:
 
 @dataclass
 class RankState:
-    env: TPEnv | None = None
+    env: settings.TPEnv | None = None
     session: object | None = None  # tp2.session.TPSession, created at activation
     device: object | None = None
     int8_kernel: str = "auto"

@@ -14,12 +14,50 @@ import asyncio
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
+from ..tp2.split import even, is_even, named
 from . import front_door
-from .pack_nodes import split_named, status_text, unique_models
 from .patches import PATCHES
 from .state import STATE
 
 PEER_TIMEOUT = ClientTimeout(total=2.0, sock_connect=1.0)  # a rank that cannot answer a GET in 2 s is reported
+
+
+def unique_models() -> list[tuple[object, int]]:
+    """The H3 models this rank built, each once with how often it was loaded (a cache clear or "Unload models" loads
+    the same file again), most recent load last."""
+    latest: dict[tuple, tuple] = {}
+    for m in STATE.models:
+        key = (m.source, m.plan_fingerprint, m.checkpoint_fingerprint, m.origin)
+        loads = latest.pop(key, (None, 0))[1]  # popped and put back: the most recent load ends the list
+        latest[key] = (m, loads + 1)
+    return list(latest.values())
+
+
+def split_named() -> str:
+    """The ranks' shares: "even", or as --split takes them with each rank's part ("3:2 (rank 0 60%, rank 1 40%)"), and
+    each loaded model whose plan cut another split ("; h3_tiny.safetensors cut even (3:1 asked: too few units)")."""
+    shares = STATE.shares or even(STATE.env.tp_size)
+    parts = "" if is_even(shares) else f" ({', '.join(f'rank {r} {s / sum(shares):.0%}' for r, s in enumerate(shares))})"
+    other = [f"; {m.source} cut {m.split}" for m, _ in unique_models() if m.split != named(shares)]
+    return named(shares) + parts + "".join(other)
+
+
+def status_text() -> str:
+    """The status node's text: this rank, its group, its settings (as GET /tp2/status has them), the models it built."""
+    if not STATE.active:
+        return "TP inactive: TP2_RANK / TP2_WORLD_SIZE are not set, ComfyUI runs as usual."
+    env, session = STATE.env, STATE.session
+    lines = [
+        f"rank {env.tp_rank} of tp_size {env.tp_size}, split {split_named()}",
+        f"process group: generation {session.generation}, {'healthy' if session.healthy else 'not formed / needs re-forming'}",
+        f"last agreement: {STATE.last_agreement}",
+        *(f"{k}: {v}" for k, v in resolved_settings().items()),
+    ]
+    for m, loads in unique_models():
+        loaded = f"{m.origin}, {m.load_seconds:.1f} s" + (f", loaded {loads} times" if loads > 1 else "")
+        lines.append(f"model {m.source}: {m.plan_summary}; checkpoint {m.checkpoint_fingerprint}; {loaded}")
+        lines.append(f"  changed on the model: {m.changes.summary()}")
+    return "\n".join(lines)
 
 
 def rank_status() -> dict:
@@ -27,7 +65,9 @@ def rank_status() -> dict:
     if not STATE.active:
         return {"active": False}
     env, session = STATE.env, STATE.session
-    group = getattr(session, "group", None)
+    group, link = getattr(session, "group", None), session.link  # the link: measured as the group formed (tp2/link.py)
+    link = link and {"bus_gbps": round(link.bus_gbps, 2), "kind": link.kind, "mib": link.mib, "ms": round(link.seconds * 1e3, 2),
+                     "prediction": session.link_prediction}  # fmt: skip
     return {
         "active": True,
         "tp_rank": env.tp_rank,
@@ -39,7 +79,7 @@ def rank_status() -> dict:
             "generation": session.generation,
             "formed": bool(session.healthy),
             "backend": group.backend if group is not None else None,
-            "link": link_status(session),
+            "link": link,
         },
         "stop_reason": session.stop_reason() if session.watcher.run is not None else None,  # a finished run's is history
         "waiting": session.watcher.waiting_text,  # on a peer alive but not progressing (tp2/progress.py)
@@ -47,19 +87,10 @@ def rank_status() -> dict:
         "prompt": {"prompt_id": STATE.prompt.prompt_id, "run": STATE.prompt.run, "model_calls": STATE.prompt.model_calls},
         "progress": prompt_progress(),
         "heartbeats": {str(r): round(age, 1) for r, age in session.watcher.heartbeat_ages().items()},  # seconds since each changed
-        "settings": settings(),
+        "settings": resolved_settings(),
         "models": [{"source": m.source, "plan": m.plan_summary, "loads": n} for m, n in unique_models()],
         "text": status_text(),
     }
-
-
-def link_status(session) -> dict | None:
-    """The link the current (or last) group measured as it formed (tp2/link.py), with the speed-up predicted from it."""
-    link = session.link
-    if link is None:
-        return None
-    return {"bus_gbps": round(link.bus_gbps, 2), "kind": link.kind, "mib": link.mib, "ms": round(link.seconds * 1e3, 2),
-            "prediction": session.link_prediction}  # fmt: skip
 
 
 def prompt_progress() -> dict | None:
@@ -84,7 +115,7 @@ def prompt_progress() -> dict | None:
     return out
 
 
-def settings() -> dict[str, str]:
+def resolved_settings() -> dict[str, str]:
     """The pack's settings as this rank resolved them at start (the env was read once, by activation)."""
     env = STATE.env
     sp = f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})" if STATE.sequence_parallel else "off"
