@@ -114,7 +114,7 @@ def _register_boot() -> None:
         try:
             STATE.session.register_boot(STATE.boot_id, timeout_s=10)
             STATE.boot_registered.set()
-            STATE.session.start_watching()
+            STATE.session.watcher.start()
             return
         except Exception as e:  # noqa: BLE001 - rank 0 not up yet: retry
             last = e
@@ -124,7 +124,7 @@ def _register_boot() -> None:
         STATE.tag,
         last,
     )
-    STATE.session.start_watching()  # it keeps trying the store
+    STATE.session.watcher.start()  # it keeps trying the store
 
 
 class TP2Extension(ComfyExtension):

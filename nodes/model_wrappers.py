@@ -15,10 +15,9 @@ import comfy.model_management as mm
 import comfy.patcher_extension as pe
 
 from ..tp2.collectives import broadcast_tree, carries_tensors
-from ..tp2.handshake import model_fingerprint
+from ..tp2.handshake import detail_key, model_fingerprint
 from ..tp2.plan import Plan
 from ..tp2.same_bytes import bytes_digest
-from ..tp2.session import detail_key
 from .attention_choice import attention_override
 from .capacity_check import capacity_advice, sampling_peak
 from .lora import lora_patch_report

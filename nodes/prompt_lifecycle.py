@@ -77,7 +77,7 @@ def _tracking_execute_async(original):
             log.info("%s a rank restarted, failed or freed memory since the last prompt: clearing this rank's node cache", STATE.tag)
             self.reset()
         STATE.prompt = Prompt(prompt_id, run, prompt_fingerprint(prompt), prompt_details(prompt))
-        session.begin_run(run, boots)
+        session.watcher.begin(run, boots)
         try:
             if front_door.FRONT_DOOR is not None and STATE.env.tp_rank == 0 and mm.processing_interrupted():
                 # interrupted while rank 0 handed it over (ComfyUI clears the flag as a prompt starts): it ends here,
@@ -90,12 +90,12 @@ def _tracking_execute_async(original):
         finally:
             failure = _failure(self)
             if failure is not None:
-                if session.stop_reason() is None:  # this rank stopped the run: every rank is told why
+                if session.watcher.stop_reason() is None:  # this rank stopped the run: every rank is told why
                     session.stop_run(f"rank {STATE.env.tp_rank} stopped the prompt: {failure}")
                 else:
                     session.abandon_group()
                 session.cache_epoch(bump=True)
-            session.end_run()
+            session.watcher.end()
             STATE.prompt = Prompt(fingerprint=STATE.prompt.fingerprint, model_calls=STATE.prompt.model_calls)
 
     return execute_async

@@ -81,7 +81,7 @@ def rank_status() -> dict:
             "backend": group.backend if group is not None else None,
             "link": link,
         },
-        "stop_reason": session.stop_reason() if session.watcher.run is not None else None,  # a finished run's is history
+        "stop_reason": session.watcher.stop_reason() if session.watcher.run is not None else None,  # a finished run's is history
         "waiting": session.watcher.waiting_text,  # on a peer alive but not progressing (tp2/progress.py)
         "last_agreement": STATE.last_agreement,
         "prompt": {"prompt_id": STATE.prompt.prompt_id, "run": STATE.prompt.run, "model_calls": STATE.prompt.model_calls},

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from .collectives import TPGroup, broadcast_tree
-from .errors import ChunkingChangedError
+from .errors import TP2Error
 from .split import Shares, even, small
 
 MAX_ROUND_PER_RANK = 4  # uneven shares are approximated by a round of at most this many units per rank
@@ -62,7 +62,7 @@ class RoundRobinDecoder:
         """The decode of the next unit, checked to be the input the model passes (fail closed, never a wrong video)."""
         i = self.served
         if i >= len(self.clips) or clip.shape != self.clips[i].shape or not torch.equal(clip, self.clips[i]):
-            raise ChunkingChangedError(
+            raise TP2Error(
                 f"[tp2 r{self.tp.tp_rank}/{self.tp.tp_size}] the VAE asked for decode {i} with input {tuple(clip.shape)}, "
                 f"but the parallel schedule cut the latent into {len(self.clips)} decodes and decode {i} differs "
                 f"{'(there is none)' if i >= len(self.clips) else tuple(self.clips[i].shape)}: ComfyUI's temporal chunking or "

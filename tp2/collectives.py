@@ -1,7 +1,7 @@
 """TP process groups and the collectives the pack uses, each with a bounded wait.
 
 Every collective runs under the group's timeout; a peer that died or never came surfaces as `PeerLostError` on the
-surviving rank. A group may carry `stop_check` (the session's watcher): every wait on a CPU-side (gloo) collective
+surviving rank. A group may carry the session's watcher (tp2/watch.py): every wait on a CPU-side (gloo) collective
 polls it, so a peer that stopped the run (its reason) or went silent ends the wait within a poll with
 `PromptAbortedError(reason)`, not at the timeout. NCCL collectives are queued on the GPU stream, where the host does
 not wait; for them the watcher aborts the communicator (tp2/session.py). Imports torch only; never `comfy`.
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from . import settings
 from .errors import PeerLostError, PromptAbortedError
-from .progress import Progress
 from .settings import TPEnv
+from .watch import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,7 @@ class TPGroup:
     group: dist.ProcessGroup  # tensor collectives
     cpu_group: dist.ProcessGroup  # handshakes and small objects, never blocks a GPU stream
     timeout_s: float
-    stop_check: Callable[[], str | None] | None = None  # why the run must stop now (a peer's reason), else None
-    loss_check: Callable[[], str | None] | None = None  # after a broken collective: which rank is gone, if known
-    progress: Progress | None = None  # told while a host-side wait waits for a peer (tp2/progress.py)
+    watcher: Watcher | None = None  # its stop_reason() ends waits; store_problem() names a rank gone; progress is told of waits
 
     @functools.cached_property
     def backend(self) -> str:  # fixed for the group's life; read per collective
@@ -58,7 +56,7 @@ def group_backend(device: torch.device) -> str:
 
 
 def init_tp_group(
-    env: TPEnv, device: torch.device | None = None, store: dist.Store | None = None, stop_check=None, loss_check=None, progress=None
+    env: TPEnv, device: torch.device | None = None, store: dist.Store | None = None, watcher: Watcher | None = None
 ) -> TPGroup:
     """Join the TP world (group_backend(device)) over `store` (a session's generation-prefixed store), else over
     MASTER_ADDR:MASTER_PORT; a peer that never arrives is an error after the timeout."""
@@ -78,7 +76,7 @@ def init_tp_group(
             "MASTER_PORT and TP2_WORLD_SIZE, and check the other ranks' logs."
         ) from e
     log.info("[tp2 r%d/%d] joined TP group (%s, timeout %.0f s)", env.tp_rank, env.tp_size, backend, env.timeout_s)
-    return TPGroup(env.tp_rank, env.tp_size, device, dist.group.WORLD, cpu_group, env.timeout_s, stop_check, loss_check, progress)
+    return TPGroup(env.tp_rank, env.tp_size, device, dist.group.WORLD, cpu_group, env.timeout_s, watcher)
 
 
 REASON_GRACE_S = 2.0  # after a collective fails, how long to look for the peer's published reason
@@ -87,14 +85,13 @@ REASON_GRACE_S = 2.0  # after a collective fails, how long to look for the peer'
 def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbortedError:
     """The error for a failed collective: the peer's own reason when it published one (it stopped the run), else
     the rank known to be gone, else a peer that died."""
-    if tp.stop_check is not None:
-        deadline = time.monotonic() + REASON_GRACE_S
-        while time.monotonic() < deadline:
-            why = tp.stop_check()
-            if why:
-                return PromptAbortedError(why)
-            time.sleep(0.05)
-    gone = tp.loss_check() if tp.loss_check is not None else None
+    deadline = time.monotonic() + REASON_GRACE_S
+    while tp.watcher is not None and time.monotonic() < deadline:
+        why = tp.watcher.stop_reason()
+        if why:
+            return PromptAbortedError(why)
+        time.sleep(0.05)
+    gone = tp.watcher.store_problem() if tp.watcher is not None else None
     told = gone or f"{_what_happened(tp, e)} ({type(e).__name__}: {e})"
     return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {told}")
 
@@ -114,36 +111,28 @@ def _what_happened(tp: TPGroup, e: BaseException) -> str:
 
 
 def wait(work, tp: TPGroup, what: str | Callable[[], str], host_side: bool) -> None:
-    """Wait for `work`; a host-side (gloo) wait polls the group's `stop_check` so a peer's stop ends it at once (a
+    """Wait for `work`; a host-side (gloo) wait polls the group's watcher so a peer's stop ends it at once (a
     GPU one only makes the current stream wait). `what` names the collective in an error (a callable is called only
     then: the hot path formats nothing)."""
     try:
-        if not host_side or tp.stop_check is None:
+        if not host_side or tp.watcher is None:
             work.wait()
             return
         pause = 0.0002
         while not work.is_completed():
-            why = tp.stop_check()
+            why = tp.watcher.stop_reason()
             if why:
                 raise PromptAbortedError(why)
-            if pause > 0.01 and tp.progress is not None and tp.progress.waiting is None:  # waiting for a peer, not a copy
-                tp.progress.wait_begin(what() if callable(what) else what)
+            if pause > 0.01 and tp.watcher.progress.waiting is None:  # waiting for a peer, not a copy
+                tp.watcher.progress.wait_begin(what() if callable(what) else what)
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
         work.wait()  # raises if the collective failed
     except (RuntimeError, dist.DistError) as e:
         raise _lost(tp, what() if callable(what) else what, e) from e
     finally:
-        if tp.progress is not None:
-            tp.progress.wait_end()
-
-
-def _start(tp: TPGroup, what: str | Callable[[], str], start: Callable):
-    """`start()`'s work (an async collective); a collective that cannot even start is the loss of a peer."""
-    try:
-        return start()
-    except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, what() if callable(what) else what, e) from e
+        if tp.watcher is not None:
+            tp.watcher.progress.wait_end()
 
 
 def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -154,20 +143,23 @@ def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     def what() -> str:
         return f"all_reduce of {tuple(t.shape)} {t.dtype}"
 
-    work = _start(tp, what, lambda: dist.all_reduce(t, group=tp.group, async_op=True))
-    wait(work, tp, what, tp.backend == "gloo")
-    return t
+    return Pending(tp, what, lambda: dist.all_reduce(t, group=tp.group, async_op=True), lambda: t).result()
 
 
 class Pending:
-    """A collective in flight: `result()` makes the current stream wait for it and returns the tensor."""
+    """A collective in flight, started by `start()` (None: nothing to wait for; one that cannot even start is the loss
+    of a peer): `result()` makes the current stream wait for it (`wait`; host-side by default on a gloo group) and returns `finish()`."""
 
-    def __init__(self, work, finish, tp: TPGroup, what: str):
-        self._work, self._finish, self._tp, self._what = work, finish, tp, what
+    def __init__(self, tp: TPGroup, what: str | Callable[[], str], start: Callable | None, finish=lambda: None, host_side=None):
+        self._tp, self._what, self._finish, self._host_side = tp, what, finish, host_side
+        try:
+            self._work = start() if start is not None else None
+        except (RuntimeError, dist.DistError) as e:
+            raise _lost(tp, what() if callable(what) else what, e) from e
 
     def result(self) -> torch.Tensor:
         if self._work is not None:
-            wait(self._work, self._tp, self._what, self._tp.backend == "gloo")
+            wait(self._work, self._tp, self._what, self._tp.backend == "gloo" if self._host_side is None else self._host_side)
         return self._finish()
 
 
@@ -177,32 +169,29 @@ def start_reduce_scatter_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
     same sums."""
     what = f"reduce_scatter of {tuple(t.shape)} {t.dtype}"
     if tp.tp_size == 1:
-        return Pending(None, lambda: t, tp, what)
+        return Pending(tp, what, None, lambda: t)
     n = t.shape[0] // tp.tp_size
     if tp.backend == "nccl":
         out = torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        work = _start(tp, what, lambda: dist.reduce_scatter_tensor(out, t.contiguous(), group=tp.group, async_op=True))
-        return Pending(work, lambda: out, tp, what)
-    work = _start(tp, what, lambda: dist.all_reduce(t, group=tp.group, async_op=True))
-    return Pending(work, lambda: t.narrow(0, tp.tp_rank * n, n).clone(), tp, what)
+        return Pending(tp, what, lambda: dist.reduce_scatter_tensor(out, t.contiguous(), group=tp.group, async_op=True), lambda: out)
+    return Pending(tp, what, lambda: dist.all_reduce(t, group=tp.group, async_op=True), lambda: t.narrow(0, tp.tp_rank * n, n).clone())
 
 
 def start_all_gather_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
     """Every rank's rows `t` [n, ...] stacked in rank order, [tp_size * n, ...], started."""
     what = f"all_gather of {tuple(t.shape)} {t.dtype}"
     if tp.tp_size == 1:
-        return Pending(None, lambda: t, tp, what)
+        return Pending(tp, what, None, lambda: t)
     out = torch.empty((t.shape[0] * tp.tp_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     if tp.backend == "nccl":
-        work = _start(tp, what, lambda: dist.all_gather_into_tensor(out, t.contiguous(), group=tp.group, async_op=True))
-    else:
-        work = _start(tp, what, lambda: dist.all_gather(list(out.chunk(tp.tp_size)), t.contiguous(), group=tp.group, async_op=True))
-    return Pending(work, lambda: out, tp, what)
+        return Pending(tp, what, lambda: dist.all_gather_into_tensor(out, t.contiguous(), group=tp.group, async_op=True), lambda: out)
+    parts = list(out.chunk(tp.tp_size))
+    return Pending(tp, what, lambda: dist.all_gather(parts, t.contiguous(), group=tp.group, async_op=True), lambda: out)
 
 
 def _cpu(op, tp: TPGroup, what: str, *args, **kwargs) -> None:
     """One collective on the CPU group, waited for with the stop check."""
-    wait(_start(tp, what, lambda: op(*args, group=tp.cpu_group, async_op=True, **kwargs)), tp, what, host_side=True)
+    Pending(tp, what, lambda: op(*args, group=tp.cpu_group, async_op=True, **kwargs), host_side=True).result()
 
 
 def broadcast_object(obj: object, tp: TPGroup, src: int = 0) -> object:
@@ -218,17 +207,8 @@ def broadcast_object(obj: object, tp: TPGroup, src: int = 0) -> object:
 
 
 def all_gather_object(obj: object, tp: TPGroup) -> list:
-    """Every rank's picklable object, in rank order (over the CPU group)."""
-    if tp.tp_size == 1:
-        return [obj]
-    data = pickle.dumps(obj)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(tp.tp_size)]
-    _cpu(dist.all_gather, tp, "all_gather of object sizes", sizes, torch.tensor([len(data)], dtype=torch.int64))
-    longest = int(max(s.item() for s in sizes))
-    padded = torch.frombuffer(bytearray(data.ljust(longest, b"\0")), dtype=torch.uint8)
-    blobs = [torch.empty(longest, dtype=torch.uint8) for _ in range(tp.tp_size)]
-    _cpu(dist.all_gather, tp, f"all_gather of objects ({longest} bytes)", blobs, padded)
-    return [pickle.loads(b[: int(n.item())].numpy().tobytes()) for b, n in zip(blobs, sizes)]
+    """Every rank's picklable object, in rank order: each rank's broadcast in turn (no padding to the longest)."""
+    return [broadcast_object(obj if r == tp.tp_rank else None, tp, r) for r in range(tp.tp_size)]
 
 
 def _map_tensors(obj, fn: Callable[[torch.Tensor], object]):
@@ -244,13 +224,11 @@ def _map_tensors(obj, fn: Callable[[torch.Tensor], object]):
 
 def carries_tensors(value: object) -> bool:
     """Whether `value` is a tensor or a dict/list/tuple holding one at any depth (what broadcast_tree must carry)."""
-    if isinstance(value, torch.Tensor):
-        return True
     if isinstance(value, dict):
-        return any(carries_tensors(v) for v in value.values())
+        value = list(value.values())
     if isinstance(value, (list, tuple)):
         return any(carries_tensors(v) for v in value)
-    return False
+    return isinstance(value, torch.Tensor)
 
 
 def broadcast_tree(obj: object, tp: TPGroup, src: int = 0) -> object:
@@ -258,20 +236,15 @@ def broadcast_tree(obj: object, tp: TPGroup, src: int = 0) -> object:
     structure, shapes and dtypes go over the CPU group, the tensors over the tensor group on `tp.device`."""
     if tp.tp_size == 1:
         return obj
-    tensors: list[torch.Tensor] = []
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        tensors.append(t)
-        return t
-
-    shapes = _map_tensors(obj, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")) if tp.tp_rank == src else None
-    shapes = broadcast_object(shapes, tp, src)
     if tp.tp_rank == src:
-        tree = _map_tensors(obj, lambda t: keep(t.to(tp.device).contiguous()))
+        broadcast_object(_map_tensors(obj, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")), tp, src)
+        tree = _map_tensors(obj, lambda t: t.to(tp.device).contiguous())
     else:
-        tree = _map_tensors(shapes, lambda m: keep(torch.empty(m.shape, dtype=m.dtype, device=tp.device)))
+        tree = _map_tensors(broadcast_object(None, tp, src), lambda m: torch.empty(m.shape, dtype=m.dtype, device=tp.device))
+    tensors: list[torch.Tensor] = []
+    _map_tensors(tree, tensors.append)  # in the order both sides walk it
     what = f"broadcast of {len(tensors)} tensors"
-    works = [_start(tp, what, lambda t=t: dist.broadcast(t, src=src, group=tp.group, async_op=True)) for t in tensors]
-    for work in works:
-        wait(work, tp, what, tp.backend == "gloo")
+    pending = [Pending(tp, what, lambda t=t: dist.broadcast(t, src=src, group=tp.group, async_op=True)) for t in tensors]
+    for p in pending:
+        p.result()
     return tree

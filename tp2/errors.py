@@ -42,10 +42,6 @@ class AdapterPlacementError(TP2Error):
     """A LoRA (or other weight patch) cannot be applied to this rank's shard as given."""
 
 
-class ChunkingChangedError(TP2Error):
-    """A chunked decode asked for a chunk other than the one this rank's parallel schedule decoded."""
-
-
 class NumericsError(TP2Error):
     """This device's int8 path measured wrong against exact math (tp2/numerics.py): the video would be noise."""
 

@@ -21,12 +21,17 @@ def model_fingerprint(plan_fingerprint: str, checkpoint_fingerprint: str, tp_siz
     return {**fields, "split": named(shares) if shares else "even"}
 
 
-DETAIL = "detail:"  # a field `<skip_prefix>detail:<key>` holds JSON {label: short value} explaining field <key>
+PRIVATE = "_tp2_"  # field-name prefix for the session's own bookkeeping (not compared)
 
 
-def compare_fields(everyone: list[dict[str, str]], tag: str, what: str, skip_prefix: str = "\0") -> None:
+def detail_key(field: str) -> str:
+    """The field that explains `field` when ranks differ on it (JSON {label: short value}; not compared itself)."""
+    return f"{PRIVATE}detail:{field}"
+
+
+def compare_fields(everyone: list[dict[str, str]], tag: str, what: str) -> None:
     """Raise RankMismatchError naming every field whose value differs between ranks (ranks in list order). A differing
-    field that comes with details (`<skip_prefix>detail:<field>`, e.g. the prompt's nodes and inputs) is explained by
+    field that comes with details (`detail_key(field)`, e.g. the prompt's nodes and inputs) is explained by
     the labels whose values differ: "node 5 (KSampler) input 'seed' (rank 0: 1, rank 1: 2)". Ranks started with
     different splits are told so first, without the plans that follow from them."""
     splits = [f.get("split", "even") for f in everyone]
@@ -36,9 +41,9 @@ def compare_fields(everyone: list[dict[str, str]], tag: str, what: str, skip_pre
             f"{', '.join(f'{s} on rank {r}' for r, s in enumerate(splits))}. Start every rank with the same --split (TP2_SPLIT)."
         )
     diffs = []
-    for key, told in _differences(everyone, "'{}'", lambda k: not k.startswith(skip_prefix)):
+    for key, told in _differences(everyone, "'{}'", lambda k: not k.startswith(PRIVATE)):
         diffs.append(told)
-        details = [f.get(f"{skip_prefix}{DETAIL}{key}") for f in everyone]
+        details = [f.get(detail_key(key)) for f in everyone]
         if None not in details:
             labels = [t for _, t in _differences([json.loads(d) for d in details])]
             diffs.extend(labels[:6] + ([f"and {len(labels) - 6} more"] if len(labels) > 6 else []))

@@ -24,7 +24,6 @@ from .signing import signed, unsigned
 log = logging.getLogger("tp2.session")
 
 POLL_S = 0.05
-PRIVATE = "_tp2_"  # field-name prefix for the session's own bookkeeping (not compared)
 
 
 class Rendezvous:
@@ -33,15 +32,28 @@ class Rendezvous:
         every rank's fields, in rank order. A peer executing this run is waited for while it lives; one that has not
         started the run within `timeout_s`, or finished it without reaching `key` (its node cache served the step),
         is a PeerLostError naming it. A stop of the run by any rank (or `abort()` here) is a PromptAbortedError with its reason."""
-        run = self.watcher.run
         base = f"tp2/rv/{key}"
         keys = [f"{base}/rank{r}" for r in range(self.env.tp_size)]
         mine = signed(self.watcher.secret, keys[self.env.tp_rank], json.dumps(fields, sort_keys=True))
         self._store_op(timeout_s, lambda s: s.set(keys[self.env.tp_rank], mine))
-        everyone, deadline = [None], time.monotonic() + timeout_s
-        while None in everyone:  # a record no rank signed is ignored: its rank writes its own again (_wait_for_all)
-            self._forged(everyone, keys, deadline)
-            self._wait_for_all(key, base, keys, run, timeout_s, abort, mine)
+        everyone = self._records(key, keys, timeout_s, abort, mine)
+        own = abort() if abort is not None else None
+        verdict = self._verdict(base, own or self.watcher.stop_reason() or "go", timeout_s)
+        if self._store_op(timeout_s, lambda s: s.add(f"{base}/read", 1)) == self.env.tp_size:
+            self._store_op(timeout_s, lambda s: [s.delete_key(k) for k in (*keys, f"{base}/read", f"{base}/verdict")])
+        compare_fields(everyone, self.tag, f"prompt '{key}'")  # the same verdict on every rank
+        if verdict != "go":
+            if verdict == own:
+                self.stop_run(own)
+            raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {verdict}")
+        return everyone
+
+    def _records(self, key: str, keys: list[str], timeout_s: float, abort, mine: str) -> list[dict[str, str]]:
+        """Every rank's record (_wait_for_all), once each carries a valid signature: a record no rank signed is
+        ignored (logged, never shown) and its rank writes its own again; one still there after `timeout_s` refuses the run."""
+        run, deadline, base = self.watcher.run, time.monotonic() + timeout_s, f"tp2/rv/{key}"
+        while True:
+            self._wait_for_all(key, keys, timeout_s, abort, mine)
             try:
                 raws = self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])
             except (RuntimeError, dist.DistError):  # a peer took its key back between our check and our read: it saw a stop
@@ -49,23 +61,24 @@ class Rendezvous:
                 if why:
                     raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}") from None
                 raise
-            everyone = [self._record(k, raw) for k, raw in zip(keys, raws)]
-        own = abort() if abort is not None else None
-        verdict = self._verdict(base, own or self.watcher.stop_reason() or "go", timeout_s)
-        if self._store_op(timeout_s, lambda s: s.add(f"{base}/read", 1)) == self.env.tp_size:
-            self._store_op(timeout_s, lambda s: [s.delete_key(k) for k in (*keys, f"{base}/read", f"{base}/verdict")])
-        compare_fields(everyone, self.tag, f"prompt '{key}'", skip_prefix=PRIVATE)  # the same verdict on every rank
-        if verdict != "go":
-            if verdict == own:
-                self.stop_run(own)
-            raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {verdict}")
-        return everyone
+            texts = [unsigned(self.watcher.secret, k, raw.decode()) for k, raw in zip(keys, raws)]
+            if None not in texts:
+                return [json.loads(text) for text in texts]
+            forged = [k for k, text in zip(keys, texts) if text is None]
+            log.warning("%s rendezvous records no rank signed, ignored: %s", self.tag, ", ".join(forged))
+            if time.monotonic() > deadline:
+                raise RankMismatchError(
+                    f"{self.tag} the record at '{forged[0]}' in the rank store was not written by a rank of this set (no valid "
+                    "signature), and its rank did not write it again: something else writes to the store. Restart the ranks "
+                    "with scripts/start-tp2.sh."
+                )
+            time.sleep(POLL_S)
 
-    def _wait_for_all(self, key: str, base: str, keys: list[str], run: str | None, timeout_s: float, abort, mine: str) -> None:
+    def _wait_for_all(self, key: str, keys: list[str], timeout_s: float, abort, mine: str) -> None:
         """Until every rank's record is in the store, or raise: a stop (the verdict, unless some rank already took
         "go"), a peer that finished the run without this step, or one that never started it. This rank's own record
         (`mine`) is written again when it is gone (set into a store that a restarted rank 0 replaced) or replaced."""
-        deadline, polls, me = time.monotonic() + timeout_s, 0, keys[self.env.tp_rank]
+        deadline, polls, me, run, base = time.monotonic() + timeout_s, 0, keys[self.env.tp_rank], self.watcher.run, f"tp2/rv/{key}"
         self.watcher.progress.wait_begin(f"the rendezvous '{key.rsplit('/', 1)[-1]}'")  # told in the heartbeat
         try:
             while True:
@@ -111,28 +124,6 @@ class Rendezvous:
             log.warning("%s the rendezvous verdict at %s is not signed by a rank: the run stops", self.tag, where)
             return "the rank store holds a rendezvous verdict no rank of this set wrote; restart the ranks with scripts/start-tp2.sh"
         return verdict
-
-    def _record(self, key: str, raw: bytes) -> dict[str, str] | None:
-        """A rank's rendezvous record, checked against the run's secret; None (ignored, never shown) for a record no
-        rank signed: something other than the ranks wrote to the rank store."""
-        text = unsigned(self.watcher.secret, key, raw.decode())
-        if text is None:
-            log.warning("%s the rendezvous record at %s is not signed by a rank: ignored", self.tag, key)
-            return None
-        return json.loads(text)
-
-    def _forged(self, everyone: list, keys: list[str], deadline: float) -> None:
-        """Between reads that found a record no rank signed: wait a poll, or past `deadline` refuse the run."""
-        if everyone == [None]:  # the first read is still to come
-            return
-        if time.monotonic() > deadline:
-            key = keys[everyone.index(None)]
-            raise RankMismatchError(
-                f"{self.tag} the record at '{key}' in the rank store was not written by a rank of this set (no valid "
-                "signature), and its rank did not write it again: something else writes to the store. Restart the ranks "
-                "with scripts/start-tp2.sh."
-            )
-        time.sleep(POLL_S)
 
     def _give_up(self, key: str, run: str | None, finished: list[int], missing: list[int], timeout_s: float) -> None:
         """Raise why the rendezvous at `key` ends without the `missing` peers (`finished`: those done with the run)."""

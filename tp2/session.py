@@ -22,22 +22,18 @@ import torch.distributed as dist
 
 from .collectives import TPEnv, TPGroup, init_tp_group
 from .errors import PeerLostError
-from .handshake import DETAIL
+from .handshake import PRIVATE
 from .link import Link, measure_link, prediction
-from .rendezvous import PRIVATE, Rendezvous
+from .rendezvous import Rendezvous
 from .settings import NCCL_ERROR_HANDLING, set_for_libraries, value, visible_gpus
 from .signing import signed_counter
 from .watch import Watcher
 
 
 def listening_socket(addr: str, port: int) -> socket.socket:
-    """A listening socket bound to `addr`:`port` only: TCPStore's own server would listen on every interface."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted rank 0 takes its port back at once
-    s.bind((addr, port))
-    s.listen(512)
-    return s
+    """A listening socket bound to `addr`:`port` only (TCPStore's own server would listen on every interface), with
+    SO_REUSEADDR: a restarted rank 0 takes its port back at once."""
+    return socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET, backlog=512)
 
 
 def is_loopback(addr: str) -> bool:
@@ -48,11 +44,6 @@ def is_loopback(addr: str) -> bool:
 
 
 log = logging.getLogger(__name__)
-
-
-def detail_key(field: str) -> str:
-    """The rendezvous field that explains `field` when ranks differ on it (JSON {label: value}; not compared itself)."""
-    return f"{PRIVATE}{DETAIL}{field}"
 
 
 class TPSession(Rendezvous):
@@ -108,16 +99,6 @@ class TPSession(Rendezvous):
                 raise
             self._store = None
             return fn(self._connect(timeout_s))
-
-    def begin_run(self, run: str, boots: dict[int, str] | None = None) -> None:
-        """This rank starts executing run `run` (one prompt; rank 0 names it, unique per execution)."""
-        self.watcher.begin(run, boots)
-
-    def end_run(self) -> None:
-        self.watcher.end()
-
-    def stop_reason(self) -> str | None:
-        return self.watcher.stop_reason()
 
     def stop_run(self, reason: str) -> None:
         """This rank stops the current run: tell every rank why (their watchers end their waits: gloo ones poll,
@@ -181,14 +162,7 @@ class TPSession(Rendezvous):
             log.warning("%s %s=%s replaced by 0: the pack aborts NCCL itself, so no rank ends because a peer failed",
                         self.tag, NCCL_ERROR_HANDLING, replaced)  # fmt: skip
         store = dist.PrefixStore(f"tp2/pg/{generation}", self._connect(self.env.timeout_s))
-        self.group = init_tp_group(
-            self.env,
-            self.device,
-            store=store,
-            stop_check=self.watcher.stop_reason,
-            loss_check=self.watcher.explain_loss,
-            progress=self.watcher.progress,
-        )
+        self.group = init_tp_group(self.env, self.device, store=store, watcher=self.watcher)
         self.link = measure_link(self.group, visible_gpus())
         self.link_prediction = prediction(self.link, self.env.tp_size, self.group.device.type)
         self.generation, self.healthy = generation, True
@@ -209,34 +183,29 @@ class TPSession(Rendezvous):
         """Publish this process's boot id (a restarted rank has a new one, and an empty node cache)."""
         self._store_op(timeout_s, lambda s: s.set(f"tp2/boot/rank{self.env.tp_rank}", boot_id))
 
-    def boot_ids(self) -> list[str | None] | None:
-        """Every rank's current boot id (None for a rank not registered yet); None when the store is unreachable."""
+    def _now(self, fn):
+        """`fn(store)` now, or None when the store is not reachable (told at once: rank 0 is gone) or does not answer."""
         if self._store is None or self.watcher.store_problem() is not None:
             return None
-        keys = [f"tp2/boot/rank{r}" for r in range(self.env.tp_size)]
         try:
-            return self._store_op(5.0, lambda s: [s.get(k).decode() if s.check([k]) else None for k in keys])
+            return self._store_op(5.0, fn)
         except (RuntimeError, dist.DistError, PeerLostError):
             return None
+
+    def boot_ids(self) -> list[str | None] | None:
+        """Every rank's current boot id (None for a rank not registered yet); None when the store is unreachable."""
+        keys = [f"tp2/boot/rank{r}" for r in range(self.env.tp_size)]
+        return self._now(lambda s: [s.get(k).decode() if s.check([k]) else None for k in keys])
 
     def cache_epoch(self, bump: bool = False) -> int | None:
         """A counter every rank can raise when ranks may have run different nodes (a failed rendezvous or collective),
         signed like every store entry; None when the store is not reachable now. An epoch no rank signed is raised over."""
-        if self._store is None or self.watcher.store_problem() is not None:
-            return None
-        try:
-            epoch = self._store_op(5.0, lambda s: signed_counter(s, "tp2/cache_epoch", self.watcher.secret, bump, self._epoch_seen))
-        except (RuntimeError, dist.DistError, PeerLostError):
-            return None
-        if epoch is None:  # read as a raise (every rank clears its node cache: safe), and written over, signed
+        read = self._now(lambda s: signed_counter(s, "tp2/cache_epoch", self.watcher.secret, bump, self._epoch_seen))
+        epoch, forged = read or (None, False)
+        if forged:  # read as a raise (every rank clears its node cache: safe), and written over, signed
             log.warning("%s the cache epoch in the rank store is not signed by a rank: raised over it", self.tag)
-            epoch = self.cache_epoch(bump=True)
         self._epoch_seen = max(self._epoch_seen, epoch or 0)
         return epoch
-
-    def start_watching(self) -> None:
-        """Start the watcher thread (after this rank's store is up: rank 0 hosts it)."""
-        self.watcher.start()
 
 
 def _abort_nccl() -> None:

@@ -8,7 +8,7 @@ they wait, so a failure ends every wait within a poll.
 
     tp2/hb/rank{r}              "<boot id>:<count>:<step>#<marks>|<mac>", rewritten every POLL_S by rank r's watcher
     tp2/boot/rank{r}            rank r's boot id (rewritten too, so a restarted store learns it again)
-    tp2/run/{run}/stop          the first stop notice of a run: JSON {rank, reason, mac}
+    tp2/run/{run}/stop          the first stop notice of a run: JSON {rank, reason}
     tp2/run/{run}/state/rank{r} "started" or "done" (rank r finished the run, with or without an error)
 
 A rank deletes its keys of a run once it has begun KEPT_RUNS runs after it. Every entry is signed (tp2/signing.py).
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .progress import WAITING, Progress
-from .signing import decode_stop, sign, signed, unsigned
+from .signing import signed, unsigned
 
 log = logging.getLogger(__name__)
 
@@ -139,33 +139,33 @@ class Watcher:
             self._stop = self._stop or reason  # this rank waits for nothing more in this run either
         if self.store_problem() is not None:  # no store, no peer to tell (rank 0 is gone)
             return
-        notice = {"rank": self.rank, "reason": reason}
-        if self.secret is not None:
-            notice["mac"] = sign(self.secret, run, self.rank, reason)
         key = f"tp2/run/{run}/stop"
+        notice = json.dumps({"rank": self.rank, "reason": reason})
         try:
-            self._client().compare_set(key, "", json.dumps(notice))  # only when no rank wrote one first
+            self._client().compare_set(key, "", signed(self.secret, key, notice))  # only when no rank wrote one first
         except (RuntimeError, dist.DistError) as e:
             log.warning("[tp2 r%d/%d] could not publish why the run stopped (%s): %s", self.rank, self.size, e, reason)
 
     def read_stop(self, run: str) -> str | None:
         """The run's stop notice, read now (not at the next poll): why a peer that finished the run stopped it."""
-        raw = self._get(f"tp2/run/{run}/stop")
-        notice = decode_stop(raw.encode(), run, self.secret) if raw else None
+        notice = self._notice(run, self._get(f"tp2/run/{run}/stop"))
         return notice[1] if notice is not None and notice[0] != self.rank else None
 
-    def explain_loss(self) -> str | None:
-        """After a collective broke without a stop notice: who is gone, when that can be told at once (rank 0
-        hosts the store, so a rank 0 that died leaves a closed port)."""
-        problem = self.store_problem()
-        if problem is None:
+    def _notice(self, run: str, raw: str | None) -> tuple[int, str] | None:
+        """(rank, reason) of run `run`'s stop notice `raw`, or None when there is none, it is malformed or no rank signed it."""
+        try:
+            notice = json.loads(unsigned(self.secret, f"tp2/run/{run}/stop", raw or ""))
+            return int(notice["rank"]), str(notice["reason"])
+        except (ValueError, KeyError, TypeError):
             return None
-        return f"rank 0 died (its rank store at {self.addr}:{self.port} is gone: {problem}); scripts/start-tp2.sh restarts it, then queue the prompt again"
 
     def store_problem(self) -> str | None:
-        """Why the rank store cannot be reached right now (a refused connection is told at once), else None."""
+        """Why the rank store cannot be reached right now, told at once (rank 0 hosts it, so a rank 0 that died leaves a
+        closed port): also, after a collective broke without a stop notice, who is gone. None while it answers."""
         refused = None if self.rank == 0 else _connect_error(self.addr, self.port, 1.0)
-        return None if refused is None else str(refused)
+        if refused is None:
+            return None
+        return f"rank 0 died (its rank store at {self.addr}:{self.port} is gone: {refused}); scripts/start-tp2.sh restarts it, then queue the prompt again"
 
     def peer_state(self, run: str, rank: int) -> str | None:
         return self._get(f"tp2/run/{run}/state/rank{rank}")
@@ -206,7 +206,7 @@ class Watcher:
                              "it died, froze or is restarting; scripts/start-tp2.sh restarts ranks that die")  # fmt: skip
             return
         if raw:
-            notice = decode_stop(raw, run, self.secret)
+            notice = self._notice(run, raw.decode(errors="replace"))
             if notice is None:
                 log.warning("[tp2 r%d/%d] ignored a stop notice for run %s that no rank signed", self.rank, self.size, run)
             elif notice[0] != self.rank:

@@ -23,7 +23,7 @@ def _session(secret=SECRET, heartbeat_timeout_s=None):
     if heartbeat_timeout_s is not None:
         s.watcher.heartbeat_timeout_s = heartbeat_timeout_s
     s.agree("warm-up", {"x": "1"}, timeout_s=30)  # rank 0's store is up: the watchers can start
-    s.start_watching()
+    s.watcher.start()
     return s
 
 
@@ -32,7 +32,7 @@ def _stop_in_a_collective(tp_rank, tp_size, stopper):
     from tp2.errors import PromptAbortedError
 
     s = _session()
-    s.begin_run("run-1")
+    s.watcher.begin("run-1")
     g = s.agree("run-1/sampler1", {"seed": "1"}, timeout_s=30)
     all_reduce(torch.ones(2), g)  # every rank is in the group
     message, waited = "stopped", 0.0
@@ -47,8 +47,8 @@ def _stop_in_a_collective(tp_rank, tp_size, stopper):
         except PromptAbortedError as e:
             message, waited = str(e), time.monotonic() - t0
             s.abandon_group()
-    s.end_run()
-    s.begin_run("run-2")  # the next run forms a new group, and it works
+    s.watcher.end()
+    s.watcher.begin("run-2")  # the next run forms a new group, and it works
     g2 = s.agree("run-2/sampler1", {"seed": "2"}, timeout_s=30)
     return message, waited, all_reduce(torch.ones(1), g2).item(), s.generation
 
@@ -70,7 +70,7 @@ def _silent_peer(tp_rank, tp_size):
     from tp2.errors import PromptAbortedError
 
     s = _session(heartbeat_timeout_s=3.0)
-    s.begin_run("run-1")
+    s.watcher.begin("run-1")
     g = s.agree("run-1/sampler1", {"seed": "1"}, timeout_s=30)
     if tp_rank == 1:
         s.watcher._thread = None  # noqa: SLF001 - simulate a frozen process: its heartbeats stop...
@@ -99,11 +99,11 @@ def _unsigned_notice(tp_rank, tp_size):
     from tp2.errors import PromptAbortedError
 
     s = _session()
-    s.begin_run("run-u")
+    s.watcher.begin("run-u")
     if tp_rank == 0:  # an outsider writes a notice without the secret
         s._connect(10).set("tp2/run/run-u/stop", json.dumps({"rank": 1, "reason": "Your licence has expired"}))
     time.sleep(2.0)
-    unsigned = s.stop_reason()
+    unsigned = s.watcher.stop_reason()
     try:
         g = s.agree("run-u/sampler1", {"seed": "1"}, timeout_s=30)
         agreed = all_reduce(torch.ones(1), g).item() == tp_size  # also: neither rank leaves (ending the store) early
@@ -121,7 +121,7 @@ def _keys_after(tp_rank, tp_size):
     from tp2.collectives import all_reduce
 
     s = _session()
-    s.begin_run("run-k")
+    s.watcher.begin("run-k")
     g = s.agree("run-k/sampler1", {"seed": "1"}, timeout_s=30)
     time.sleep(1.0)
     store = s._connect(10)
@@ -139,7 +139,7 @@ def _stop_seen_when_all_arrived(tp_rank, tp_size):
     from tp2.errors import PromptAbortedError
 
     s = _session()
-    s.begin_run("run-a")
+    s.watcher.begin("run-a")
     if tp_rank == 0:
         s.stop_run("interrupted on rank 0")
         time.sleep(1.5)
@@ -160,8 +160,8 @@ def test_a_rank_arriving_after_a_stop_leaves_at_once():
 
 
 def test_failure_messages_name_the_rank_and_say_what_to_do():
-    from tp2.signing import decode_stop, sign
-    from tp2.watch import describe_failure, with_advice
+    from tp2.signing import signed
+    from tp2.watch import Watcher, describe_failure, with_advice
 
     oom = describe_failure(1, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 4, 8)
     assert oom == (
@@ -174,11 +174,12 @@ def test_failure_messages_name_the_rank_and_say_what_to_do():
     assert type(told) is torch.OutOfMemoryError and str(told).startswith("out of GPU memory; at 1920x1088 up to 175 frames fit. ")
     assert "up to 175 frames fit" in describe_failure(1, told, 4, 8)  # the advice survives the cut
     assert with_advice(torch_oom, None) is torch_oom and with_advice(ValueError("bad"), "advice").args == ("bad",)
-    good = '{"rank": 1, "reason": "x", "mac": "%s"}' % sign(SECRET, "run", 1, "x")
-    assert decode_stop(good.encode(), "run", SECRET) == (1, "x")
-    assert decode_stop(good.encode(), "other-run", SECRET) is None  # a notice is bound to its run
-    assert decode_stop(b'{"rank": 1, "reason": "x"}', "run", SECRET) is None
-    assert decode_stop(b'{"rank": 1, "reason": "x"}', "run", None) == (1, "x")  # no secret: no front door either
+    watcher, plain = Watcher(0, 2, "127.0.0.1", 1, "boot", SECRET), '{"rank": 1, "reason": "x"}'
+    good = signed(SECRET, "tp2/run/run/stop", plain)
+    assert watcher._notice("run", good) == (1, "x")
+    assert watcher._notice("other-run", good) is None  # a notice is bound to its run
+    assert watcher._notice("run", plain) is None
+    assert Watcher(0, 2, "127.0.0.1", 1, "boot")._notice("run", plain) == (1, "x")  # no secret: no front door either
 
 
 def test_nccl_decisions():
@@ -213,14 +214,14 @@ def _keys_over_prompts(tp_rank, tp_size):
     counts = []
     for i in range(20):
         run = f"run-{i}"
-        s.begin_run(run)
+        s.watcher.begin(run)
         s.agree(f"{run}/sampler1", {"seed": "1"}, timeout_s=30)  # both ranks have begun this run, ended the last
         if tp_rank == 0:
             store = dist.TCPStore("127.0.0.1", s.env.master_port, is_master=False, wait_for_workers=False)
             counts.append(store.num_keys())
         if i % 5 == 4 and tp_rank == 1:
             s.stop_run("a failed prompt leaves a stop notice")  # its key goes too
-        s.end_run()
+        s.watcher.end()
     return counts
 
 
@@ -235,7 +236,7 @@ def _forgery(tp_rank, tp_size):
     import torch.distributed as dist
 
     s = _session()
-    s.begin_run("run-f")
+    s.watcher.begin("run-f")
     if tp_rank == 1:
         s.cache_epoch(bump=True)  # a failed step: every rank clears its node cache before the next prompt
     s.agree("run-f/sampler1", {"seed": "1"}, timeout_s=30)
@@ -250,7 +251,7 @@ def _forgery(tp_rank, tp_size):
             time.sleep(0.05)
     else:
         time.sleep(3.5)
-    stopped = s.stop_reason()
+    stopped = s.watcher.stop_reason()
     if tp_rank == 0:  # rank 1 waits here with its record written; the forger replaces it before rank 0 arrives
         time.sleep(0.5)
         forger.set("tp2/rv/run-f/forged/rank1", '{"x": "text the forger wants compared"}')

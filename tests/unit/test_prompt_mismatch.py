@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from tp2.errors import RankMismatchError
-from tp2.handshake import DETAIL, compare_fields, prompt_details
+from tp2.handshake import compare_fields, detail_key, prompt_details
 
 
 def _fields(prompt: dict) -> dict[str, str]:
-    return {"prompt": str(hash(repr(prompt))), f"\0{DETAIL}prompt": prompt_details(prompt)}
+    return {"prompt": str(hash(repr(prompt))), detail_key("prompt"): prompt_details(prompt)}
 
 
 @pytest.mark.parametrize(
@@ -26,5 +26,5 @@ def test_a_difference_is_named_by_node_and_key(change, named):
     b = {"5": {"class_type": "KSampler", "inputs": {"seed": 1}, "_meta": {"title": "KSampler"}}}
     change(b["5"])
     with pytest.raises(RankMismatchError) as e:
-        compare_fields([_fields(a), _fields(b)], "[tp2 r0/2]", "prompt 'p/0'", skip_prefix="\0")
+        compare_fields([_fields(a), _fields(b)], "[tp2 r0/2]", "prompt 'p/0'")
     assert named in str(e.value), str(e.value)
