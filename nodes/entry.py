@@ -66,11 +66,11 @@ def _install_hooks(secret: str | None) -> None:
     from server import PromptServer
 
     from .front_door import install_front_door
-    from .interrupts import install_interrupt_deferral
     from .loader import install_loader_hook
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
     from .prompt_lifecycle import track_prompts
+    from .run import install_interrupt_deferral
     from .same_outputs import install_same_outputs
     from .status_api import install_status_routes
     from .text_encoder import install_text_encoder_hook

@@ -1,4 +1,6 @@
-"""H3's attention for the sequence-parallel blocks: ComfyUI's Attention.forward step for step, with two changes.
+"""H3's attention under TP. `attention_override`: which of ComfyUI's attention functions the TP forward uses on a device
+(TP2_ATTN_BACKEND), chosen once per device and compute dtype by kernels/attention.py among the candidates that really
+run there. `attention_forward`: the sequence-parallel blocks' Attention.forward, ComfyUI's step for step but for two changes:
 
 1. No copy of v when the attention backend is comfy-kitchen's INT8 one, which reads q, k and v as strided views of
    the qkv buffer and frees all three together (the clone changes no bit; other backends keep it).
@@ -8,14 +10,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import comfy.ldm.modules.attention as comfy_attention
 import comfy.model_management
 import comfy.quant_ops
 import torch
 
 from ..kernels import qk_norm_rope
+from ..kernels.attention import select_attention
+from ..tp2 import settings
 from ..tp2.layers import Reduction
 from .parallel import rowwise_call
+from .state import STATE
 
 
 def _quantises_views(h3, transformer_options) -> bool:
@@ -69,3 +76,34 @@ def attention_forward(h3, attn, x, rope_freqs, transformer_options: dict, fused=
     out = h3.optimized_attention(q, k, v, attn.heads, mask=None, skip_reshape=True, transformer_options=transformer_options)
     out = out.squeeze(0)
     return attn.out_proj(out) if out_reduce is None else rowwise_call(attn.out_proj, out, reduce=out_reduce)
+
+
+@functools.cache
+def attention_override(device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """ComfyUI's attention function for the backend TP2_ATTN_BACKEND resolves to on this device in `dtype`."""
+
+    def sdpa(func, *args, **kwargs):
+        return comfy_attention.attention_pytorch(*args, **kwargs)
+
+    def ck(func, *args, **kwargs):
+        return comfy_attention.attention_comfy_kitchen_int8(*args, **kwargs)
+
+    ck.container_function = comfy_attention.attention_comfy_kitchen_int8.container_function
+    candidates = {
+        "sdpa": (_probe(comfy_attention.attention_pytorch, device, dtype), "needs torch SDPA"),
+        "ck": (_probe(comfy_attention.attention_comfy_kitchen_int8, device, dtype), "comfy-kitchen INT8 attention failed a real call here"),
+    }
+    choice = select_attention(candidates, device, settings.value("TP2_ATTN_BACKEND"), dtype=dtype)
+    STATE.attention = choice
+    return {"sdpa": sdpa, "ck": ck}[choice]
+
+
+def _probe(fn, device, dtype):
+    """fn as fn(q, k, v, heads) if one real call on this device in `dtype` works, else None (trust a real call)."""
+    call = functools.partial(fn, skip_reshape=True)
+    q = torch.randn(1, 2, 64, 128, device=device, dtype=dtype if device.type == "cuda" else torch.float32)
+    try:
+        call(q, q, q, 2)
+        return call
+    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+        return None

@@ -18,8 +18,8 @@ from ..tp2.collectives import broadcast_tree, carries_tensors
 from ..tp2.handshake import detail_key, model_fingerprint
 from ..tp2.plan import Plan
 from ..tp2.same_bytes import bytes_digest
-from .attention_choice import attention_override
 from .capacity_check import capacity_advice, sampling_peak
+from .h3_attention import attention_override
 from .lora import lora_patch_report
 from .parallel import role_guard
 from .patches import changes_of

@@ -14,7 +14,7 @@ from ..kernels import norm_modulate, qk_norm_rope
 from ..kernels.int8_gemm import quantize_int8_convrot
 from ..tp2.errors import NumericsError
 from ..tp2.numerics import AVOID, MIN_DB, BlockPath, NumericsReport, check_block
-from .attention_choice import attention_override
+from .h3_attention import attention_override
 from .state import STATE, log
 
 

@@ -1,20 +1,58 @@
-"""The steps of a run (one prompt on every rank): the rendezvous each TP step starts with, and leaving a run.
+"""The steps of a run (one prompt on every rank): the rendezvous each TP step starts with, interrupts, leaving a run.
 
 The sampler (nodes/model_wrappers.py), the split decode (vae_decode.py) and the split encode (text_encoder.py) are
-the steps; each counts the same on every rank, so their keys match.
+the steps; each counts the same on every rank, so their keys match. Every rank must stop at the same point of a step:
+ComfyUI raises an interrupt from its progress hook after each sampling step and from `comfy.ops.run_every_op` inside
+every layer, which on one rank alone would leave the others waiting in a collective. Inside a step (`in_step`,
+`SAMPLING.active`) both checks only keep the flag: rank 0 reads it at the next model evaluation and tells every rank
+to stop there (model_wrappers._diffusion_model); a decode or an encode takes it at its end.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 
 import comfy.model_management as mm
+import comfy.ops
+import comfy.utils
 
 from ..tp2 import __version__
 from ..tp2.errors import PeerLostError, PromptAbortedError
 from ..tp2.watch import describe_failure, with_advice
-from .interrupts import SAMPLING
-from .state import STATE
+from .patches import PATCHES
+from .state import STATE, log
+
+SAMPLING = threading.local()  # .active while a TP sampler or split decode runs in this (the prompt worker's) thread
+
+
+def _deferring_update_absolute(original):
+    @functools.wraps(original)
+    def update_absolute(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except mm.InterruptProcessingException:
+            if not getattr(SAMPLING, "active", False):
+                raise
+            log.debug("%s interrupt deferred to the next model evaluation", STATE.tag)
+            mm.interrupt_current_processing(True)  # the check cleared it; keep it for the next model evaluation
+
+    return update_absolute
+
+
+def _deferring_run_every_op(original):
+    @functools.wraps(original)
+    def run_every_op():
+        if not getattr(SAMPLING, "active", False):
+            return original()
+
+    return run_every_op
+
+
+def install_interrupt_deferral() -> None:
+    PATCHES.install(comfy.utils.ProgressBar, "update_absolute", _deferring_update_absolute)
+    PATCHES.install(comfy.ops, "run_every_op", _deferring_run_every_op)
 
 
 def step_key(kind: str) -> str:

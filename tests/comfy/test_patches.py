@@ -53,11 +53,11 @@ originals = {n: getattr(o, a) for n, (o, a) in targets.items()}
 pack = types.ModuleType("tp2pack"); pack.__path__ = [ROOT]; sys.modules["tp2pack"] = pack
 state = importlib.import_module("tp2pack.nodes.state").STATE
 state.env = importlib.import_module("tp2pack.tp2.collectives").TPEnv(0, 2, "127.0.0.1", 29511, 30.0)
-mods = {m: importlib.import_module("tp2pack.nodes." + m) for m in ("loader", "text_encoder", "lora", "parallel", "interrupts", "prompt_lifecycle", "vae_decode", "same_outputs")}
+mods = {m: importlib.import_module("tp2pack.nodes." + m) for m in ("loader", "text_encoder", "lora", "parallel", "run", "prompt_lifecycle", "vae_decode", "same_outputs")}
 from tp2pack.nodes.patches import PATCHES
 def install():
     mods["loader"].install_loader_hook(); mods["text_encoder"].install_text_encoder_hook(); mods["lora"].install_lora_hooks(); mods["parallel"].install_linear_input_act_patch()
-    mods["interrupts"].install_interrupt_deferral(); mods["prompt_lifecycle"].track_prompts(); mods["vae_decode"].install_parallel_vae_decode(); mods["same_outputs"].install_same_outputs()
+    mods["run"].install_interrupt_deferral(); mods["prompt_lifecycle"].track_prompts(); mods["vae_decode"].install_parallel_vae_decode(); mods["same_outputs"].install_same_outputs()
 install()
 first = {n: getattr(o, a) for n, (o, a) in targets.items()}
 install()  # a second activation changes nothing
