@@ -48,11 +48,9 @@ ALIGN = 64
 ReadAll = Callable[[str], dict[str, torch.Tensor]]
 
 
-_CACHE_NAME = re.compile(r"(?P<stem>.+)\.[0-9a-f]{12}\.[0-9a-f]{12}(?P<tail>\.tp\d+-rank\d+\.safetensors)")
-
-
-def _cache_entry(cache_dir: str, source: str, source_fp: str, plan_fp: str, tp_rank: int, tp_size: int) -> tuple[str, dict[str, str]]:
+def _cache_entry(cache_dir: str, source: str, plan_fp: str, tp_rank: int, tp_size: int) -> tuple[str, dict[str, str]]:
     """The one naming rule (path of rank `tp_rank`'s cut of `source`) and the identity its header must record."""
+    source_fp = file_fingerprint(read_header(source))
     stem = os.path.splitext(os.path.basename(source))[0]
     name = f"{stem}.{source_fp[:12]}.{plan_fp[:12]}.tp{tp_size}-rank{tp_rank}.safetensors"
     identity = {META_RANK: str(tp_rank), META_SIZE: str(tp_size), META_PLAN: plan_fp, META_SOURCE: source_fp}
@@ -63,7 +61,7 @@ def _remove_stale(out: str) -> None:
     """Delete this rank's cache files of an earlier version of the same checkpoint name (same rank and tp_size,
     another fingerprint or plan), and any `.partial` of them or of `out` (a cut that was stopped)."""
     folder, name = os.path.split(out)
-    m = _CACHE_NAME.fullmatch(name)
+    m = re.fullmatch(r"(?P<stem>.+)\.[0-9a-f]{12}\.[0-9a-f]{12}(?P<tail>\.tp\d+-rank\d+\.safetensors)", name)
     same = re.compile(re.escape(m["stem"]) + r"\.[0-9a-f]{12}\.[0-9a-f]{12}" + re.escape(m["tail"]) + r"(\.partial)?")
     for other in os.listdir(folder):
         if other != name and same.fullmatch(other):
@@ -118,9 +116,6 @@ def load_cache_file(
     """This rank's tensors from a cache file, checked against `identity` and, once per file, against its digests."""
     header = read_header(path)
     md, name = header.metadata, os.path.basename(path)
-    end = max((i.start + math.prod(i.shape) * DTYPES[i.dtype].itemsize for i in header.tensors.values()), default=0)
-    if end > header.file_size:
-        raise ShardMismatchError(f"rank cache file '{name}' is {header.file_size} bytes, its header needs {end}: it was cut short")
     wrong = {k: (md.get(k), v) for k, v in identity.items() if md.get(k) != v}
     if wrong or set(header.tensors) != set(tensors) or META_DIGESTS not in md:
         raise ShardMismatchError(f"rank cache file '{name}' is not this rank's cut of its checkpoint ({wrong or 'its tensors differ'})")
@@ -156,15 +151,14 @@ def read_rank_slices(
         return {n: sd[n] for n in tensors}, dict(read_header(source).metadata), "mapped whole"
     if cache_dir is None or read_all is None:
         return (*read_shard(source, tensors, tp_rank, tp_size, what), "shard-on-read")
-    header = read_header(source)
-    path, identity = _cache_entry(cache_dir, source, file_fingerprint(header), plan_fp, tp_rank, tp_size)
+    path, identity = _cache_entry(cache_dir, source, plan_fp, tp_rank, tp_size)
     for attempt in (1, 2):
         if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank, tp_size)):
             break
         try:
             return (
                 load_cache_file(path, tensors, identity, read_all, tp_rank),
-                dict(header.metadata),
+                dict(read_header(source).metadata),
                 f"rank cache {os.path.basename(path)}",
             )
         except (ShardMismatchError, CheckpointFormatError, OSError) as e:  # as a digest mismatch: never the checkpoint's fault
@@ -207,7 +201,7 @@ def cut_ahead(source: str, tp_size: int, tp_rank: int, cache_dir: str, progress=
         raise TP2Error("tp_size 1 maps the checkpoint whole: there is nothing to cut. Use the tp_size you start with.")
     layout = CheckpointLayout.from_file(source)
     plan = resolve_te_plan(layout, tp_size, shares) if is_h3_text_encoder(layout) else resolve_plan(layout, tp_size, shares)
-    path, identity = _cache_entry(cache_dir, source, file_fingerprint(read_header(source)), plan.fingerprint(), tp_rank, tp_size)
+    path, identity = _cache_entry(cache_dir, source, plan.fingerprint(), tp_rank, tp_size)
     if not write_cache_file(path, source, plan.tensors, identity, tp_rank, tp_size, progress):
         raise TP2Error(f"not enough free disk in {os.path.dirname(path)} for {os.path.basename(path)} (see the warning above)")
     return path
