@@ -178,21 +178,17 @@ class TensorReader:
         info = self.header.tensors[name]
         return self._read_into(info, 0, torch.empty(info.shape, dtype=info.torch_dtype))
 
-    def read_rows(self, name: str, row_start: int, row_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows [row_start, row_end) of dim 0 in one contiguous read, into `out` when given."""
+    def read_rows(self, name: str, row_start: int, row_end: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows [row_start, row_end) of dim 0 in one contiguous read into `out`."""
         info = self.header.tensors[name]
         row_bytes = info.torch_dtype.itemsize * math.prod(info.shape[1:])
-        if out is None:
-            out = torch.empty((row_end - row_start, *info.shape[1:]), dtype=info.torch_dtype)
         return self._read_into(info, row_start * row_bytes, out)
 
-    def read_cols(self, name: str, col_start: int, col_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Columns [col_start, col_end) of a 2-D tensor: whole rows are read in chunks into a buffer that each
-        reading thread allocates once per reader (not a temporary per chunk, which fragments the heap)."""
+    def read_cols(self, name: str, col_start: int, col_end: int, out: torch.Tensor) -> torch.Tensor:
+        """Columns [col_start, col_end) of a 2-D tensor into `out`: whole rows are read in chunks into a buffer that
+        each reading thread allocates once per reader (not a temporary per chunk, which fragments the heap)."""
         info = self.header.tensors[name]
         rows, cols = info.shape
-        if out is None:
-            out = torch.empty((rows, col_end - col_start), dtype=info.torch_dtype)
         row_bytes = max(1, cols * info.torch_dtype.itemsize)
         rows_per_chunk = max(1, READ_CHUNK_BYTES // row_bytes)
         chunk = getattr(self._local, "chunk", None)
@@ -201,7 +197,7 @@ class TensorReader:
         for r in range(0, rows, rows_per_chunk):
             r_end = min(rows, r + rows_per_chunk)
             buf = chunk[: (r_end - r) * row_bytes].view(info.torch_dtype).view(r_end - r, cols)
-            out[r:r_end] = self.read_rows(name, r, r_end, out=buf)[:, col_start:col_end]
+            out[r:r_end] = self.read_rows(name, r, r_end, buf)[:, col_start:col_end]
         return out
 
 
