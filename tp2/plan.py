@@ -168,12 +168,12 @@ def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
 
 def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Plan | None, list[str]]:
     dims = H3Shape.of(layout)
-    prefix, form, adaln = dims.prefix, dims.adaln_form, ADALN_STYLE[dims.adaln_form]
+    prefix = dims.prefix
     pools, problems = _pools(layout, dims, tp_size, shares)
     linears: dict[str, str] = {}
     tensors: dict[str, TensorShard] = {}
     for name, (dtype, full) in layout.tensors.items():
-        shard, linear_style, found = _place(layout.source, prefix, adaln, dims, pools, name, dtype, full)
+        shard, linear_style, found = _place(layout.source, dims, pools, name, dtype, full)
         problems += found
         if shard:
             tensors[name] = shard
@@ -183,10 +183,9 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Pl
     if problems:
         return None, problems
     num_layers = 1 + max(int(k.split(".")[1]) for k in linears if k.startswith("blocks."))
-    refiner = [int(k.split(".")[2]) for k in linears if k.startswith("token_refiner.blocks.")]
-    refiner_layers = 1 + max(refiner) if refiner else 0
+    refiner_layers = 1 + max((int(k.split(".")[2]) for k in linears if k.startswith("token_refiner.blocks.")), default=-1)
     plan = Plan(
-        tp_size, shares, prefix, form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers,
+        tp_size, shares, prefix, dims.adaln_form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers,
         linears, tensors, pools["attn"][1], pools["mlp"][1],
     )  # fmt: skip
     return plan, []
@@ -214,15 +213,16 @@ def _pools(layout: CheckpointLayout, dims: H3Shape, tp_size: int, shares: Shares
     return pools, problems
 
 
-def _place(src, prefix, adaln, dims: H3Shape, pools, name, dtype, full) -> tuple[TensorShard | None, str | None, list[str]]:
+def _place(src, dims: H3Shape, pools, name, dtype, full) -> tuple[TensorShard | None, str | None, list[str]]:
     """Tensor `name`'s place in the plan, its linear's style when it is a linear's 2-D weight, and what is wrong."""
+    prefix = dims.prefix
     if not name.startswith(prefix):
         return None, None, [f"Tensor '{name}' in '{src}' is outside the H3 model (prefix '{prefix}'). Use a diffusion-model-only H3 file."]
     key = name[len(prefix) :]
     if key in H3_BUFFERS:
         return TensorShard(name, WHOLE, None, 1, full, dtype, REPLICATE), None, []
     module, _, suffix = key.rpartition(".")
-    style = _layer_style(module, adaln)
+    style = _layer_style(module, ADALN_STYLE[dims.adaln_form])
     unplanned = _unplanned(key, module, suffix, style, src)
     if unplanned:
         return None, None, [unplanned]

@@ -135,15 +135,6 @@ def _parsed_header(path: str, _inode: int, size: int, _mtime_ns: int) -> Safeten
     return SafetensorsHeader(path, tensors, metadata, header_bytes, size)
 
 
-def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(buf):
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got <= 0:
-            raise CheckpointFormatError(f"Unexpected end of file at byte {offset + done}: the file is truncated.")
-        done += got
-
-
 class TensorReader:
     """Reads whole tensors, row ranges or column ranges with `pread`. Use as a context manager."""
 
@@ -167,11 +158,15 @@ class TensorReader:
     def _read_into(self, info: TensorInfo, start: int, out: torch.Tensor) -> torch.Tensor:
         """Fill the contiguous tensor `out` with the bytes at `start` (relative to the tensor's data)."""
         tick()  # a long load is progress (tp2/progress.py)
-        if out.numel():
-            try:
-                _pread_into(self._fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.start + start)
-            except (CheckpointFormatError, OSError) as e:
-                raise CheckpointFormatError(f"'{self.header.path}': {e}") from e
+        buf, offset, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.start + start, 0
+        try:
+            while done < len(buf):
+                got = os.preadv(self._fd, [buf[done:]], offset + done)
+                if got <= 0:
+                    raise CheckpointFormatError(f"Unexpected end of file at byte {offset + done}: the file is truncated.")
+                done += got
+        except (CheckpointFormatError, OSError) as e:
+            raise CheckpointFormatError(f"'{self.header.path}': {e}") from e
         return out
 
     def read(self, name: str) -> torch.Tensor:
