@@ -33,7 +33,7 @@ from .plan import Plan, TensorShard, resolve_plan
 from .safetensors_io import DTYPES, IO_WORKERS, PendingTensor, TensorReader, file_fingerprint, hashed_tensors, read_header, write_streaming
 from .shard import check_rank, read_shard, read_shard_tensor
 from .split import Shares, parse_split
-from .te_plan import NVFP4_BLOCK_SCALE, is_h3_text_encoder, resolve_te_plan
+from .te_plan import NVFP4_BLOCK_SCALE, TEPlan, is_h3_text_encoder, resolve_te_plan
 
 log = logging.getLogger(__name__)
 
@@ -140,18 +140,18 @@ def load_cache_file(
 
 
 def read_rank_slices(
-    source: str, tensors: dict[str, TensorShard], plan_fp: str, tp_rank: int, tp_size: int, what: str,
-    cache_dir: str | None = None, read_all: ReadAll | None = None, cut: bool = True,
-) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:  # fmt: skip
-    """This rank's tensors of `source` and the file's own metadata: at tp_size 1 the file itself through `read_all`;
-    else from the rank cache when `cache_dir` is given (cut first if missing or damaged, when `cut`), else read from
-    `source` (shard-on-read). The third value says which ("mapped whole", "rank cache FILE" or "shard-on-read")."""
+    source: str, plan: Plan | TEPlan, tp_rank: int, cache_dir: str | None = None, read_all: ReadAll | None = None, cut: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    """This rank's tensors of `source` in `plan` and the file's own metadata: at tp_size 1 the file itself through
+    `read_all`; else from the rank cache when `cache_dir` is given (cut first if missing or damaged, when `cut`), else
+    read from `source` (shard-on-read). The third value says which ("mapped whole", "rank cache FILE" or "shard-on-read")."""
+    tensors, tp_size = plan.tensors, plan.tp_size
     if tp_size == 1 and read_all is not None:  # nothing to cut: the file itself, mapped by the loader's reader
         sd = read_all(source)
         return {n: sd[n] for n in tensors}, dict(read_header(source).metadata), "mapped whole"
     if cache_dir is None or read_all is None:
-        return (*read_shard(source, tensors, tp_rank, tp_size, what), "shard-on-read")
-    path, identity = _cache_entry(cache_dir, source, plan_fp, tp_rank, tp_size)
+        return (*read_shard(source, tensors, tp_rank, tp_size), "shard-on-read")
+    path, identity = _cache_entry(cache_dir, source, plan.fingerprint(), tp_rank, tp_size)
     for attempt in (1, 2):
         if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank, tp_size)):
             break
@@ -167,7 +167,7 @@ def read_rank_slices(
             log.warning("rank cache file %s cannot be used (%s): deleting it and %s", path, e, then)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-    return (*read_shard(source, tensors, tp_rank, tp_size, what), "shard-on-read")
+    return (*read_shard(source, tensors, tp_rank, tp_size), "shard-on-read")
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def open_rank_shard(
     `cache_dir` and `read_all` are given (read_rank_slices), else read from `path` (shard-on-read)."""
     check_rank(tp_rank, tp_size)
     plan = resolve_plan(CheckpointLayout.from_file(path), tp_size, shares)
-    sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), tp_rank, tp_size, "", cache_dir, read_all, cut)
+    sd, metadata, origin = read_rank_slices(path, plan, tp_rank, cache_dir, read_all, cut)
     return RankShard(sd, metadata, plan, file_fingerprint(read_header(path)), origin)
 
 

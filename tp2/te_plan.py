@@ -266,7 +266,8 @@ def _check_quant(layout: CheckpointLayout, linears: dict[str, str], tensors: dic
             widths = [bounds[r + 1] - bounds[r] for r in range(len(shares))]
             if any(w % BLOCK for w in widths):
                 why = (
-                    f"the local K ({per_rank(widths)}) is not a multiple of {BLOCK}, so a rank's slice would cut a {BLOCK}-column nvfp4 block"
+                    f"the local K ({per_rank(widths)}) is not a multiple of {BLOCK}, so a rank's slice would cut a "
+                    f"{BLOCK}-column nvfp4 block"
                     if weight.dim
                     else "this rank's slice would need its 16-row padding redone; the pack reads nvfp4 slices as stored"
                 )
