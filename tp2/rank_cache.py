@@ -172,8 +172,7 @@ def read_rank_slices(
 
 @dataclass(frozen=True)
 class RankShard:
-    """What a rank loads: its state dict, the checkpoint's own metadata, the plan, the checkpoint's fingerprint, and
-    where its tensors came from, in words (for the log and the status node)."""
+    """What a rank loads, and where its tensors came from in words (`origin`: for the log and the status node)."""
 
     state_dict: dict[str, torch.Tensor]
     metadata: dict[str, str]

@@ -75,8 +75,6 @@ def hashed_tensors(reader: TensorReader, names: list[str]) -> Iterator[tuple[str
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives in the file and what it is."""
-
     dtype: str
     shape: tuple[int, ...]
     start: int  # absolute byte offset of its data in the file
@@ -88,8 +86,6 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
-    """The parsed header of a safetensors file: tensors by name and the string metadata."""
-
     path: str
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str]
