@@ -143,13 +143,8 @@ class TensorReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self._local = threading.local()
+        os.close(self._fd)
+        self._fd, self._local = -1, threading.local()  # a read after this fails; the threads' buffers are freed
 
     def _read_into(self, info: TensorInfo, start: int, out: torch.Tensor) -> torch.Tensor:
         """Fill the contiguous tensor `out` with the bytes at `start` (relative to the tensor's data)."""

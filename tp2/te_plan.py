@@ -32,14 +32,14 @@ NVFP4_BLOCK_SCALE = "nvfp4_block_scale"  # a TensorShard kind: block scales in c
 VOCAB_PARALLEL = "vocab_parallel"  # the token embedding: rows (tokens) split over the ranks
 EMBEDDING = "model.embed_tokens"
 
-TE_TP_PLAN = {
-    "model.layers.*.self_attn.q_proj": COLWISE,
-    "model.layers.*.self_attn.k_proj": COLWISE,
-    "model.layers.*.self_attn.v_proj": COLWISE,
-    "model.layers.*.self_attn.o_proj": ROWWISE,
-    "model.layers.*.mlp.gate_proj": COLWISE,
-    "model.layers.*.mlp.up_proj": COLWISE,
-    "model.layers.*.mlp.down_proj": ROWWISE,
+TE_TP_PLAN = {  # layer -> (style, the width it splits: a pool of _pools)
+    "model.layers.*.self_attn.q_proj": (COLWISE, "q"),
+    "model.layers.*.self_attn.k_proj": (COLWISE, "kv"),
+    "model.layers.*.self_attn.v_proj": (COLWISE, "kv"),
+    "model.layers.*.self_attn.o_proj": (ROWWISE, "q"),
+    "model.layers.*.mlp.gate_proj": (COLWISE, "ffn"),
+    "model.layers.*.mlp.up_proj": (COLWISE, "ffn"),
+    "model.layers.*.mlp.down_proj": (ROWWISE, "ffn"),
 }
 TE_REPLICATED = (
     "model.norm",
@@ -53,7 +53,7 @@ SUPPORTED_TE_FORMATS = ("int8_tensorwise", "float8_e4m3fn", "float8_e5m2", "nvfp
 SCALAR_SUFFIXES = ("weight_scale_2", "input_scale")
 
 
-_LINEARS = [(compile_pattern(p), style) for p, style in TE_TP_PLAN.items()]
+_LINEARS = [(compile_pattern(p), style_pool) for p, style_pool in TE_TP_PLAN.items()]
 _REPLICATED = [compile_pattern(p) for p in TE_REPLICATED]
 
 
@@ -150,7 +150,7 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TE
         module, _, suffix = name.rpartition(".")
         if name in TE_SKIPPED or _layer_index(name) >= H3_TE_LAYERS:
             continue
-        style = _style(module)
+        style, pool = _style(module)
         if style is None:
             problems.append(
                 f"Tensor '{name}' in '{layout.source}' is not in the text encoder's tensor-parallel plan, so the pack "
@@ -159,7 +159,7 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TE
             continue
         if suffix == "weight" and len(full) == 2 and module != EMBEDDING:
             linears[module] = style
-        shard, problem = _te_tensor_shard(name, suffix, dtype, full, style, layout.quant.get(module), pools[_pool_of(module)])
+        shard, problem = _te_tensor_shard(name, suffix, dtype, full, style, layout.quant.get(module), pools[pool])
         if problem:
             problems.append(problem)
         elif shard is not None:
@@ -199,30 +199,21 @@ def _pools(layout: CheckpointLayout, widths, tp_size: int, shares: Shares) -> tu
     return pools, problems
 
 
-def _pool_of(module: str) -> str | None:
-    if module == EMBEDDING:
-        return "vocab"
-    if module.endswith(("self_attn.q_proj", "self_attn.o_proj")):
-        return "q"
-    if module.endswith(("self_attn.k_proj", "self_attn.v_proj")):
-        return "kv"
-    return "ffn" if ".mlp." in module and not module.startswith("visual.") else None
-
-
 def _layer_index(name: str) -> int:
     m = re.match(r"^model\.layers\.(\d+)\.", name)
     return int(m.group(1)) if m else -1
 
 
-def _style(module: str) -> str | None:
+def _style(module: str) -> tuple[str | None, str | None]:
+    """A module's style (None: not in the plan) and its pool (None: replicated)."""
     if module.startswith("visual."):
-        return REPLICATE
+        return REPLICATE, None
     if module == EMBEDDING:
-        return VOCAB_PARALLEL
-    for rx, style in _LINEARS:
+        return VOCAB_PARALLEL, "vocab"
+    for rx, style_pool in _LINEARS:
         if rx.match(module):
-            return style
-    return REPLICATE if any(rx.match(module) for rx in _REPLICATED) else None
+            return style_pool
+    return REPLICATE if any(rx.match(module) for rx in _REPLICATED) else None, None
 
 
 def _te_tensor_shard(name, suffix, dtype, full, style, quant, pool) -> tuple[TensorShard | None, str | None]:
@@ -263,13 +254,12 @@ def _check_quant(layout: CheckpointLayout, linears: dict[str, str], tensors: dic
             continue
         if fmt == "nvfp4":
             bounds = tensors[module + ".weight_scale"].bounds
-            widths = [bounds[r + 1] - bounds[r] for r in range(len(shares))]
-            if any(w % BLOCK for w in widths):
+            bad = next((b - a for a, b in zip(bounds, bounds[1:]) if (b - a) % BLOCK), None)
+            if bad is not None:
                 why = (
-                    f"the local K ({per_rank(widths)}) is not a multiple of {BLOCK}, so a rank's slice would cut a "
-                    f"{BLOCK}-column nvfp4 block"
+                    f"the local K ({bad}) is not a multiple of {BLOCK}, so a rank's slice would cut a {BLOCK}-column nvfp4 block."
                     if weight.dim
-                    else "this rank's slice would need its 16-row padding redone; the pack reads nvfp4 slices as stored"
+                    else f"a rank's {bad} rows would need their 16-row padding redone; the pack reads nvfp4 slices as stored."
                 )
                 problems.append(f"Cannot split nvfp4 layer '{module}' across tp_size={len(shares)}: {why}")
         if style == ROWWISE:
