@@ -48,9 +48,9 @@ ALIGN = 64
 ReadAll = Callable[[str], dict[str, torch.Tensor]]
 
 
-def _cache_entry(cache_dir: str, source: str, plan_fp: str, tp_rank: int, tp_size: int) -> tuple[str, dict[str, str]]:
+def _cache_entry(cache_dir: str, source: str, plan: Plan | TEPlan, tp_rank: int) -> tuple[str, dict[str, str]]:
     """The one naming rule (path of rank `tp_rank`'s cut of `source`) and the identity its header must record."""
-    source_fp = file_fingerprint(read_header(source))
+    source_fp, plan_fp, tp_size = file_fingerprint(read_header(source)), plan.fingerprint(), plan.tp_size
     stem = os.path.splitext(os.path.basename(source))[0]
     name = f"{stem}.{source_fp[:12]}.{plan_fp[:12]}.tp{tp_size}-rank{tp_rank}.safetensors"
     identity = {META_RANK: str(tp_rank), META_SIZE: str(tp_size), META_PLAN: plan_fp, META_SOURCE: source_fp}
@@ -70,9 +70,7 @@ def _remove_stale(out: str) -> None:
             log.info("rank cache: removed %s (%s)", other, why)
 
 
-def write_cache_file(
-    out: str, source: str, tensors: dict[str, TensorShard], identity: dict[str, str], tp_rank: int, tp_size: int, progress=None
-) -> bool:
+def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], identity: dict[str, str], tp_rank: int, progress=None) -> bool:
     """Cut this rank's tensors from `source` into `out` (streaming, digests in the header); False if there is no room."""
     os.makedirs(os.path.dirname(out), exist_ok=True)
     _remove_stale(out)
@@ -151,9 +149,9 @@ def read_rank_slices(
         return {n: sd[n] for n in tensors}, dict(read_header(source).metadata), "mapped whole"
     if cache_dir is None or read_all is None:
         return (*read_shard(source, tensors, tp_rank, tp_size), "shard-on-read")
-    path, identity = _cache_entry(cache_dir, source, plan.fingerprint(), tp_rank, tp_size)
+    path, identity = _cache_entry(cache_dir, source, plan, tp_rank)
     for attempt in (1, 2):
-        if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank, tp_size)):
+        if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank)):
             break
         try:
             return (
@@ -200,8 +198,8 @@ def cut_ahead(source: str, tp_size: int, tp_rank: int, cache_dir: str, progress=
         raise TP2Error("tp_size 1 maps the checkpoint whole: there is nothing to cut. Use the tp_size you start with.")
     layout = CheckpointLayout.from_file(source)
     plan = resolve_te_plan(layout, tp_size, shares) if is_h3_text_encoder(layout) else resolve_plan(layout, tp_size, shares)
-    path, identity = _cache_entry(cache_dir, source, plan.fingerprint(), tp_rank, tp_size)
-    if not write_cache_file(path, source, plan.tensors, identity, tp_rank, tp_size, progress):
+    path, identity = _cache_entry(cache_dir, source, plan, tp_rank)
+    if not write_cache_file(path, source, plan.tensors, identity, tp_rank, progress):
         raise TP2Error(f"not enough free disk in {os.path.dirname(path)} for {os.path.basename(path)} (see the warning above)")
     return path
 

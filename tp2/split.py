@@ -1,6 +1,6 @@
 """Each rank's share of the split layers (`--split 3:2`, TP2_SPLIT), and a width cut by the shares.
 
-An even split cuts a width into equal slices, or refuses it (the plans say which tp_sizes work). Uneven shares give
+An even split cuts a width into equal slices, or refuses it (`resolved` says which tp_sizes work). Uneven shares give
 each rank whole `unit`s (a ConvRot group, a pair of heads, a KV head) in proportion, rounded by largest remainder; a
 rank left without one is refused. Imports nothing from `comfy`.
 """
