@@ -57,8 +57,8 @@ def _hooked_load_clip(original):
         t0 = time.monotonic()
         path = ckpt_paths[0]
         plan = resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # refuses before a byte of weights is read
-        rank, what = STATE.env.tp_rank, " of the text encoder"
-        sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), rank, plan.tp_size, what, *rank_cache_args())
+        rank = STATE.env.tp_rank
+        sd, metadata, origin = read_rank_slices(path, plan, rank, *rank_cache_args())
         if model_options.get("custom_operations") is None:
             sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
         options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config(rank)}})

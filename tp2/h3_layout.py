@@ -30,8 +30,6 @@ KNOWN_PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.model
 
 @dataclass(frozen=True)
 class H3Shape:
-    """Where the DiT's keys sit, how its timestep conditioning works and its widths."""
-
     prefix: str
     adaln_form: str  # "full" (time_embedder + big adaln) or "curve" (adaln_t_table)
     hidden: int

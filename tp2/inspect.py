@@ -39,10 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in plan.tensors.values()
     ]
     if args.json:
-        head = {
-            k: getattr(plan, k)
-            for k in ("tp_size", "shares", "prefix", "adaln_form", "hidden", "heads", "head_dim", "ffn", "num_layers", "refiner_layers")
-        }
+        head = {k: v for k, v in vars(plan).items() if k not in ("linears", "tensors", "head_bounds", "ffn_bounds")}
         json.dump({**head, "fingerprint": plan.fingerprint(), "tensors": rows}, sys.stdout, indent=1)
         print()
         return 0

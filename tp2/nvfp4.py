@@ -33,34 +33,29 @@ def nvfp4_logical_shape(stored: tuple[int, ...]) -> tuple[int, int]:
     return stored[0], 2 * stored[1]
 
 
-def _splits(n: int, k: int, dim: int, tp_size: int) -> bool:
+def _why(n: int, k: int, dim: int, tp_size: int) -> str | None:
     if dim == 0:
-        return n % tp_size == 0
-    return k % tp_size == 0 and (k // tp_size) % BLOCK == 0
-
-
-def _advice(n: int, k: int, dim: int) -> str:
-    ok = [t for t in (2, 4, 8) if _splits(n, k, dim, t)]
-    return f"Use tp_size {join_or(ok)}." if ok else "Run this layer unsplit (tp_size 1)."
+        return f"its {n} output rows are not divisible by tp_size={tp_size}." if n % tp_size else None
+    if k % tp_size:
+        return f"its input dim K={k} is not divisible by tp_size={tp_size}."
+    if (k // tp_size) % BLOCK:
+        return (
+            f"the local K ({k // tp_size}) is not a multiple of {BLOCK}, so a rank's slice would cut a {BLOCK}-column "
+            f"nvfp4 block (one fp8 block scale per {BLOCK} input columns)."
+        )
+    return None
 
 
 def nvfp4_split_problem(n: int, k: int, dim: int, tp_size: int) -> str | None:
     """Why an nvfp4 weight of logical shape [n, k] cannot be cut along `dim` (0: output rows, 1: input columns) into
-    tp_size equal slices, or None. Rows split anywhere (each row's blocks run along K); a K slice must hold whole
-    16-column blocks, since each block scale covers 16 input columns. The swizzle imposes nothing: a local scale
-    tensor is re-swizzled (and padded to 128 x 4) for its own shape."""
-    if dim == 0:
-        if n % tp_size:
-            return f"its {n} output rows are not divisible by tp_size={tp_size}. {_advice(n, k, 0)}"
+    tp_size equal slices, and the tp_sizes that can, or None. Rows split anywhere (each row's blocks run along K); a K
+    slice must hold whole 16-column blocks, since each block scale covers 16 input columns. The swizzle imposes
+    nothing: a local scale tensor is re-swizzled (and padded to 128 x 4) for its own shape."""
+    why = _why(n, k, dim, tp_size)
+    if why is None:
         return None
-    if k % tp_size:
-        return f"its input dim K={k} is not divisible by tp_size={tp_size}. {_advice(n, k, 1)}"
-    if (k // tp_size) % BLOCK:
-        return (
-            f"the local K ({k // tp_size}) is not a multiple of {BLOCK}, so a rank's slice would cut a {BLOCK}-column "
-            f"nvfp4 block (one fp8 block scale per {BLOCK} input columns). {_advice(n, k, 1)}"
-        )
-    return None
+    ok = [t for t in (2, 4, 8) if _why(n, k, dim, t) is None]
+    return f"{why} Use tp_size {join_or(ok)}." if ok else f"{why} Run this layer unsplit (tp_size 1)."
 
 
 def swizzle_block_scales(scales: torch.Tensor) -> torch.Tensor:

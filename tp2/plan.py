@@ -14,9 +14,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from .checkpoint import CheckpointLayout, convrot_group
-from .errors import PlanError
 from .h3_layout import H3Shape
-from .split import Shares, cut, cut_named, even, is_even, join_or, reduced, refusal, scaled
+from .split import Shares, cut, cut_named, is_even, per_rank, reduced, refusal, resolved, scaled
 
 COLWISE = "colwise"  # Y = X A, A split by output rows; no collective
 COLWISE_PACKED = "colwise_packed"  # the same, per fused part ([q|k|v], [gate|up]): each rank its slice of each
@@ -155,28 +154,9 @@ class Plan:
         )
 
 
-def per_rank(widths: list[int]) -> str:
-    """ "28/rank" for equal widths, else "32+24" (rank 0 first)."""
-    return f"{widths[0]}/rank" if len(set(widths)) == 1 else "+".join(map(str, widths))
-
-
 def resolve_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None = None) -> Plan:
     """Resolve and validate the plan (shares None: the even split); raises PlanError naming what would work."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}. Use the number of GPUs (ranks), e.g. 2.")
-    if shares is not None and len(shares) != tp_size:
-        raise PlanError(f"The split {':'.join(map(str, shares))} names {len(shares)} shares for tp_size={tp_size}: give one per rank.")
-    plan, problems = _resolve(layout, tp_size, shares or even(tp_size))
-    if problems:
-        allowed = allowed_tp_sizes(layout) if shares is None or is_even(shares) else []
-        hint = f" Use tp_size {join_or(allowed)}." if allowed else ""
-        raise PlanError(problems[0] + hint)
-    return plan
-
-
-def allowed_tp_sizes(layout: CheckpointLayout, limit: int = 64) -> list[int]:
-    """Every tp_size in 1..limit that this checkpoint can be split into."""
-    return [n for n in range(1, limit + 1) if not _resolve(layout, n, even(n))[1]]
+    return resolved(_resolve, layout, tp_size, shares, range(1, 65))
 
 
 def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
@@ -188,12 +168,12 @@ def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
 
 def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Plan | None, list[str]]:
     dims = H3Shape.of(layout)
-    prefix, form, adaln = dims.prefix, dims.adaln_form, ADALN_STYLE[dims.adaln_form]
+    prefix = dims.prefix
     pools, problems = _pools(layout, dims, tp_size, shares)
     linears: dict[str, str] = {}
     tensors: dict[str, TensorShard] = {}
     for name, (dtype, full) in layout.tensors.items():
-        shard, linear_style, found = _place(layout.source, prefix, adaln, dims, pools, name, dtype, full)
+        shard, linear_style, found = _place(layout.source, dims, pools, name, dtype, full)
         problems += found
         if shard:
             tensors[name] = shard
@@ -203,10 +183,9 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Pl
     if problems:
         return None, problems
     num_layers = 1 + max(int(k.split(".")[1]) for k in linears if k.startswith("blocks."))
-    refiner = [int(k.split(".")[2]) for k in linears if k.startswith("token_refiner.blocks.")]
-    refiner_layers = 1 + max(refiner) if refiner else 0
+    refiner_layers = 1 + max((int(k.split(".")[2]) for k in linears if k.startswith("token_refiner.blocks.")), default=-1)
     plan = Plan(
-        tp_size, shares, prefix, form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers,
+        tp_size, shares, prefix, dims.adaln_form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers,
         linears, tensors, pools["attn"][1], pools["mlp"][1],
     )  # fmt: skip
     return plan, []
@@ -234,15 +213,16 @@ def _pools(layout: CheckpointLayout, dims: H3Shape, tp_size: int, shares: Shares
     return pools, problems
 
 
-def _place(src, prefix, adaln, dims: H3Shape, pools, name, dtype, full) -> tuple[TensorShard | None, str | None, list[str]]:
+def _place(src, dims: H3Shape, pools, name, dtype, full) -> tuple[TensorShard | None, str | None, list[str]]:
     """Tensor `name`'s place in the plan, its linear's style when it is a linear's 2-D weight, and what is wrong."""
+    prefix = dims.prefix
     if not name.startswith(prefix):
         return None, None, [f"Tensor '{name}' in '{src}' is outside the H3 model (prefix '{prefix}'). Use a diffusion-model-only H3 file."]
     key = name[len(prefix) :]
     if key in H3_BUFFERS:
         return TensorShard(name, WHOLE, None, 1, full, dtype, REPLICATE), None, []
     module, _, suffix = key.rpartition(".")
-    style = _layer_style(module, adaln)
+    style = _layer_style(module, ADALN_STYLE[dims.adaln_form])
     unplanned = _unplanned(key, module, suffix, style, src)
     if unplanned:
         return None, None, [unplanned]
@@ -285,8 +265,7 @@ def _check_block_shape(key, module, full, dims: H3Shape, src) -> list[str]:
 
 def _tensor_shard(name, module, suffix, dtype, full, style, parts, pool) -> tuple[TensorShard | None, str | None]:
     """`pool`: (total, bounds) of the width this layer splits; bounds None when it cannot be split (reported once)."""
-    whole = TensorShard(name, WHOLE, None, 1, full, dtype, style)
-    total, bounds = pool
+    whole, bounds = TensorShard(name, WHOLE, None, 1, full, dtype, style), pool[1]
     if style == REPLICATE or suffix == "comfy_quant" or bounds is not None and len(bounds) == 2:
         return whole, None
     if style in (COLWISE, COLWISE_PACKED):
@@ -301,14 +280,16 @@ def _tensor_shard(name, module, suffix, dtype, full, style, parts, pool) -> tupl
         return whole, None
     if bounds is None:
         return None, None  # the width's refusal says why
+    return split_shard(name, dtype, full, style, pool, dim, parts)
+
+
+def split_shard(name, dtype, full, style, pool, dim: int, parts: int = 1) -> tuple[TensorShard | None, str | None]:
+    """`full` cut along `dim` (per packed part) at `pool`'s bounds (total, bounds), or why its size does not divide."""
+    total, bounds = pool
     mine = scaled(bounds, total, full[dim] // parts) if len(full) > dim and full[dim] % parts == 0 else None
     if mine is None:
-        n = full[dim] if len(full) > dim else None
         what = f"{parts} packed parts x " if parts > 1 else ""
-        return (
-            None,
-            f"Cannot split '{module}' ({suffix}, shape {list(full)}) dim {dim} of size {n} into {what}{len(bounds) - 1} slices: not divisible.",
-        )
+        return None, f"Cannot split '{name}' (shape {list(full)}) along dim {dim} into {what}{len(bounds) - 1} slices: not divisible."
     return TensorShard(name, SPLIT, dim, parts, full, dtype, style, mine), None
 
 
@@ -322,18 +303,20 @@ def _check_quant(layout: CheckpointLayout, prefix: str, linears: dict[str, str],
                 "Use the int8 ConvRot or the bf16 H3 checkpoint."
             )
             continue
-        layer, group, ts = module[len(prefix) :], convrot_group(conf), tensors.get(module + ".weight")
-        if linears.get(layer) in ROW_PARALLEL and group and ts is not None and ts.kind == SPLIT:
-            k, widths = ts.full_shape[1], [ts.local_shape(r)[1] for r in range(len(ts.bounds) - 1)]
-            bad = next((w for w in widths if w % group), None)
-            if bad is not None:
-                problems.append(
-                    f"Cannot split '{layer}' input dim K={k} {_across(widths)}: the local K ({bad}) "
-                    f"is not a multiple of its ConvRot group ({group}), so a rank's slice would cut a Hadamard block "
-                    "and the result would be wrong."
-                )
+        ts = tensors.get(module + ".weight")
+        if linears.get(module[len(prefix) :]) in ROW_PARALLEL and ts is not None and ts.kind == SPLIT:
+            problems += convrot_problems(module[len(prefix) :], ts, convrot_group(conf))
     return problems
 
 
-def _across(widths: list[int]) -> str:
-    return f"across tp_size={len(widths)}" if len(set(widths)) == 1 else f"into {'+'.join(map(str, widths))}"
+def convrot_problems(layer: str, ts: TensorShard, group: int | None) -> list[str]:
+    """Why the K slices of a row-parallel weight cut its ConvRot group (none when the layer is not rotated)."""
+    widths = [ts.local_shape(r)[1] for r in range(len(ts.bounds) - 1)]
+    bad = next((w for w in widths if group and w % group), None)
+    if bad is None:
+        return []
+    across = f"across tp_size={len(widths)}" if len(set(widths)) == 1 else f"into {'+'.join(map(str, widths))}"
+    return [
+        f"Cannot split '{layer}' input dim K={ts.full_shape[1]} {across}: the local K ({bad}) is not a multiple of its "
+        f"ConvRot group ({group}), so a rank's slice would cut a Hadamard block and the result would be wrong."
+    ]

@@ -33,7 +33,7 @@ from .plan import Plan, TensorShard, resolve_plan
 from .safetensors_io import DTYPES, IO_WORKERS, PendingTensor, TensorReader, file_fingerprint, hashed_tensors, read_header, write_streaming
 from .shard import check_rank, read_shard, read_shard_tensor
 from .split import Shares, parse_split
-from .te_plan import NVFP4_BLOCK_SCALE, is_h3_text_encoder, resolve_te_plan
+from .te_plan import NVFP4_BLOCK_SCALE, TEPlan, is_h3_text_encoder, resolve_te_plan
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,9 @@ ALIGN = 64
 ReadAll = Callable[[str], dict[str, torch.Tensor]]
 
 
-_CACHE_NAME = re.compile(r"(?P<stem>.+)\.[0-9a-f]{12}\.[0-9a-f]{12}(?P<tail>\.tp\d+-rank\d+\.safetensors)")
-
-
-def _cache_entry(cache_dir: str, source: str, source_fp: str, plan_fp: str, tp_rank: int, tp_size: int) -> tuple[str, dict[str, str]]:
+def _cache_entry(cache_dir: str, source: str, plan: Plan | TEPlan, tp_rank: int) -> tuple[str, dict[str, str]]:
     """The one naming rule (path of rank `tp_rank`'s cut of `source`) and the identity its header must record."""
+    source_fp, plan_fp, tp_size = file_fingerprint(read_header(source)), plan.fingerprint(), plan.tp_size
     stem = os.path.splitext(os.path.basename(source))[0]
     name = f"{stem}.{source_fp[:12]}.{plan_fp[:12]}.tp{tp_size}-rank{tp_rank}.safetensors"
     identity = {META_RANK: str(tp_rank), META_SIZE: str(tp_size), META_PLAN: plan_fp, META_SOURCE: source_fp}
@@ -63,7 +61,7 @@ def _remove_stale(out: str) -> None:
     """Delete this rank's cache files of an earlier version of the same checkpoint name (same rank and tp_size,
     another fingerprint or plan), and any `.partial` of them or of `out` (a cut that was stopped)."""
     folder, name = os.path.split(out)
-    m = _CACHE_NAME.fullmatch(name)
+    m = re.fullmatch(r"(?P<stem>.+)\.[0-9a-f]{12}\.[0-9a-f]{12}(?P<tail>\.tp\d+-rank\d+\.safetensors)", name)
     same = re.compile(re.escape(m["stem"]) + r"\.[0-9a-f]{12}\.[0-9a-f]{12}" + re.escape(m["tail"]) + r"(\.partial)?")
     for other in os.listdir(folder):
         if other != name and same.fullmatch(other):
@@ -72,9 +70,7 @@ def _remove_stale(out: str) -> None:
             log.info("rank cache: removed %s (%s)", other, why)
 
 
-def write_cache_file(
-    out: str, source: str, tensors: dict[str, TensorShard], identity: dict[str, str], tp_rank: int, tp_size: int, progress=None
-) -> bool:
+def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], identity: dict[str, str], tp_rank: int, progress=None) -> bool:
     """Cut this rank's tensors from `source` into `out` (streaming, digests in the header); False if there is no room."""
     os.makedirs(os.path.dirname(out), exist_ok=True)
     _remove_stale(out)
@@ -118,9 +114,6 @@ def load_cache_file(
     """This rank's tensors from a cache file, checked against `identity` and, once per file, against its digests."""
     header = read_header(path)
     md, name = header.metadata, os.path.basename(path)
-    end = max((i.start + math.prod(i.shape) * DTYPES[i.dtype].itemsize for i in header.tensors.values()), default=0)
-    if end > header.file_size:
-        raise ShardMismatchError(f"rank cache file '{name}' is {header.file_size} bytes, its header needs {end}: it was cut short")
     wrong = {k: (md.get(k), v) for k, v in identity.items() if md.get(k) != v}
     if wrong or set(header.tensors) != set(tensors) or META_DIGESTS not in md:
         raise ShardMismatchError(f"rank cache file '{name}' is not this rank's cut of its checkpoint ({wrong or 'its tensors differ'})")
@@ -145,26 +138,25 @@ def load_cache_file(
 
 
 def read_rank_slices(
-    source: str, tensors: dict[str, TensorShard], plan_fp: str, tp_rank: int, tp_size: int, what: str,
-    cache_dir: str | None = None, read_all: ReadAll | None = None, cut: bool = True,
-) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:  # fmt: skip
-    """This rank's tensors of `source` and the file's own metadata: at tp_size 1 the file itself through `read_all`;
-    else from the rank cache when `cache_dir` is given (cut first if missing or damaged, when `cut`), else read from
-    `source` (shard-on-read). The third value says which ("mapped whole", "rank cache FILE" or "shard-on-read")."""
+    source: str, plan: Plan | TEPlan, tp_rank: int, cache_dir: str | None = None, read_all: ReadAll | None = None, cut: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    """This rank's tensors of `source` in `plan` and the file's own metadata: at tp_size 1 the file itself through
+    `read_all`; else from the rank cache when `cache_dir` is given (cut first if missing or damaged, when `cut`), else
+    read from `source` (shard-on-read). The third value says which ("mapped whole", "rank cache FILE" or "shard-on-read")."""
+    tensors, tp_size = plan.tensors, plan.tp_size
     if tp_size == 1 and read_all is not None:  # nothing to cut: the file itself, mapped by the loader's reader
         sd = read_all(source)
         return {n: sd[n] for n in tensors}, dict(read_header(source).metadata), "mapped whole"
     if cache_dir is None or read_all is None:
-        return (*read_shard(source, tensors, tp_rank, tp_size, what), "shard-on-read")
-    header = read_header(source)
-    path, identity = _cache_entry(cache_dir, source, file_fingerprint(header), plan_fp, tp_rank, tp_size)
+        return (*read_shard(source, tensors, tp_rank, tp_size), "shard-on-read")
+    path, identity = _cache_entry(cache_dir, source, plan, tp_rank)
     for attempt in (1, 2):
-        if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank, tp_size)):
+        if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank)):
             break
         try:
             return (
                 load_cache_file(path, tensors, identity, read_all, tp_rank),
-                dict(header.metadata),
+                dict(read_header(source).metadata),
                 f"rank cache {os.path.basename(path)}",
             )
         except (ShardMismatchError, CheckpointFormatError, OSError) as e:  # as a digest mismatch: never the checkpoint's fault
@@ -173,13 +165,12 @@ def read_rank_slices(
             log.warning("rank cache file %s cannot be used (%s): deleting it and %s", path, e, then)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-    return (*read_shard(source, tensors, tp_rank, tp_size, what), "shard-on-read")
+    return (*read_shard(source, tensors, tp_rank, tp_size), "shard-on-read")
 
 
 @dataclass(frozen=True)
 class RankShard:
-    """What a rank loads: its state dict, the checkpoint's own metadata, the plan, the checkpoint's fingerprint, and
-    where its tensors came from, in words (for the log and the status node)."""
+    """What a rank loads, and where its tensors came from in words (`origin`: for the log and the status node)."""
 
     state_dict: dict[str, torch.Tensor]
     metadata: dict[str, str]
@@ -196,7 +187,7 @@ def open_rank_shard(
     `cache_dir` and `read_all` are given (read_rank_slices), else read from `path` (shard-on-read)."""
     check_rank(tp_rank, tp_size)
     plan = resolve_plan(CheckpointLayout.from_file(path), tp_size, shares)
-    sd, metadata, origin = read_rank_slices(path, plan.tensors, plan.fingerprint(), tp_rank, tp_size, "", cache_dir, read_all, cut)
+    sd, metadata, origin = read_rank_slices(path, plan, tp_rank, cache_dir, read_all, cut)
     return RankShard(sd, metadata, plan, file_fingerprint(read_header(path)), origin)
 
 
@@ -207,8 +198,8 @@ def cut_ahead(source: str, tp_size: int, tp_rank: int, cache_dir: str, progress=
         raise TP2Error("tp_size 1 maps the checkpoint whole: there is nothing to cut. Use the tp_size you start with.")
     layout = CheckpointLayout.from_file(source)
     plan = resolve_te_plan(layout, tp_size, shares) if is_h3_text_encoder(layout) else resolve_plan(layout, tp_size, shares)
-    path, identity = _cache_entry(cache_dir, source, file_fingerprint(read_header(source)), plan.fingerprint(), tp_rank, tp_size)
-    if not write_cache_file(path, source, plan.tensors, identity, tp_rank, tp_size, progress):
+    path, identity = _cache_entry(cache_dir, source, plan, tp_rank)
+    if not write_cache_file(path, source, plan.tensors, identity, tp_rank, progress):
         raise TP2Error(f"not enough free disk in {os.path.dirname(path)} for {os.path.basename(path)} (see the warning above)")
     return path
 

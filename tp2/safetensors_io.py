@@ -75,8 +75,6 @@ def hashed_tensors(reader: TensorReader, names: list[str]) -> Iterator[tuple[str
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives in the file and what it is."""
-
     dtype: str
     shape: tuple[int, ...]
     start: int  # absolute byte offset of its data in the file
@@ -88,8 +86,6 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
-    """The parsed header of a safetensors file: tensors by name and the string metadata."""
-
     path: str
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str]
@@ -135,15 +131,6 @@ def _parsed_header(path: str, _inode: int, size: int, _mtime_ns: int) -> Safeten
     return SafetensorsHeader(path, tensors, metadata, header_bytes, size)
 
 
-def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(buf):
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got <= 0:
-            raise CheckpointFormatError(f"Unexpected end of file at byte {offset + done}: the file is truncated.")
-        done += got
-
-
 class TensorReader:
     """Reads whole tensors, row ranges or column ranges with `pread`. Use as a context manager."""
 
@@ -156,43 +143,38 @@ class TensorReader:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self._local = threading.local()
+        os.close(self._fd)
+        self._fd, self._local = -1, threading.local()  # a read after this fails; the threads' buffers are freed
 
     def _read_into(self, info: TensorInfo, start: int, out: torch.Tensor) -> torch.Tensor:
         """Fill the contiguous tensor `out` with the bytes at `start` (relative to the tensor's data)."""
         tick()  # a long load is progress (tp2/progress.py)
-        if out.numel():
-            try:
-                _pread_into(self._fd, memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.start + start)
-            except (CheckpointFormatError, OSError) as e:
-                raise CheckpointFormatError(f"'{self.header.path}': {e}") from e
+        buf, offset, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), info.start + start, 0
+        try:
+            while done < len(buf):
+                got = os.preadv(self._fd, [buf[done:]], offset + done)
+                if got <= 0:
+                    raise CheckpointFormatError(f"Unexpected end of file at byte {offset + done}: the file is truncated.")
+                done += got
+        except (CheckpointFormatError, OSError) as e:
+            raise CheckpointFormatError(f"'{self.header.path}': {e}") from e
         return out
 
     def read(self, name: str) -> torch.Tensor:
         info = self.header.tensors[name]
         return self._read_into(info, 0, torch.empty(info.shape, dtype=info.torch_dtype))
 
-    def read_rows(self, name: str, row_start: int, row_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows [row_start, row_end) of dim 0 in one contiguous read, into `out` when given."""
+    def read_rows(self, name: str, row_start: int, row_end: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows [row_start, row_end) of dim 0 in one contiguous read into `out`."""
         info = self.header.tensors[name]
         row_bytes = info.torch_dtype.itemsize * math.prod(info.shape[1:])
-        if out is None:
-            out = torch.empty((row_end - row_start, *info.shape[1:]), dtype=info.torch_dtype)
         return self._read_into(info, row_start * row_bytes, out)
 
-    def read_cols(self, name: str, col_start: int, col_end: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Columns [col_start, col_end) of a 2-D tensor: whole rows are read in chunks into a buffer that each
-        reading thread allocates once per reader (not a temporary per chunk, which fragments the heap)."""
+    def read_cols(self, name: str, col_start: int, col_end: int, out: torch.Tensor) -> torch.Tensor:
+        """Columns [col_start, col_end) of a 2-D tensor into `out`: whole rows are read in chunks into a buffer that
+        each reading thread allocates once per reader (not a temporary per chunk, which fragments the heap)."""
         info = self.header.tensors[name]
         rows, cols = info.shape
-        if out is None:
-            out = torch.empty((rows, col_end - col_start), dtype=info.torch_dtype)
         row_bytes = max(1, cols * info.torch_dtype.itemsize)
         rows_per_chunk = max(1, READ_CHUNK_BYTES // row_bytes)
         chunk = getattr(self._local, "chunk", None)
@@ -201,7 +183,7 @@ class TensorReader:
         for r in range(0, rows, rows_per_chunk):
             r_end = min(rows, r + rows_per_chunk)
             buf = chunk[: (r_end - r) * row_bytes].view(info.torch_dtype).view(r_end - r, cols)
-            out[r:r_end] = self.read_rows(name, r, r_end, out=buf)[:, col_start:col_end]
+            out[r:r_end] = self.read_rows(name, r, r_end, buf)[:, col_start:col_end]
         return out
 
 

@@ -65,7 +65,7 @@ def read_shard_tensor(reader: TensorReader, tensors: dict[str, TensorShard], nam
     return out
 
 
-def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size: int, what: str) -> tuple[dict, dict[str, str]]:
+def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size: int) -> tuple[dict, dict[str, str]]:
     """Every tensor of a plan as this rank holds it, and the file's metadata."""
     t0 = time.monotonic()
     with TensorReader(path) as reader:
@@ -73,5 +73,5 @@ def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size
         metadata = dict(reader.header.metadata)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     secs = time.monotonic() - t0
-    log.info("read %.2f GB%s for rank %d/%d from %s in %.1f s", nbytes / 1e9, what, tp_rank, tp_size, os.path.basename(path), secs)
+    log.info("read %.2f GB for rank %d/%d from %s in %.1f s", nbytes / 1e9, tp_rank, tp_size, os.path.basename(path), secs)
     return sd, metadata

@@ -1,6 +1,6 @@
 """Each rank's share of the split layers (`--split 3:2`, TP2_SPLIT), and a width cut by the shares.
 
-An even split cuts a width into equal slices, or refuses it (the plans say which tp_sizes work). Uneven shares give
+An even split cuts a width into equal slices, or refuses it (`resolved` says which tp_sizes work). Uneven shares give
 each rank whole `unit`s (a ConvRot group, a pair of heads, a KV head) in proportion, rounded by largest remainder; a
 rank left without one is refused. Imports nothing from `comfy`.
 """
@@ -35,6 +35,11 @@ def join_or(values: list[int]) -> str:
     """ "2", "2 or 4", "1, 2 or 4"."""
     s = [str(v) for v in values]
     return s[0] if len(s) == 1 else ", ".join(s[:-1]) + " or " + s[-1]
+
+
+def per_rank(widths: list[int]) -> str:
+    """ "28/rank" for equal widths, else "32+24" (rank 0 first)."""
+    return f"{widths[0]}/rank" if len(set(widths)) == 1 else "+".join(map(str, widths))
 
 
 def cut_named(shares: Shares, widths: list[int]) -> str:
@@ -111,3 +116,17 @@ def workable(n_units: int, shares: Shares) -> Shares:
         got[got.index(max(got))] -= 1
         got[got.index(min(got))] += 1
     return reduced(tuple(got))
+
+
+def resolved(resolve, layout, tp_size: int, shares: Shares | None, sizes):
+    """`resolve(layout, tp_size, shares)`'s plan, or PlanError with its first problem and, for an even split, the
+    tp_sizes among `sizes` that would work."""
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive integer, got {tp_size!r}. Use the number of GPUs (ranks), e.g. 2.")
+    if shares is not None and len(shares) != tp_size:
+        raise PlanError(f"The split {':'.join(map(str, shares))} names {len(shares)} shares for tp_size={tp_size}: give one per rank.")
+    plan, problems = resolve(layout, tp_size, shares or even(tp_size))
+    if problems:
+        allowed = [n for n in sizes if not resolve(layout, n, even(n))[1]] if shares is None or is_even(shares) else []
+        raise PlanError(problems[0] + (f" Use tp_size {join_or(allowed)}." if allowed else ""))
+    return plan

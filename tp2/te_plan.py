@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from .checkpoint import CheckpointLayout, convrot_group
 from .errors import PlanError
-from .nvfp4 import BLOCK, nvfp4_logical_shape, nvfp4_split_problem
-from .plan import COLWISE, REPLICATE, ROWWISE, SPLIT, WHOLE, TensorShard, compile_pattern, per_rank, plan_fingerprint
-from .split import Shares, cut, cut_named, even, is_even, refusal, scaled
+from .nvfp4 import BLOCK
+from .plan import COLWISE, REPLICATE, ROWWISE, SPLIT, WHOLE, TensorShard, compile_pattern, convrot_problems, plan_fingerprint, split_shard
+from .split import Shares, cut, cut_named, is_even, per_rank, refusal, resolved, scaled
 
 # ComfyUI's Qwen3VL_32BConfig builds 50 decoder layers: H3's conditioning is the hidden state after layer 50.
 H3_TE_LAYERS = 50
@@ -32,14 +32,14 @@ NVFP4_BLOCK_SCALE = "nvfp4_block_scale"  # a TensorShard kind: block scales in c
 VOCAB_PARALLEL = "vocab_parallel"  # the token embedding: rows (tokens) split over the ranks
 EMBEDDING = "model.embed_tokens"
 
-TE_TP_PLAN = {
-    "model.layers.*.self_attn.q_proj": COLWISE,
-    "model.layers.*.self_attn.k_proj": COLWISE,
-    "model.layers.*.self_attn.v_proj": COLWISE,
-    "model.layers.*.self_attn.o_proj": ROWWISE,
-    "model.layers.*.mlp.gate_proj": COLWISE,
-    "model.layers.*.mlp.up_proj": COLWISE,
-    "model.layers.*.mlp.down_proj": ROWWISE,
+TE_TP_PLAN = {  # layer -> (style, the width it splits: a pool of _pools)
+    "model.layers.*.self_attn.q_proj": (COLWISE, "q"),
+    "model.layers.*.self_attn.k_proj": (COLWISE, "kv"),
+    "model.layers.*.self_attn.v_proj": (COLWISE, "kv"),
+    "model.layers.*.self_attn.o_proj": (ROWWISE, "q"),
+    "model.layers.*.mlp.gate_proj": (COLWISE, "ffn"),
+    "model.layers.*.mlp.up_proj": (COLWISE, "ffn"),
+    "model.layers.*.mlp.down_proj": (ROWWISE, "ffn"),
 }
 TE_REPLICATED = (
     "model.norm",
@@ -53,7 +53,7 @@ SUPPORTED_TE_FORMATS = ("int8_tensorwise", "float8_e4m3fn", "float8_e5m2", "nvfp
 SCALAR_SUFFIXES = ("weight_scale_2", "input_scale")
 
 
-_LINEARS = [(compile_pattern(p), style) for p, style in TE_TP_PLAN.items()]
+_LINEARS = [(compile_pattern(p), style_pool) for p, style_pool in TE_TP_PLAN.items()]
 _REPLICATED = [compile_pattern(p) for p in TE_REPLICATED]
 
 
@@ -120,11 +120,7 @@ def resolve_te_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | Non
             f"{', '.join(k for k in DETECT_KEYS if k not in layout.tensors)}. Pick the H3 encoder file "
             "(e.g. qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors) in the CLIP loader, type 'minimax'."
         )
-    plan, problems = _resolve(layout, tp_size, shares or even(tp_size))
-    if problems:
-        allowed = [n for n in (1, 2, 4, 8) if not _resolve(layout, n, even(n))[1]] if shares is None or is_even(shares) else []
-        raise PlanError(problems[0] + (f" Use tp_size {', '.join(map(str, allowed))}." if allowed else ""))
-    return plan
+    return resolved(_resolve, layout, tp_size, shares, (1, 2, 4, 8))
 
 
 def _dims(layout: CheckpointLayout) -> tuple[int, int, int, int, int]:
@@ -154,7 +150,7 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TE
         module, _, suffix = name.rpartition(".")
         if name in TE_SKIPPED or _layer_index(name) >= H3_TE_LAYERS:
             continue
-        style = _style(module)
+        style, pool = _style(module)
         if style is None:
             problems.append(
                 f"Tensor '{name}' in '{layout.source}' is not in the text encoder's tensor-parallel plan, so the pack "
@@ -163,7 +159,7 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TE
             continue
         if suffix == "weight" and len(full) == 2 and module != EMBEDDING:
             linears[module] = style
-        shard, problem = _te_tensor_shard(name, suffix, dtype, full, style, layout.quant.get(module), pools[_pool_of(module)])
+        shard, problem = _te_tensor_shard(name, suffix, dtype, full, style, layout.quant.get(module), pools[pool])
         if problem:
             problems.append(problem)
         elif shard is not None:
@@ -203,30 +199,21 @@ def _pools(layout: CheckpointLayout, widths, tp_size: int, shares: Shares) -> tu
     return pools, problems
 
 
-def _pool_of(module: str) -> str | None:
-    if module == EMBEDDING:
-        return "vocab"
-    if module.endswith(("self_attn.q_proj", "self_attn.o_proj")):
-        return "q"
-    if module.endswith(("self_attn.k_proj", "self_attn.v_proj")):
-        return "kv"
-    return "ffn" if ".mlp." in module and not module.startswith("visual.") else None
-
-
 def _layer_index(name: str) -> int:
     m = re.match(r"^model\.layers\.(\d+)\.", name)
     return int(m.group(1)) if m else -1
 
 
-def _style(module: str) -> str | None:
+def _style(module: str) -> tuple[str | None, str | None]:
+    """A module's style (None: not in the plan) and its pool (None: replicated)."""
     if module.startswith("visual."):
-        return REPLICATE
+        return REPLICATE, None
     if module == EMBEDDING:
-        return VOCAB_PARALLEL
-    for rx, style in _LINEARS:
+        return VOCAB_PARALLEL, "vocab"
+    for rx, style_pool in _LINEARS:
         if rx.match(module):
-            return style
-    return REPLICATE if any(rx.match(module) for rx in _REPLICATED) else None
+            return style_pool
+    return REPLICATE if any(rx.match(module) for rx in _REPLICATED) else None, None
 
 
 def _te_tensor_shard(name, suffix, dtype, full, style, quant, pool) -> tuple[TensorShard | None, str | None]:
@@ -237,26 +224,18 @@ def _te_tensor_shard(name, suffix, dtype, full, style, quant, pool) -> tuple[Ten
         return None, None  # the width's refusal says why
     fmt = (quant or {}).get("format")
     if suffix == "weight_scale" and fmt != "nvfp4":  # int8 / fp8: one scalar, or one scale per output row
-        return _split(name, full, 0, dtype, style, pool) if style == COLWISE and math.prod(full) > 1 else (whole, None)
+        return split_shard(name, dtype, full, style, pool, 0) if style == COLWISE and math.prod(full) > 1 else (whole, None)
     if suffix == "pre_quant_scale":  # AWQ smoothing, one factor per input channel
-        return _split(name, full, 0, dtype, style, pool) if style == ROWWISE else (whole, None)
+        return split_shard(name, dtype, full, style, pool, 0) if style == ROWWISE else (whole, None)
     if style == VOCAB_PARALLEL:
-        return _split(name, full, 0, dtype, style, pool)
+        return split_shard(name, dtype, full, style, pool, 0)
     dim = 0 if style == COLWISE else 1
     if suffix == "weight_scale":  # nvfp4 block scales, swizzled: read whole, re-cut in memory (tp2/nvfp4.py) at the
         # logical bounds; the local shape depends on the layer's padded rows, so the shard records the stored shape
         return TensorShard(name, NVFP4_BLOCK_SCALE, dim, 1, full, dtype, style, pool[1]), None
     if suffix in ("weight", "bias") and not (suffix == "bias" and style == ROWWISE):
-        return _split(name, full, dim if suffix == "weight" else 0, dtype, style, pool)
+        return split_shard(name, dtype, full, style, pool, dim if suffix == "weight" else 0)
     return None, f"Tensor '{name}' ({suffix}) has no place in the text encoder's plan for a {style} layer. Report the file's origin."
-
-
-def _split(name, full, dim, dtype, style, pool) -> tuple[TensorShard | None, str | None]:
-    total, bounds = pool
-    mine = scaled(bounds, total, full[dim]) if len(full) > dim else None
-    if mine is None:
-        return None, f"Cannot split '{name}' (shape {list(full)}) along dim {dim} into {len(bounds) - 1} slices: not divisible."
-    return TensorShard(name, SPLIT, dim, 1, full, dtype, style, mine), None
 
 
 def _check_quant(layout: CheckpointLayout, linears: dict[str, str], tensors: dict[str, TensorShard], shares: Shares) -> list[str]:
@@ -273,22 +252,16 @@ def _check_quant(layout: CheckpointLayout, linears: dict[str, str], tensors: dic
         weight = tensors.get(module + ".weight")
         if style not in (COLWISE, ROWWISE) or weight is None or weight.kind != SPLIT:
             continue
-        dim, tp_size = weight.dim, len(shares)
         if fmt == "nvfp4":
-            n, k = nvfp4_logical_shape(weight.full_shape)
             bounds = tensors[module + ".weight_scale"].bounds
-            widths = [bounds[r + 1] - bounds[r] for r in range(tp_size)]
-            why = nvfp4_split_problem(n, k, dim, tp_size) if is_even(shares) else None
-            if not why and any(w % BLOCK for w in widths):
-                why = "this rank's slice would need its 16-row padding redone; the pack reads nvfp4 slices as stored"
-            if why:
-                problems.append(f"Cannot split nvfp4 layer '{module}' across tp_size={tp_size}: {why}")
-        group = convrot_group(conf)
-        if style == ROWWISE and group:
-            k, widths = weight.full_shape[1], [weight.local_shape(r)[1] for r in range(tp_size)]
-            if any(w % group for w in widths):
-                problems.append(
-                    f"Cannot split '{module}' input dim K={k} across tp_size={tp_size}: the local K ({per_rank(widths)}) is "
-                    f"not a multiple of its ConvRot group ({group}), so a rank's slice would cut a Hadamard block."
+            bad = next((b - a for a, b in zip(bounds, bounds[1:]) if (b - a) % BLOCK), None)
+            if bad is not None:
+                why = (
+                    f"the local K ({bad}) is not a multiple of {BLOCK}, so a rank's slice would cut a {BLOCK}-column nvfp4 block."
+                    if weight.dim
+                    else f"a rank's {bad} rows would need their 16-row padding redone; the pack reads nvfp4 slices as stored."
                 )
+                problems.append(f"Cannot split nvfp4 layer '{module}' across tp_size={len(shares)}: {why}")
+        if style == ROWWISE:
+            problems += convrot_problems(module, weight, convrot_group(conf))
     return problems

@@ -17,7 +17,6 @@ from tp2.plan import (
     ROWWISE_SPLIT_INPUT,
     SPLIT,
     WHOLE,
-    allowed_tp_sizes,
     resolve_plan,
 )
 
@@ -114,7 +113,6 @@ def test_tp8_refused_by_convrot_group(h3_int8_layout):
 
 
 def test_tp8_allowed_without_convrot(h3_full_layout):
-    assert 8 in allowed_tp_sizes(h3_full_layout)
     assert resolve_plan(h3_full_layout, 8).local_heads(7) == 7
 
 
@@ -198,7 +196,8 @@ def test_tiny_file_plan_matches_layout_json(tiny_int8):
     assert layout.quant["blocks.0.mlp.fc2"] == {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256}
     plan = resolve_plan(layout, 2)
     assert plan.tensors["blocks.1.mlp.fc2.weight"].local_shape(0) == (256, 256)
-    assert allowed_tp_sizes(layout) == [1, 2]  # out_proj K=512: tp 4 would leave 128 < one ConvRot group
+    with pytest.raises(PlanError, match=r"Use tp_size 1 or 2\.$"):  # out_proj K=512: tp 4 would leave 128 < one ConvRot group
+        resolve_plan(layout, 4)
 
 
 def test_a_pdd_head_bank_final_layer_stays_whole_on_every_rank(h3_int8_layout):

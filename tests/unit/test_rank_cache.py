@@ -98,8 +98,8 @@ def test_text_encoder_nvfp4_slices_from_the_cache_equal_shard_on_read(tiny_te_nv
     plan = resolve_te_plan(CheckpointLayout.from_file(tiny_te_nvfp4), tp_size)
     cache = str(tmp_path / "cache")
     for rank in range(tp_size):
-        ref, ref_md = read_shard(tiny_te_nvfp4, plan.tensors, rank, tp_size, "")
-        sd, md, origin = read_rank_slices(tiny_te_nvfp4, plan.tensors, plan.fingerprint(), rank, tp_size, "", cache, load_file)
+        ref, ref_md = read_shard(tiny_te_nvfp4, plan.tensors, rank, tp_size)
+        sd, md, origin = read_rank_slices(tiny_te_nvfp4, plan, rank, cache, load_file)
         _equal(sd, ref)
         assert md == ref_md and origin.startswith("rank cache ")
 
@@ -153,8 +153,8 @@ def test_cut_ahead_by_the_cli_then_loaded_without_cutting(tiny_float, tiny_te_nv
         _equal(shard.state_dict, shard_state_dict(tiny_float, 2, rank)[0])
         assert shard.origin.startswith("rank cache ")
     plan = resolve_te_plan(CheckpointLayout.from_file(tiny_te_nvfp4), 2)
-    sd, _, origin = read_rank_slices(tiny_te_nvfp4, plan.tensors, plan.fingerprint(), 1, 2, "", cache, load_file)
-    _equal(sd, read_shard(tiny_te_nvfp4, plan.tensors, 1, 2, "")[0])
+    sd, _, origin = read_rank_slices(tiny_te_nvfp4, plan, 1, cache, load_file)
+    _equal(sd, read_shard(tiny_te_nvfp4, plan.tensors, 1, 2)[0])
 
 
 def test_a_cache_file_recording_another_cut_is_cut_again_and_never_taken_for_a_checkpoint(tiny_int8, tmp_path, caplog):
