@@ -2,7 +2,7 @@
 
 One kernel per segment reads x (and y) once and writes h (and x), where ComfyUI's H3 block makes separate passes:
 
-    x += gate * y                        (addcmul_)          \\ gate_norm_modulate: one pass, x updated in place
+    x += gate * y                        (addcmul_)          \\ with gate and y: one pass, x updated in place
     h  = rms_norm(x, w, eps)             (F.rms_norm)         |  norm_modulate: the last three in one pass
     h *= 1 + scale;  h += shift          (mul_, add_)        /
 
@@ -32,7 +32,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 def _probe(device: torch.device, dtype: torch.dtype) -> None:
     x, y, v = (torch.ones((2, 64), device=device, dtype=dtype) for _ in range(3))
     norm_modulate(x, v[0], 1e-6, v[0], v[0], y)
-    gate_norm_modulate(x, v, v[0], v[0], 1e-6, v[0], v[0], y)
+    norm_modulate(x, v[0], 1e-6, v[0], v[0], y, v[0], v)
 
 
 if triton is not None:
@@ -59,7 +59,10 @@ if triton is not None:
         tl.store(h_ptr + row * sh + cols, (t + b).to(dt), mask=mask)
 
 
-def _launch(x, y, gate, w, eps, scale1, shift, h) -> None:
+def norm_modulate(x: torch.Tensor, w: torch.Tensor, eps: float, scale1: torch.Tensor, shift: torch.Tensor, h: torch.Tensor,
+                  gate: torch.Tensor | None = None, y: torch.Tensor | None = None) -> None:  # fmt: skip
+    """h = rms_norm(x, w, eps) * scale1 + shift, rounded like ComfyUI's three ops; with `gate` and `y`, x += gate * y (in
+    place) first. x, y, h: [M, D] row views."""
     rows, d = x.shape
     if rows == 0:
         return
@@ -72,22 +75,3 @@ def _launch(x, y, gate, w, eps, scale1, shift, h) -> None:
         x.stride(0), (y if y is not None else x).stride(0), h.stride(0), d, float(eps),
         GATE=y is not None, BLOCK=block, num_warps=8 if block >= 4096 else 4,
     )  # fmt: skip
-
-
-def norm_modulate(x: torch.Tensor, w: torch.Tensor, eps: float, scale1: torch.Tensor, shift: torch.Tensor, h: torch.Tensor) -> None:
-    """h = rms_norm(x, w, eps) * scale1 + shift, rounded like ComfyUI's three ops; x, h: [M, D] row views."""
-    _launch(x, None, None, w, eps, scale1, shift, h)
-
-
-def gate_norm_modulate(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    gate: torch.Tensor,
-    w: torch.Tensor,
-    eps: float,
-    scale1: torch.Tensor,
-    shift: torch.Tensor,
-    h: torch.Tensor,
-) -> None:
-    """x += gate * y (in place), then h = norm_modulate(x); x, y, h: [M, D] row views."""
-    _launch(x, y, gate, w, eps, scale1, shift, h)

@@ -33,7 +33,7 @@ def norm_modulated(x, norm, shift, scale, segments, gate=None, y=None) -> torch.
         if gate is None:
             norm_modulate.norm_modulate(x[a:b], w, eps, scale1[row], shift[row], h[a:b])
         else:
-            norm_modulate.gate_norm_modulate(x[a:b], y[a:b], gate[row], w, eps, scale1[row], shift[row], h[a:b])
+            norm_modulate.norm_modulate(x[a:b], w, eps, scale1[row], shift[row], h[a:b], gate[row], y[a:b])
     h[segments[-1][1] if segments else 0 :].zero_()
     return h
 

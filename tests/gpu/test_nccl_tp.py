@@ -191,7 +191,7 @@ def test_fused_norm_modulate_matches_comfy_ops(gated):
     comfy = _comfy_norm_modulate(x_comfy, y, gate, w, eps, scale1, shift)
     h = torch.empty_like(x)
     if gated:
-        norm_modulate.gate_norm_modulate(x, y, gate, w, eps, scale1, shift, h)
+        norm_modulate.norm_modulate(x, w, eps, scale1, shift, h, gate, y)
         assert sqnr(x, x_comfy) > 60.0, "the gated residual differs beyond rounding"
     else:
         norm_modulate.norm_modulate(x, w, eps, scale1, shift, h)

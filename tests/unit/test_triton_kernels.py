@@ -93,7 +93,7 @@ def check_norm_modulate(gated: str) -> None:
     h = torch.empty_like(x)
     assert kernel.available(x.device, x.dtype)
     if gated:
-        kernel.gate_norm_modulate(x, y, gate, w, 1e-6, 1 + scale, shift, h)
+        kernel.norm_modulate(x, w, 1e-6, 1 + scale, shift, h, gate, y)
     else:
         kernel.norm_modulate(x, w, 1e-6, 1 + scale, shift, h)
     torch.testing.assert_close(x, expected_x, rtol=1e-6, atol=1e-6)
