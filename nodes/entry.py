@@ -16,10 +16,10 @@ from ..tp2 import settings
 from ..tp2.collectives import reduce_dtype_from_env
 from ..tp2.session import TPSession
 from ..tp2.split import parse_split
-from .front_door import read_secret
+from .front_door import install_front_door, read_secret
 from .pack_nodes import NODES, register_conditioning_folder
 from .state import STATE, log
-from .status_api import resolved_settings, split_named
+from .status_api import install_status_routes, resolved_settings, split_named
 
 
 def activate() -> None:
@@ -59,14 +59,12 @@ def _install_hooks(secret: str | None) -> None:
     """Every change the pack makes to ComfyUI (nodes/patches.py lists them), and its routes."""
     from server import PromptServer
 
-    from .front_door import install_front_door
     from .loader import install_loader_hook
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
     from .prompt_lifecycle import track_prompts
     from .run import install_interrupt_deferral
     from .same_outputs import install_same_outputs
-    from .status_api import install_status_routes
     from .text_encoder import install_text_encoder_hook
     from .vae_decode import install_parallel_vae_decode
 
