@@ -16,10 +16,10 @@ from ..tp2 import settings
 from ..tp2.collectives import reduce_dtype_from_env
 from ..tp2.session import TPSession
 from ..tp2.split import parse_split
-from .front_door import read_secret
+from .front_door import install_front_door, read_secret
 from .pack_nodes import NODES, register_conditioning_folder
 from .state import STATE, log
-from .status_api import resolved_settings, split_named
+from .status_api import install_status_routes, resolved_settings, split_named
 
 
 def activate() -> None:
@@ -35,22 +35,7 @@ def activate() -> None:
         return
     settings.freeze()  # every setting read once, now: a bad value is refused at start-up
     device = comfy.model_management.get_torch_device()
-    device = device if device.type == "cuda" else torch.device("cpu")
-    _take_settings(env, device)
-    STATE.boot_id = uuid.uuid4().hex
-    secret = read_secret()
-    STATE.session = TPSession(env, device, boot_id=STATE.boot_id, secret=secret, peer_urls=settings.value("TP2_RANK_URLS"))
-    _install_hooks(secret)
-    threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
-    # the settings as "name value" ("sequence parallel:" is the sequence-parallel forward's own log line)
-    log.info("%s minimax-h3-tp2 active: MASTER %s:%d, split %s; %s", STATE.tag, env.master_addr, env.master_port, split_named(),
-             "; ".join(f"{k} {v}" for k, v in resolved_settings().items()))  # fmt: skip
-    _warn_if_dynamic_vram_cannot_evict()
-
-
-def _take_settings(env, device) -> None:
-    """This rank's env, device, kernels and the settings the hot paths read, from the frozen settings."""
-    STATE.env, STATE.device = env, device
+    STATE.env, STATE.device = env, device if device.type == "cuda" else torch.device("cpu")
     STATE.shares = parse_split(settings.value("TP2_SPLIT"), env.tp_size)
     STATE.prompt_timeout_s = settings.value("TP2_PROMPT_TIMEOUT_S")
     STATE.int8_gemm = select_int8_gemm(settings.value("TP2_INT8_KERNEL"))
@@ -59,20 +44,27 @@ def _take_settings(env, device) -> None:
     STATE.sequence_parallel = settings.value("TP2_SEQUENCE_PARALLEL")
     STATE.sp_int8_gather = settings.value("TP2_SP_INT8_GATHER")
     STATE.sp_fused_norm = settings.value("TP2_SP_FUSED_NORM")
+    STATE.boot_id = uuid.uuid4().hex
+    secret = read_secret()
+    STATE.session = TPSession(env, STATE.device, boot_id=STATE.boot_id, secret=secret, peer_urls=settings.value("TP2_RANK_URLS"))
+    _install_hooks(secret)
+    threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
+    # the settings as "name value" ("sequence parallel:" is the sequence-parallel forward's own log line)
+    log.info("%s minimax-h3-tp2 active: MASTER %s:%d, split %s; %s", STATE.tag, env.master_addr, env.master_port, split_named(),
+             "; ".join(f"{k} {v}" for k, v in resolved_settings().items()))  # fmt: skip
+    _warn_if_dynamic_vram_cannot_evict()
 
 
 def _install_hooks(secret: str | None) -> None:
     """Every change the pack makes to ComfyUI (nodes/patches.py lists them), and its routes."""
     from server import PromptServer
 
-    from .front_door import install_front_door
     from .loader import install_loader_hook
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
     from .prompt_lifecycle import track_prompts
     from .run import install_interrupt_deferral
     from .same_outputs import install_same_outputs
-    from .status_api import install_status_routes
     from .text_encoder import install_text_encoder_hook
     from .vae_decode import install_parallel_vae_decode
 

@@ -27,6 +27,7 @@ from execution import SENSITIVE_EXTRA_DATA_KEYS
 from ..tp2 import settings
 from .queue_journal import install_queue_journal
 from .state import STATE, log
+from .status_api import fetch_status
 
 HEADER = "X-TP2-Secret"
 FOLLOWER_GUARDED = ("/prompt", "/queue", "/interrupt", "/free", "/history")  # POST routes, as _route names them
@@ -52,7 +53,6 @@ class FrontDoor:
         self.seq = 0  # rank 0: prompts dispatched by this process
         self.orders: dict[str, dict] = {}  # follower: prompt id -> rank 0's order for it (run, seq, boot, reset)
         self.last_order: tuple[str, int] | None = None  # follower: (rank 0 boot id, seq) of the last order taken
-        self.rank0_boot_ran: str | None = None  # follower: rank 0's boot id at the last prompt this rank ran
 
     @property
     def followers(self) -> list[tuple[int, str]]:
@@ -110,16 +110,9 @@ class FrontDoor:
         return True
 
     async def _answering(self) -> list[bool]:
-        """Whether each follower's HTTP API answers (GET /tp2/ranks)."""
-
-        async def one(url: str) -> bool:
-            try:
-                async with ClientSession(timeout=PROBE_TIMEOUT) as s, s.get(url + "/tp2/ranks") as r:
-                    return r.status == 200
-            except (ClientError, OSError, asyncio.TimeoutError):
-                return False
-
-        return list(await asyncio.gather(*(one(u) for _, u in self.followers)))
+        """Whether each follower's HTTP API answers (GET /tp2/status)."""
+        async with ClientSession(timeout=PROBE_TIMEOUT) as s:
+            return [status is not None for status, _ in await asyncio.gather(*(fetch_status(s, u) for _, u in self.followers))]
 
     def restarting(self, rank: int) -> bool:
         """Whether the launcher's supervisor of `rank` is alive to start it again (RUN_DIR/rank<r>.supervisor)."""
@@ -175,16 +168,6 @@ class FrontDoor:
         else:
             self.orders.pop(prompt_id, None)
         return response
-
-    def take_order(self, prompt_id: str) -> dict | None:
-        """Follower, at execution: rank 0's order for this prompt, with `reset` also set when rank 0 restarted
-        since this rank's last prompt (its node cache is empty)."""
-        order = self.orders.pop(prompt_id, None)
-        if order is None:
-            return None
-        restarted = self.rank0_boot_ran is not None and self.rank0_boot_ran != order["boot"]
-        self.rank0_boot_ran = order["boot"]
-        return dict(order, reset=order["reset"] or restarted)
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):

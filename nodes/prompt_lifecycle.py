@@ -26,7 +26,7 @@ from . import front_door
 from .patches import PATCHES
 from .state import STATE, Prompt, log
 
-SEEN = SimpleNamespace(cache_epoch=0, boots=None)  # what this rank saw at its last prompt: the cache epoch, every rank's boot id
+SEEN = SimpleNamespace(cache_epoch=0, boots={})  # what this rank saw at its last prompt: the cache epoch, each rank's boot id
 
 
 def track_prompts() -> None:
@@ -40,28 +40,25 @@ def prompt_fingerprint(prompt: dict) -> str:
 def _caches_may_differ() -> bool:
     """True when, since this rank's last prompt, a rank restarted (new boot id: empty node cache) or a rank
     reported a failed rendezvous or collective (cache epoch bumped)."""
-    changed = False
-    epoch = STATE.session.cache_epoch()
-    if epoch is not None and epoch > SEEN.cache_epoch:
-        changed, SEEN.cache_epoch = True, epoch
-    boots = STATE.session.boot_ids()
-    if boots is not None:
-        # a restart is a known id replaced by another; a first registration (None -> id) is not
-        seen = SEEN.boots or [None] * len(boots)
-        changed |= any(old is not None and new is not None and old != new for old, new in zip(seen, boots))
-        SEEN.boots = [new if new is not None else old for old, new in zip(seen, boots)]
+    epoch = STATE.session.cache_epoch() or 0  # None: the store is not reachable now
+    changed, SEEN.cache_epoch = epoch > SEEN.cache_epoch, max(epoch, SEEN.cache_epoch)
+    for r, boot in (STATE.session.boot_ids() or {}).items():
+        changed |= SEEN.boots.get(r, boot) != boot  # a known id replaced; a first registration is no restart
+        SEEN.boots[r] = boot
     return changed
 
 
 async def _run_id(prompt, prompt_id, extra_data, execute_outputs) -> tuple[str, bool, str | None, dict]:
     """(run id, whether to clear the node cache, why the ranks are unavailable or None, boot ids known from rank 0)."""
     door = front_door.FRONT_DOOR
-    if door is None:  # every rank was given the prompt under one id
+    if door is not None and STATE.env.tp_rank == 0:
+        return (*await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, _caches_may_differ()), {})
+    order = door.orders.pop(prompt_id, None) if door is not None else None
+    if order is None:  # every rank was given the prompt under one id
         return prompt_id, _caches_may_differ(), None, {}
-    if STATE.env.tp_rank != 0:
-        order = door.take_order(prompt_id) or {"run": prompt_id, "reset": _caches_may_differ()}
-        return order["run"], order["reset"], None, ({0: order["boot"]} if "boot" in order else {})
-    return (*await door.dispatch(prompt, prompt_id, extra_data, execute_outputs, _caches_may_differ()), {})
+    restarted = SEEN.boots.get(0, order["boot"]) != order["boot"]  # rank 0 restarted since this rank's last prompt: its cache is empty
+    SEEN.boots[0] = order["boot"]
+    return order["run"], order["reset"] or restarted, None, {0: order["boot"]}
 
 
 def _tracking_execute_async(original):

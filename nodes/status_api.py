@@ -14,6 +14,7 @@ import asyncio
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
+from ..tp2.session import is_loopback
 from ..tp2.split import even, is_even, named
 from . import front_door
 from .patches import PATCHES
@@ -121,7 +122,7 @@ def resolved_settings() -> dict[str, str]:
     sp = f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})" if STATE.sequence_parallel else "off"
     return {
         "device": str(STATE.device),
-        "rank store": "on loopback" if env.master_addr in ("127.0.0.1", "localhost", "::1") else "on the network",
+        "rank store": "on loopback" if is_loopback(env.master_addr) else "on the network",
         "int8 GEMM": STATE.int8_kernel,
         "attention": STATE.attention,
         "all-reduce dtype": str(STATE.reduce_dtype).replace("torch.", ""),
@@ -154,7 +155,7 @@ def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[st
     return "healthy", "answers, registered, heartbeat fresh" if age is not None else "answers, registered"
 
 
-async def _fetch(session: ClientSession, url: str | None) -> tuple[dict | None, str | None]:
+async def fetch_status(session: ClientSession, url: str | None) -> tuple[dict | None, str | None]:
     if not url:
         return None, "unknown address (the front door is off: start the ranks with scripts/start-tp2.sh)"
     try:
@@ -179,7 +180,7 @@ async def get_cluster(request: web.Request) -> web.Response:
     mine, door = STATE.env.tp_rank, front_door.FRONT_DOOR
     urls = door.rank_urls if door is not None else [None] * STATE.env.tp_size
     async with ClientSession(timeout=PEER_TIMEOUT) as session:
-        fetched = await asyncio.gather(*(_fetch(session, u) for r, u in enumerate(urls) if r != mine))
+        fetched = await asyncio.gather(*(fetch_status(session, u) for r, u in enumerate(urls) if r != mine))
     fetched.insert(mine, (me, None))
     ages = me["heartbeats"]
     ranks = []

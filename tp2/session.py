@@ -30,12 +30,6 @@ from .signing import signed_counter
 from .watch import Watcher
 
 
-def listening_socket(addr: str, port: int) -> socket.socket:
-    """A listening socket bound to `addr`:`port` only (TCPStore's own server would listen on every interface), with
-    SO_REUSEADDR: a restarted rank 0 takes its port back at once."""
-    return socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET, backlog=512)
-
-
 def is_loopback(addr: str) -> bool:
     try:
         return addr == "localhost" or ipaddress.ip_address(addr).is_loopback
@@ -77,8 +71,10 @@ class TPSession(Rendezvous):
         self._stale = False
         master = self.env.tp_rank == 0
         try:
-            if master and self._listener is None:
-                self._listener = listening_socket(self.env.master_addr, self.env.master_port)
+            if master and self._listener is None:  # MASTER_ADDR only (TCPStore's own server listens on every interface)
+                family = socket.AF_INET6 if ":" in self.env.master_addr else socket.AF_INET
+                # with SO_REUSEADDR (create_server's default): a restarted rank 0 takes its port back at once
+                self._listener = socket.create_server((self.env.master_addr, self.env.master_port), family=family, backlog=512)
             listen = {"master_listen_fd": self._listener.fileno()} if master else {}
             self._store = dist.TCPStore(self.env.master_addr, self.env.master_port, is_master=master, wait_for_workers=False,
                                         timeout=timedelta(seconds=timeout_s), **listen)  # fmt: skip
@@ -148,9 +144,8 @@ class TPSession(Rendezvous):
         own = dict(fields, **{f"{PRIVATE}gen": str(self.generation), f"{PRIVATE}healthy": str(int(self.healthy))})
         everyone = self.rendezvous(key, own, timeout_s, abort)
         gens = [int(f[f"{PRIVATE}gen"]) for f in everyone]
-        if self.group is not None and len(set(gens)) == 1 and all(f[f"{PRIVATE}healthy"] == "1" for f in everyone):
-            return self.group
-        self._new_group(max(gens) + 1)
+        if self.group is None or len(set(gens)) > 1 or any(f[f"{PRIVATE}healthy"] != "1" for f in everyone):
+            self._new_group(max(gens) + 1)
         return self.group
 
     def _new_group(self, generation: int) -> None:
@@ -192,10 +187,10 @@ class TPSession(Rendezvous):
         except (RuntimeError, dist.DistError, PeerLostError):
             return None
 
-    def boot_ids(self) -> list[str | None] | None:
-        """Every rank's current boot id (None for a rank not registered yet); None when the store is unreachable."""
-        keys = [f"tp2/boot/rank{r}" for r in range(self.env.tp_size)]
-        return self._now(lambda s: [s.get(k).decode() if s.check([k]) else None for k in keys])
+    def boot_ids(self) -> dict[int, str] | None:
+        """Each registered rank's current boot id; None when the store is unreachable."""
+        keys = {r: f"tp2/boot/rank{r}" for r in range(self.env.tp_size)}
+        return self._now(lambda s: {r: s.get(k).decode() for r, k in keys.items() if s.check([k])})
 
     def cache_epoch(self, bump: bool = False) -> int | None:
         """A counter every rank can raise when ranks may have run different nodes (a failed rendezvous or collective),

@@ -113,7 +113,7 @@ class Watcher:
             self.run, self._stop = run, None
             self._boots = dict(boots or {})
         self.progress.end()
-        self._store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "started"), warn=True)
+        self._store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "started"), "rank store unreachable")
         self._runs.append(run)
         if len(self._runs) > KEPT_RUNS:
             old = self._runs.pop(0)
@@ -124,7 +124,7 @@ class Watcher:
             run, self.run = self.run, None
         self.progress.end()
         if run is not None and self.store_problem() is None:
-            self._store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "done"), warn=True)
+            self._store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "done"), "rank store unreachable")
 
     def stop_reason(self) -> str | None:
         """Why the current run must stop on this rank (a peer's notice, a silent or restarted peer), else None."""
@@ -140,11 +140,8 @@ class Watcher:
         if self.store_problem() is not None:  # no store, no peer to tell (rank 0 is gone)
             return
         key = f"tp2/run/{run}/stop"
-        notice = json.dumps({"rank": self.rank, "reason": reason})
-        try:
-            self._client().compare_set(key, "", signed(self.secret, key, notice))  # only when no rank wrote one first
-        except (RuntimeError, dist.DistError) as e:
-            log.warning("[tp2 r%d/%d] could not publish why the run stopped (%s): %s", self.rank, self.size, e, reason)
+        notice = signed(self.secret, key, json.dumps({"rank": self.rank, "reason": reason}))
+        self._store_call(lambda s: s.compare_set(key, "", notice), f"could not publish why the run stopped ({reason})")  # if none yet
 
     def read_stop(self, run: str) -> str | None:
         """The run's stop notice, read now (not at the next poll): why a peer that finished the run stopped it."""
@@ -293,14 +290,14 @@ class Watcher:
             self._clients.store = store
         return store
 
-    def _store_call(self, fn: Callable[[dist.Store], object], warn: bool = False):
-        """`fn(store)` over this thread's connection; None when the store does not answer (the connection is dropped)."""
+    def _store_call(self, fn: Callable[[dist.Store], object], warn: str | None = None):
+        """`fn(store)` over this thread's connection; None, `warn` logged, when the store does not answer (then it is dropped)."""
         try:
             return fn(self._client())
         except (RuntimeError, dist.DistError) as e:
             self._clients.store = None
             if warn:
-                log.warning("[tp2 r%d/%d] rank store unreachable (%s)", self.rank, self.size, e)
+                log.warning("[tp2 r%d/%d] %s: %s", self.rank, self.size, warn, e)
             return None
 
     def _get(self, key: str) -> str | None:
