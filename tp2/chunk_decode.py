@@ -34,29 +34,20 @@ def spatial_tiles(clip: torch.Tensor, y_tiles: list[tuple[int, int]], x_tiles: l
     return [clip[..., y // ratio : y // ratio + h // ratio, x // ratio : x // ratio + w // ratio] for y, h in y_tiles for x, w in x_tiles]
 
 
-def round_owners(shares: Shares) -> list[int]:
-    """The owner of each unit of a round: rank r decodes its share of the round (shares approximated in whole units)."""
-    per_rank = small(shares, MAX_ROUND_PER_RANK)
-    return [r for r in range(len(shares)) for _ in range(per_rank[r])]
-
-
 class RoundRobinDecoder:
     """Serve unit decodes in order 0..n-1, a round at a time, each broadcast from its owner (over `tp`). `mark()` is
     called as each round starts and as this rank's decodes in it are done (tp2/progress.py)."""
 
     def __init__(self, clips: list[torch.Tensor], decode: Callable[[torch.Tensor], torch.Tensor], tp: TPGroup, mark, shares: Shares | None):
         self.clips, self.decode, self.tp, self.mark = clips, decode, tp, mark
-        self.owners = round_owners(shares or even(tp.tp_size))
+        per_rank = small(shares or even(tp.tp_size), MAX_ROUND_PER_RANK)  # each rank's share of a round, in whole units
+        self.owners = [r for r in range(len(per_rank)) for _ in range(per_rank[r])]  # the owner of each unit of a round
         self.served = 0
         self._round: dict[int, torch.Tensor] = {}
 
     def units_per_rank(self) -> list[int]:
         """How many of the units each rank decodes, in rank order."""
         return [sum(self.owners[i % len(self.owners)] == r for i in range(len(self.clips))) for r in range(self.tp.tp_size)]
-
-    @property
-    def done(self) -> bool:
-        return self.served == len(self.clips)
 
     def serve(self, clip: torch.Tensor) -> torch.Tensor:
         """The decode of the next unit, checked to be the input the model passes (fail closed, never a wrong video)."""
