@@ -27,9 +27,7 @@ from .state import STATE
 
 def _quantises_views(h3, transformer_options) -> bool:
     """Whether the attention call below ends in comfy-kitchen's INT8 container path, which reads the q/k/v views."""
-    ck = getattr(comfy_attention, "attention_comfy_kitchen_int8", None)
-    if ck is None:
-        return False
+    ck = comfy_attention.attention_comfy_kitchen_int8
     override = transformer_options.get("optimized_attention_override")
     if override is not None:
         return getattr(override, "container_function", None) is ck.container_function

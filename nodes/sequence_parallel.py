@@ -4,8 +4,8 @@
         -> norm2, modulation -> all-gather -> fc1 | fc2 partial -> reduce-scatter -> x_r += gate * mlp_r
 
 The first block takes this rank's rows, the last gathers them back; pad rows (zeros, at the end) are in no segment and
-gathers drop them. Row math is unchanged. Gathers may carry int8 rows (sp_gathers.py), norms may run fused (sp_norms.py;
-norm1 then adds the previous block's pending MLP residual). Blocks follow ComfyUI's DiTBlock.forward; `install` falls
+gathers drop them. Row math is unchanged. Gathers may carry int8 rows (TP2_SP_INT8_GATHER, voted per run), norms may
+run fused (sp_norms.py; norm1 then adds the previous block's pending MLP residual). Blocks follow ComfyUI's DiTBlock.forward; `install` falls
 back to plain TP if that code changed.
 """
 
@@ -21,19 +21,19 @@ from dataclasses import dataclass
 import torch
 
 from ..tp2 import settings
-from ..tp2.collectives import start_reduce_scatter_rows
+from ..tp2.collectives import all_reduce, start_all_gather_rows, start_reduce_scatter_rows
 from ..tp2.errors import PlanError
 from ..tp2.layers import PARTIAL
 from ..tp2.sequence_layout import RowLayout, chunk_bounds
 from .h3_attention import attention_forward
-from .parallel import Int8Rows, accept_int8_rows, held_weight, int8_rows_call, rowwise_call, tp_group
+from .parallel import Int8Rows, accept_int8_rows, held_weight, int8_input_split, int8_rows_call, rowwise_call, tp_group
 from .patches import changes_of
-from .sp_gathers import gather, vote_int8_gathers
 from .sp_norms import fused_norm_ok, gated_norm
 from .state import STATE, log
 
 SP_FORWARD = "tp2_sequence_parallel"  # transformer_options key of the model evaluation's SequenceParallelForward
 _logged: tuple | None = None  # the last (layout, int8, fused) logged: one line per sequence length
+_votes: dict = {}  # this sampling run's int8-gather votes, by local shape
 
 
 @dataclass
@@ -46,6 +46,35 @@ class SequenceParallelForward:
     segments: list | None = None
     int8: bool = False
     pending: tuple | None = None
+
+
+def vote_int8_gathers(block, local: torch.Tensor) -> bool:
+    """Whether every rank can quantise before gathering, agreed over the group (int8 on one rank and bf16 on its peer
+    would pair mismatched collectives). Voted at the first forward of each sampling run and sequence shape (the same
+    forward on every rank), not at every step: the vote makes the CPU wait for the GPU."""
+    run = (STATE.sampling_key, STATE.session.generation)
+    if _votes.get("run") != run:
+        _votes.clear()
+        _votes["run"] = run
+    key = (tuple(local.shape), local.dtype)
+    if key not in _votes:
+        can = all(int8_input_split(lin, local) is not None for lin in (block.attn.qkv_proj, block.mlp.fc1))
+        against = all_reduce(torch.tensor([0.0 if can else 1.0], device=local.device), tp_group())
+        _votes[key] = float(against.item()) == 0.0
+    return _votes[key]
+
+
+def gather(sp, local: torch.Tensor, linear=None):
+    """Every rank's rows of `local` in sequence order (pad rows dropped), quantised on the way when they feed the
+    int8 `linear`: a tensor, or Int8Rows that the int8 linear multiplies as they are."""
+    full, group = sp.layout.full, tp_group()
+    split = int8_input_split(linear, local) if sp.int8 and linear is not None else None
+    if split is None:
+        return start_all_gather_rows(local, group).result()[:full]
+    q, scale = split.quantize(local)
+    rows = start_all_gather_rows(q, group)
+    scales = start_all_gather_rows(scale, group).result()
+    return Int8Rows(rows.result()[:full], scales[:full], local.dtype, split)
 
 
 def _split(sp: SequenceParallelForward, x: torch.Tensor, mod_segments, block) -> torch.Tensor:
@@ -104,7 +133,8 @@ def _entered(self, x, mod_segments, transformer_options):
     if self.tp2_sp_first:
         sp.pending = None
         x = _split(sp, x, mod_segments, self)
-    (pending_x, gate, mlp), sp.pending = sp.pending or (x, None, None), None
+    pending_x, gate, mlp = sp.pending or (x, None, None)  # (x, None, None): no residual left to add
+    sp.pending = None
     if pending_x is not x:
         raise PlanError(
             f"{STATE.tag} a sequence-parallel block got another stream ({tuple(x.shape)}) than the previous block returned "

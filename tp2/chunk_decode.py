@@ -46,7 +46,6 @@ class RoundRobinDecoder:
         self._round: dict[int, torch.Tensor] = {}
 
     def units_per_rank(self) -> list[int]:
-        """How many of the units each rank decodes, in rank order."""
         return [sum(self.owners[i % len(self.owners)] == r for i in range(len(self.clips))) for r in range(self.tp.tp_size)]
 
     def serve(self, clip: torch.Tensor) -> torch.Tensor:
@@ -59,16 +58,13 @@ class RoundRobinDecoder:
                 f"{'(there is none)' if i >= len(self.clips) else tuple(self.clips[i].shape)}: ComfyUI's temporal chunking or "
                 "spatial tiling changed. Set TP2_PARALLEL_VAE=0 (decode on each rank alone) and report this with your ComfyUI version."
             )
-        if i % len(self.owners) == 0:
-            self._decode_round(i)
+        if i % len(self.owners) == 0:  # a round starts: decode this rank's units of it, then every unit from its owner
+            tp, units = self.tp, range(i, min(i + len(self.owners), len(self.clips)))
+            self.mark()
+            local = {j: self.decode(self.clips[j]) for j in units if self.owners[j - i] == tp.tp_rank}
+            self.mark()  # every rank marks as often, tiles or none: one behind after this is still decoding
+            for j in units:
+                got = broadcast_tree(local.get(j), tp, src=self.owners[j - i])
+                self._round[j] = local[j] if j in local else got.to(self.clips[j].device)
         self.served += 1
         return self._round.pop(i)
-
-    def _decode_round(self, start: int) -> None:
-        tp, units = self.tp, range(start, min(start + len(self.owners), len(self.clips)))
-        self.mark()
-        local = {j: self.decode(self.clips[j]) for j in units if self.owners[j - start] == tp.tp_rank}
-        self.mark()  # every rank marks as often, tiles or none: one behind after this is still decoding
-        for j in units:
-            got = broadcast_tree(local.get(j), tp, src=self.owners[j - start])
-            self._round[j] = local[j] if j in local else got.to(self.clips[j].device)
