@@ -27,9 +27,7 @@ from .state import STATE
 
 def _quantises_views(h3, transformer_options) -> bool:
     """Whether the attention call below ends in comfy-kitchen's INT8 container path, which reads the q/k/v views."""
-    ck = getattr(comfy_attention, "attention_comfy_kitchen_int8", None)
-    if ck is None:
-        return False
+    ck = comfy_attention.attention_comfy_kitchen_int8
     override = transformer_options.get("optimized_attention_override")
     if override is not None:
         return getattr(override, "container_function", None) is ck.container_function
@@ -51,12 +49,9 @@ def attention_forward(h3, attn, x, rope_freqs, transformer_options: dict, fused=
     qkv = attn.qkv_proj(x.pop() if isinstance(x, list) else x)
     del x
     s, device = qkv.shape[0], qkv.device
-    q, k, v = qkv.split(attn.heads * attn.head_dim, dim=-1)
+    q, k, v = (t.view(s, attn.heads, attn.head_dim) for t in qkv.split(attn.heads * attn.head_dim, dim=-1))
     del qkv  # q, k and v are its views: comfy-kitchen's INT8 attention frees the buffer once it has quantised them
-    v = v.view(s, attn.heads, attn.head_dim)
     if rope_freqs is not None:
-        q = q.view(s, attn.heads, attn.head_dim)
-        k = k.view(s, attn.heads, attn.head_dim)
         qw = comfy.model_management.cast_to(attn.q_norm.weight, device=device)
         kw = comfy.model_management.cast_to(attn.k_norm.weight, device=device)
         if comfy.model_management.in_training:
@@ -66,13 +61,10 @@ def attention_forward(h3, attn, x, rope_freqs, transformer_options: dict, fused=
         else:
             norm_rope_(q, k, rope_freqs, qw, kw, attn.q_norm.eps, fused)
     else:
-        q = attn.q_norm(q.view(s, attn.heads, attn.head_dim))
-        k = attn.k_norm(k.view(s, attn.heads, attn.head_dim))
+        q, k = attn.q_norm(q), attn.k_norm(k)
     if not _quantises_views(h3, transformer_options):
         v = v.clone()
-    q = comfy_attention.AttentionTensorContainer(q.transpose(0, 1).unsqueeze(0))
-    k = comfy_attention.AttentionTensorContainer(k.transpose(0, 1).unsqueeze(0))
-    v = comfy_attention.AttentionTensorContainer(v.transpose(0, 1).unsqueeze(0))
+    q, k, v = (comfy_attention.AttentionTensorContainer(t.transpose(0, 1).unsqueeze(0)) for t in (q, k, v))
     out = h3.optimized_attention(q, k, v, attn.heads, mask=None, skip_reshape=True, transformer_options=transformer_options)
     out = out.squeeze(0)
     return attn.out_proj(out) if out_reduce is None else rowwise_call(attn.out_proj, out, reduce=out_reduce)

@@ -68,8 +68,7 @@ def _outer_sample(
 
 def _refine_text(original, text_states):
     """The token refiner is sharded: every rank must refine rank 0's text states, in step."""
-    group = STATE.session.group
-    text_states = broadcast_tree(text_states if STATE.env.tp_rank == 0 else None, group)
+    text_states = broadcast_tree(text_states if STATE.env.tp_rank == 0 else None, STATE.session.group)
     with role_guard():
         return original(text_states)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import types
 from dataclasses import dataclass
 
 import comfy.model_management
@@ -21,7 +20,7 @@ from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
 from ..kernels.int8_split import SplitInt8Linear, split_int8_linear
 from ..tp2.errors import MissingRoleError, PlanError
-from ..tp2.layers import ALL_REDUCE, ROLE_ATTR, Int8Weight, LinearWeight, Reduction, require_role, row_parallel, split_input_slice
+from ..tp2.layers import ALL_REDUCE, ROLE_ATTR, Int8Weight, LinearWeight, Reduction, require_role, row_parallel
 from ..tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
 from .patches import PATCHES, ModelChanges, changes_of
 from .state import STATE
@@ -63,8 +62,8 @@ def rowwise_call(
 ) -> torch.Tensor:
     """ComfyUI's row-parallel linear through tp2.layers.row_parallel, reduced as `reduce` says. `held`: the weight
     from held_weight(linear, ...), for a caller that calls it on several row chunks."""
-    if getattr(linear, "tp_split_input", False):
-        x = split_input_slice(x, *linear.tp_input_range)
+    if getattr(linear, "tp_input_range", None):  # a split-input layer: this rank's K slice of a replicated input
+        x = x.narrow(-1, *linear.tp_input_range)
     with contextlib.nullcontext(held) if held is not None else held_weight(linear, x) as (weight, bias):
         return row_parallel(x, weight, bias, tp_group(), STATE.int8_gemm, STATE.reduce_dtype, input_act, reduce)
 
@@ -87,7 +86,7 @@ def held_weight(linear: torch.nn.Module, like, dtype: torch.dtype | None = None,
     weight-only-quant cast), held until the block ends, then uncast: yields (the core's LinearWeight, bias)."""
     if isinstance(like, Int8Rows):
         cast = comfy.ops.cast_bias_weight(
-            linear, None, dtype=linear.weight.dtype, device=like.device, bias_dtype=like.dtype,
+            linear, None, dtype=linear.weight.dtype, device=like.qdata.device, bias_dtype=like.dtype,
             offloadable=True, compute_dtype=like.dtype, want_requant=True,
         )  # fmt: skip
     else:
@@ -110,7 +109,7 @@ def _local_weight(weight) -> LinearWeight:
 @dataclass(frozen=True)
 class Int8Rows:
     """A linear's input that arrived quantised: int8 rows [M, K] and fp32 row scales [M, 1] from `split.quantize`,
-    standing for the `dtype` activation they were made from (shape, device and dtype read like that tensor's)."""
+    standing for the `dtype` activation they were made from (shape and dtype read like that tensor's)."""
 
     qdata: torch.Tensor
     scale: torch.Tensor
@@ -120,10 +119,6 @@ class Int8Rows:
     @property
     def shape(self) -> torch.Size:
         return self.qdata.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.qdata.device
 
 
 def int8_input_split(linear: torch.nn.Module, x: torch.Tensor) -> SplitInt8Linear | None:
@@ -156,14 +151,11 @@ def int8_rows_call(linear: torch.nn.Module, rows: Int8Rows, held=None) -> torch.
 
 def accept_int8_rows(changes: ModelChanges, name: str, linear: torch.nn.Module) -> None:
     """Let `linear` (a column-parallel ComfyUI linear) take Int8Rows as well as tensors; tensors go to its own forward."""
+    changes.replace(f"{name}.forward", linear, "forward", lambda own: functools.partial(_int8_rows_or_own, linear, own))
 
-    def make(own):
-        def forward(self, x, *args, **kwargs):
-            return int8_rows_call(self, x) if isinstance(x, Int8Rows) else own(x, *args, **kwargs)
 
-        return types.MethodType(forward, linear)
-
-    changes.replace(f"{name}.forward", linear, "forward", make)
+def _int8_rows_or_own(linear, own, x, *args, **kwargs):
+    return int8_rows_call(linear, x) if isinstance(x, Int8Rows) else own(x, *args, **kwargs)
 
 
 def _hooked_linear_input_act(original):
@@ -190,7 +182,7 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
             changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(rowwise_call, m))
             if style == ROWWISE_SPLIT_INPUT:
                 bounds, r = plan.tensors[plan.prefix + name + ".weight"].bounds, STATE.env.tp_rank
-                module.tp_split_input, module.tp_input_range = True, (bounds[r], bounds[r + 1])
+                module.tp_input_range = (bounds[r], bounds[r + 1] - bounds[r])  # (start, length)
         if plan.prefix + name + ".comfy_quant" in plan.tensors and not isinstance(module.weight, QuantizedTensor):
             raise PlanError(
                 f"'{name}' is int8 in the checkpoint but ComfyUI loaded it as {type(module.weight).__name__}: the int8 path was "

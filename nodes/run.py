@@ -91,27 +91,20 @@ def rank0_abort() -> str | None:
 @contextlib.contextmanager
 def in_step(advice: str | None = None, at=lambda: (None, None)):
     """A TP step every rank runs together (sampling, the split decode, the encode): an interrupt waits for its end on
-    every rank, and a failure in it is this rank's to tell every rank (leave_run; at the sampling step `at()` names),
-    an out-of-memory error led by the capacity `advice` where there is one."""
+    every rank, and a failure in it is this rank's to tell every rank (at the sampling step `at()` names), an
+    out-of-memory error led by the capacity `advice` where there is one."""
     was_sampling = getattr(SAMPLING, "active", False)
     SAMPLING.active = True
     try:
         yield
     except BaseException as e:
         told = with_advice(e, advice)
-        leave_run(told, *at())
+        if isinstance(told, (PromptAbortedError, PeerLostError)):  # a peer's stop or loss: it told every rank, or is gone
+            STATE.session.abandon_group()
+        elif not (isinstance(told, mm.InterruptProcessingException) and STATE.prompt.coordinated_stop):  # rank 0's stop: all know
+            STATE.session.stop_run(describe_failure(STATE.env.tp_rank, told, *at()))  # this rank's own failure, told to every rank
         if told is e:
             raise
         raise told from e
     finally:
         SAMPLING.active = was_sampling
-
-
-def leave_run(e: BaseException, step: int | None = None, steps: int | None = None) -> None:
-    """This rank's part when a TP step (sampling, the split decode) raised `e`: a peer's stop or loss is left
-    behind (that peer has told every rank, or is gone); this rank's own failure is told to every rank now (at
-    sampling step `step` of `steps`, when given). A stop rank 0 ordered at a model evaluation needs no telling."""
-    if isinstance(e, (PromptAbortedError, PeerLostError)):
-        STATE.session.abandon_group()
-    elif not (isinstance(e, mm.InterruptProcessingException) and STATE.prompt.coordinated_stop):
-        STATE.session.stop_run(describe_failure(STATE.env.tp_rank, e, step, steps))

@@ -59,19 +59,15 @@ def _files_made_same(original):
     @functools.wraps(original)
     def get_output_from_returns(return_values, obj):
         output, ui, has_subgraph = original(return_values, obj)
-        paths = _output_paths(ui)
+        # the files its UI output lists in the output folder (SaveImage, SaveLatent, SaveVideo, SaveAudio, ...)
+        entries = [e for v in ui.values() if isinstance(v, list) for e in v if isinstance(e, dict) and "filename" in e]
+        base = folder_paths.get_output_directory()
+        paths = [os.path.join(base, e.get("subfolder") or "", e["filename"]) for e in entries if e.get("type") == "output"]
         if paths and not STATE.prompt.alone:
             _make_files_same(f"{type(obj).__name__} files", paths)
         return output, ui, has_subgraph
 
     return get_output_from_returns
-
-
-def _output_paths(ui: dict) -> list[str]:
-    """The files a node's UI output lists in the output folder (SaveImage, SaveLatent, SaveVideo, SaveAudio, ...)."""
-    base = folder_paths.get_output_directory()
-    entries = [e for v in ui.values() if isinstance(v, list) for e in v if isinstance(e, dict) and "filename" in e]
-    return [os.path.join(base, e.get("subfolder") or "", e["filename"]) for e in entries if e.get("type") == "output"]
 
 
 def _make_files_same(stage: str, paths: list[str]) -> None:

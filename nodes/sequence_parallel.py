@@ -4,8 +4,8 @@
         -> norm2, modulation -> all-gather -> fc1 | fc2 partial -> reduce-scatter -> x_r += gate * mlp_r
 
 The first block takes this rank's rows, the last gathers them back; pad rows (zeros, at the end) are in no segment and
-gathers drop them. Row math is unchanged. Gathers may carry int8 rows (sp_gathers.py), norms may run fused (sp_norms.py;
-norm1 then adds the previous block's pending MLP residual). Blocks follow ComfyUI's DiTBlock.forward; `install` falls
+gathers drop them. Row math is unchanged. Gathers may carry int8 rows (TP2_SP_INT8_GATHER, voted per run), norms may
+run fused (sp_norms.py; norm1 then adds the previous block's pending MLP residual). Blocks follow ComfyUI's DiTBlock.forward; `install` falls
 back to plain TP if that code changed.
 """
 
@@ -16,43 +16,65 @@ import functools
 import hashlib
 import inspect
 import textwrap
-import types
 from dataclasses import dataclass
 
 import torch
 
 from ..tp2 import settings
+from ..tp2.collectives import all_reduce, start_all_gather_rows, start_reduce_scatter_rows
 from ..tp2.errors import PlanError
 from ..tp2.layers import PARTIAL
-from ..tp2.sequence_layout import RowLayout, chunk_bounds, reduce_scatter_sequence
+from ..tp2.sequence_layout import RowLayout, chunk_bounds
 from .h3_attention import attention_forward
-from .parallel import Int8Rows, accept_int8_rows, held_weight, int8_rows_call, rowwise_call, tp_group
+from .parallel import Int8Rows, accept_int8_rows, held_weight, int8_input_split, int8_rows_call, rowwise_call, tp_group
 from .patches import changes_of
-from .sp_gathers import gather, vote_int8_gathers
 from .sp_norms import fused_norm_ok, gated_norm
 from .state import STATE, log
 
 SP_FORWARD = "tp2_sequence_parallel"  # transformer_options key of the model evaluation's SequenceParallelForward
 _logged: tuple | None = None  # the last (layout, int8, fused) logged: one line per sequence length
-
-
-class _PendingResidual:
-    """A block's `x += gate * mlp`, left for the next block to do inside its first norm (one pass fewer over x)."""
-
-    def __init__(self, x: torch.Tensor, gate: torch.Tensor, mlp: torch.Tensor):
-        self.x, self.gate, self.mlp = x, gate, mlp
+_votes: dict = {}  # this sampling run's int8-gather votes, by local shape
 
 
 @dataclass
 class SequenceParallelForward:
     """One model evaluation's sequence-parallel state, handed from block to block in transformer_options: the row
-    layout and this rank's segments (set by the first block), the int8-gather vote, and a block's MLP residual left
-    for the next block (with the fused norms)."""
+    layout and this rank's segments (set by the first block), the int8-gather vote, and a block's `x += gate * mlp`
+    as (x, gate, mlp), left for the next block to do inside its first norm (with the fused norms: one pass fewer over x)."""
 
     layout: RowLayout | None = None
     segments: list | None = None
     int8: bool = False
-    pending: _PendingResidual | None = None
+    pending: tuple | None = None
+
+
+def vote_int8_gathers(block, local: torch.Tensor) -> bool:
+    """Whether every rank can quantise before gathering, agreed over the group (int8 on one rank and bf16 on its peer
+    would pair mismatched collectives). Voted at the first forward of each sampling run and sequence shape (the same
+    forward on every rank), not at every step: the vote makes the CPU wait for the GPU."""
+    run = (STATE.sampling_key, STATE.session.generation)
+    if _votes.get("run") != run:
+        _votes.clear()
+        _votes["run"] = run
+    key = (tuple(local.shape), local.dtype)
+    if key not in _votes:
+        can = all(int8_input_split(lin, local) is not None for lin in (block.attn.qkv_proj, block.mlp.fc1))
+        against = all_reduce(torch.tensor([0.0 if can else 1.0], device=local.device), tp_group())
+        _votes[key] = float(against.item()) == 0.0
+    return _votes[key]
+
+
+def gather(sp, local: torch.Tensor, linear=None):
+    """Every rank's rows of `local` in sequence order (pad rows dropped), quantised on the way when they feed the
+    int8 `linear`: a tensor, or Int8Rows that the int8 linear multiplies as they are."""
+    full, group = sp.layout.full, tp_group()
+    split = int8_input_split(linear, local) if sp.int8 and linear is not None else None
+    if split is None:
+        return start_all_gather_rows(local, group).result()[:full]
+    q, scale = split.quantize(local)
+    rows = start_all_gather_rows(q, group)
+    scales = start_all_gather_rows(scale, group).result()
+    return Int8Rows(rows.result()[:full], scales[:full], local.dtype, split)
 
 
 def _split(sp: SequenceParallelForward, x: torch.Tensor, mod_segments, block) -> torch.Tensor:
@@ -111,11 +133,12 @@ def _entered(self, x, mod_segments, transformer_options):
     if self.tp2_sp_first:
         sp.pending = None
         x = _split(sp, x, mod_segments, self)
-    pending, sp.pending = sp.pending, None
-    if pending is not None and pending.x is not x:
+    pending_x, gate, mlp = sp.pending or (x, None, None)  # (x, None, None): no residual left to add
+    sp.pending = None
+    if pending_x is not x:
         raise PlanError(
             f"{STATE.tag} a sequence-parallel block got another stream ({tuple(x.shape)}) than the previous block returned "
-            f"({tuple(pending.x.shape)}, its MLP residual still to add): something ran between the blocks (a block patch?). "
+            f"({tuple(pending_x.shape)}, its MLP residual still to add): something ran between the blocks (a block patch?). "
             "Unset TP2_SP_FUSED_NORM on every rank."
         )
     if sp.layout is None or x.shape[0] != sp.layout.m:
@@ -123,7 +146,7 @@ def _entered(self, x, mod_segments, transformer_options):
             f"{STATE.tag} sequence-parallel block got {x.shape[0]} rows, expected this rank's share of the sequence: "
             "the blocks did not run in order (a block patch?). Unset TP2_SEQUENCE_PARALLEL on every rank."
         )
-    return sp, x, (pending.gate, pending.mlp) if pending is not None else (None, None)
+    return sp, x, (gate, mlp)
 
 
 def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
@@ -140,12 +163,12 @@ def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_opt
     gathered = gather(sp, h, self.mlp.fc1)
     del attn, h
     # ComfyUI's MLP.forward (fc2(swiglu(fc1(x))), fc2 row-parallel) on every rank's rows: this rank's rows of its output
-    mlp = reduce_scatter_sequence(functools.partial(_mlp_rows, self.mlp, gathered), layout, tp_group()).to(gathered.dtype)
+    mlp = start_reduce_scatter_rows(layout.pad(_mlp_rows(self.mlp, gathered)), tp_group()).result().to(gathered.dtype)
     del gathered
     # the MLP residual is left to the next block only where ComfyUI's loop hands each block's output straight to the
     # next one (no block replacement patches)
     if fused and not self.tp2_sp_last and not transformer_options.get("patches_replace", {}).get("dit"):
-        sp.pending = _PendingResidual(x, gate_mlp, mlp)
+        sp.pending = (x, gate_mlp, mlp)
         return x
     x = h3._mod_gate(x, gate_mlp, mlp, segments)
     return gather(sp, x) if self.tp2_sp_last else x
@@ -194,6 +217,5 @@ def install(diffusion_model: torch.nn.Module) -> bool:
         block.tp2_sp_first, block.tp2_sp_last = i == 0, i == len(blocks) - 1
         accept_int8_rows(changes, f"blocks.{i}.attn.qkv_proj", block.attn.qkv_proj)
         accept_int8_rows(changes, f"blocks.{i}.mlp.fc1", block.mlp.fc1)
-        sp_forward = functools.partial(_block_forward, h3)
-        changes.replace(f"blocks.{i}.forward", block, "forward", lambda own, b=block: types.MethodType(sp_forward, b))
+        changes.replace(f"blocks.{i}.forward", block, "forward", lambda own, b=block: functools.partial(_block_forward, h3, b))
     return True

@@ -21,9 +21,14 @@ def fused_norm_ok(block, x: torch.Tensor, segments) -> bool:
     return all(a == (segments[i - 1][1] if i else 0) for i, (a, _b, _row) in enumerate(segments))
 
 
-def norm_modulated(x, norm, shift, scale, segments, gate=None, y=None) -> torch.Tensor:
-    """rms_norm(x) * (1 + scale) + shift per segment, in one kernel each (after x += gate * y, in place, if given).
-    Rows after the last segment (the zero pad rows) get the plain norm of zero rows, as in ComfyUI's ops: zeros."""
+def gated_norm(h3, fused: bool, x, norm, shift, scale, segments, gate=None, y=None):
+    """(x, its modulated norm) after x += gate * y where given. Without `fused`: ComfyUI's ops (h3's _mod_gate and
+    _mod_scale_shift). With it: rms_norm(x) * (1 + scale) + shift per segment in one kernel each (x += gate * y in
+    place in it); rows after the last segment (the zero pad rows) get the plain norm of zero rows, as in ComfyUI's ops: zeros."""
+    if not fused:
+        if gate is not None:
+            x = h3._mod_gate(x, gate, y, segments)
+        return x, h3._mod_scale_shift(norm(x), shift, scale, segments)
     h = torch.empty_like(x)
     w = comfy.model_management.cast_to(norm.weight, dtype=x.dtype, device=x.device)
     eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
@@ -35,14 +40,4 @@ def norm_modulated(x, norm, shift, scale, segments, gate=None, y=None) -> torch.
         else:
             norm_modulate.norm_modulate(x[a:b], w, eps, scale1[row], shift[row], h[a:b], gate[row], y[a:b])
     h[segments[-1][1] if segments else 0 :].zero_()
-    return h
-
-
-def gated_norm(h3, fused: bool, x, norm, shift, scale, segments, gate=None, y=None):
-    """(x, its modulated norm) after x += gate * y where given: in one pass with `fused`, else by ComfyUI's ops (h3's
-    _mod_gate and _mod_scale_shift)."""
-    if fused:
-        return x, norm_modulated(x, norm, shift, scale, segments, gate, y)
-    if gate is not None:
-        x = h3._mod_gate(x, gate, y, segments)
-    return x, h3._mod_scale_shift(norm(x), shift, scale, segments)
+    return x, h

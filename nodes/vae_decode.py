@@ -85,7 +85,7 @@ def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
     try:
         with in_step():  # interrupts wait for the end of the decode; a failure clears every rank's cache before the next prompt
             out = original(vae, z, output_buffer)
-            if not decoder.done:
+            if decoder.served != len(units):
                 raise TP2Error(
                     f"{STATE.tag} the VAE decoded {decoder.served} of {len(units)} tiles the parallel schedule made: ComfyUI's "
                     f"temporal chunking or spatial tiling changed. Set {ENV_PARALLEL_VAE}=0 and report this with your ComfyUI version."

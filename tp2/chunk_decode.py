@@ -34,29 +34,19 @@ def spatial_tiles(clip: torch.Tensor, y_tiles: list[tuple[int, int]], x_tiles: l
     return [clip[..., y // ratio : y // ratio + h // ratio, x // ratio : x // ratio + w // ratio] for y, h in y_tiles for x, w in x_tiles]
 
 
-def round_owners(shares: Shares) -> list[int]:
-    """The owner of each unit of a round: rank r decodes its share of the round (shares approximated in whole units)."""
-    per_rank = small(shares, MAX_ROUND_PER_RANK)
-    return [r for r in range(len(shares)) for _ in range(per_rank[r])]
-
-
 class RoundRobinDecoder:
     """Serve unit decodes in order 0..n-1, a round at a time, each broadcast from its owner (over `tp`). `mark()` is
     called as each round starts and as this rank's decodes in it are done (tp2/progress.py)."""
 
     def __init__(self, clips: list[torch.Tensor], decode: Callable[[torch.Tensor], torch.Tensor], tp: TPGroup, mark, shares: Shares | None):
         self.clips, self.decode, self.tp, self.mark = clips, decode, tp, mark
-        self.owners = round_owners(shares or even(tp.tp_size))
+        per_rank = small(shares or even(tp.tp_size), MAX_ROUND_PER_RANK)  # each rank's share of a round, in whole units
+        self.owners = [r for r in range(len(per_rank)) for _ in range(per_rank[r])]  # the owner of each unit of a round
         self.served = 0
         self._round: dict[int, torch.Tensor] = {}
 
     def units_per_rank(self) -> list[int]:
-        """How many of the units each rank decodes, in rank order."""
         return [sum(self.owners[i % len(self.owners)] == r for i in range(len(self.clips))) for r in range(self.tp.tp_size)]
-
-    @property
-    def done(self) -> bool:
-        return self.served == len(self.clips)
 
     def serve(self, clip: torch.Tensor) -> torch.Tensor:
         """The decode of the next unit, checked to be the input the model passes (fail closed, never a wrong video)."""
@@ -68,16 +58,13 @@ class RoundRobinDecoder:
                 f"{'(there is none)' if i >= len(self.clips) else tuple(self.clips[i].shape)}: ComfyUI's temporal chunking or "
                 "spatial tiling changed. Set TP2_PARALLEL_VAE=0 (decode on each rank alone) and report this with your ComfyUI version."
             )
-        if i % len(self.owners) == 0:
-            self._decode_round(i)
+        if i % len(self.owners) == 0:  # a round starts: decode this rank's units of it, then every unit from its owner
+            tp, units = self.tp, range(i, min(i + len(self.owners), len(self.clips)))
+            self.mark()
+            local = {j: self.decode(self.clips[j]) for j in units if self.owners[j - i] == tp.tp_rank}
+            self.mark()  # every rank marks as often, tiles or none: one behind after this is still decoding
+            for j in units:
+                got = broadcast_tree(local.get(j), tp, src=self.owners[j - i])
+                self._round[j] = local[j] if j in local else got.to(self.clips[j].device)
         self.served += 1
         return self._round.pop(i)
-
-    def _decode_round(self, start: int) -> None:
-        tp, units = self.tp, range(start, min(start + len(self.owners), len(self.clips)))
-        self.mark()
-        local = {j: self.decode(self.clips[j]) for j in units if self.owners[j - start] == tp.tp_rank}
-        self.mark()  # every rank marks as often, tiles or none: one behind after this is still decoding
-        for j in units:
-            got = broadcast_tree(local.get(j), tp, src=self.owners[j - start])
-            self._round[j] = local[j] if j in local else got.to(self.clips[j].device)

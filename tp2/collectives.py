@@ -35,8 +35,6 @@ def reduce_dtype_from_env() -> torch.dtype:
 
 @dataclass
 class TPGroup:
-    """One rank's view of the TP world: its rank, the tensor group (NCCL or gloo) and a gloo CPU group."""
-
     tp_rank: int
     tp_size: int
     device: torch.device
@@ -190,7 +188,6 @@ def start_all_gather_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
 
 
 def _cpu(op, tp: TPGroup, what: str, *args, **kwargs) -> None:
-    """One collective on the CPU group, waited for with the stop check."""
     Pending(tp, what, lambda: op(*args, group=tp.cpu_group, async_op=True, **kwargs), host_side=True).result()
 
 

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .collectives import TPGroup, all_reduce
+from .collectives import TPGroup, all_reduce, start_reduce_scatter_rows
 from .errors import MissingRoleError
-from .sequence_layout import RowLayout, reduce_scatter_sequence
+from .sequence_layout import RowLayout
 
 ROLE_ATTR = "tp_role"
 ROLES = ("colwise", "rowwise", "replicate")
@@ -68,11 +68,6 @@ def local_linear(
     return F.linear(x, weight, None if bias is None else bias.to(weight.dtype)).to(out_dtype)
 
 
-def split_input_slice(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """This rank's K slice [start, end) of a replicated input (a split-input row-parallel layer)."""
-    return x.narrow(-1, start, end - start)
-
-
 def row_parallel(
     x: torch.Tensor,
     weight: LinearWeight,
@@ -90,8 +85,8 @@ def row_parallel(
     def partial(rows: torch.Tensor) -> torch.Tensor:
         return local_linear(rows, weight, bias, reduce_dtype, gemm, input_act)
 
-    if isinstance(reduce, RowLayout):
-        return reduce_scatter_sequence(lambda: partial(x[: reduce.full]), reduce, tp).to(x.dtype)
+    if isinstance(reduce, RowLayout):  # the unpadded partial sum is freed before the collective
+        return start_reduce_scatter_rows(reduce.pad(partial(x[: reduce.full])), tp).result().to(x.dtype)
     if reduce == PARTIAL:
         return partial(x)
     return all_reduce(partial(x), tp).to(x.dtype)

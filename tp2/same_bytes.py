@@ -36,8 +36,6 @@ def _dense(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def same_everywhere(t: torch.Tensor, tp: TPGroup, src: int = 0, piece_bytes: int = 256 << 20) -> list[int]:
     """Make `t` equal on every rank to rank `src`'s, bit for bit, in place; the ranks whose tensor differed from src's.
     Only the digests travel, unless one differs: then src's tensor, broadcast in pieces of at most `piece_bytes`."""
-    if tp.tp_size == 1:
-        return []
     differ = _differing(bytes_digest(t), tp, src)
     if not differ:
         return []
@@ -57,8 +55,6 @@ def same_everywhere(t: torch.Tensor, tp: TPGroup, src: int = 0, piece_bytes: int
 def same_blob_everywhere(blob: bytes, tp: TPGroup, src: int = 0) -> tuple[bytes, list[int]]:
     """(rank src's `blob`, the ranks whose blob differed from it): the digests travel, the bytes only where one
     differs. Blobs may differ in length (e.g. two encoders' files)."""
-    if tp.tp_size == 1:
-        return blob, []
     differ = _differing(hashlib.sha256(blob).hexdigest(), tp, src)
     if not differ:
         return blob, []

@@ -1,4 +1,4 @@
-"""How sequence parallelism deals a token sequence out to the ranks, and the reduce-scatter that hands it back.
+"""How sequence parallelism deals a token sequence out to the ranks, and pads what a reduce-scatter hands back.
 
 The sequence is zero-padded to `size * m` rows, m = ceil(full / size), and rank r holds rows [r*m, (r+1)*m): an
 all-gather of every rank's rows in rank order is the padded sequence. Pad rows sit at the end; they stay zero in
@@ -8,12 +8,9 @@ the stream and are never mixed with real rows (every op on the local rows is row
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from .collectives import TPGroup, start_reduce_scatter_rows
 
 
 @dataclass(frozen=True)
@@ -49,6 +46,10 @@ class RowLayout:
             local[: hi - lo] = x[lo:hi]
         return local
 
+    def pad(self, y: torch.Tensor) -> torch.Tensor:
+        """The sequence's real rows `y` [full, ...] with zero rows up to [padded, ...], for a reduce-scatter to this layout."""
+        return torch.nn.functional.pad(y, (0, 0, 0, self.padded - y.shape[0])) if y.shape[0] < self.padded else y
+
 
 def chunk_bounds(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     """[start, stop) chunks of `rows` rows, as few as hold at most `chunk_rows` each, sizes within one row of each
@@ -57,12 +58,3 @@ def chunk_bounds(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     n = max(1, min(-(-rows // max(1, chunk_rows)), rows // 2))
     base, extra = divmod(rows, n)  # the first `extra` chunks take one row more
     return [(i * base + min(i, extra), (i + 1) * base + min(i + 1, extra)) for i in range(n)]
-
-
-def reduce_scatter_sequence(partial_output: Callable[[], torch.Tensor], layout: RowLayout, tp: TPGroup) -> torch.Tensor:
-    """Sum over ranks of a partial output, this rank keeping its rows, [m, N]. `partial_output()` computes it for
-    the sequence's real rows, [full, N], here: padded with zero rows, the unpadded one is freed before the collective."""
-    y = partial_output()
-    if y.shape[0] < layout.padded:
-        y = torch.nn.functional.pad(y, (0, 0, 0, layout.padded - y.shape[0]))
-    return start_reduce_scatter_rows(y, tp).result()

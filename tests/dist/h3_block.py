@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tp2.checkpoint import convrot_group
-from tp2.layers import Int8Weight, LinearWeight, apply_input_act, local_linear, row_parallel, split_input_slice
+from tp2.layers import Int8Weight, LinearWeight, apply_input_act, local_linear, row_parallel
 from tp2.numerics import block
 from tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT
 
@@ -110,7 +110,7 @@ def tp_linear(plan, layer: str, sd: dict, tp, gemm, reduce_dtype):
     def run(x, input_act=None):
         if style == ROWWISE_SPLIT_INPUT:
             bounds = plan.tensors[prefix + "weight"].bounds
-            x = split_input_slice(x, bounds[tp.tp_rank], bounds[tp.tp_rank + 1])
+            x = x.narrow(-1, bounds[tp.tp_rank], bounds[tp.tp_rank + 1] - bounds[tp.tp_rank])
         return row_parallel(x, weight, bias, tp, gemm, reduce_dtype, input_act)
 
     return run

@@ -127,15 +127,15 @@ def test_peer_that_never_arrives_is_an_error_within_the_timeout():
 
 
 def _sequence_worker(tp_rank, tp_size, full):
-    from tp2.collectives import start_all_gather_rows
-    from tp2.sequence_layout import RowLayout, reduce_scatter_sequence
+    from tp2.collectives import start_all_gather_rows, start_reduce_scatter_rows
+    from tp2.sequence_layout import RowLayout
 
     tp = _join()
     x = torch.arange(full * 3, dtype=torch.float32).reshape(full, 3) + 1
     layout = RowLayout.plan(full, tp_size, tp_rank)
     local = layout.take(x)
     gathered = start_all_gather_rows(local, tp).result()
-    summed = reduce_scatter_sequence(lambda: x * (tp_rank + 1), layout, tp)
+    summed = start_reduce_scatter_rows(layout.pad(x * (tp_rank + 1)), tp).result()
     return gathered, summed, local
 
 
