@@ -79,7 +79,7 @@ def _decode_units(vae, clips):
 def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
     """ComfyUI's decode_temporal with its tile decodes served by a RoundRobinDecoder."""
     decoder = RoundRobinDecoder(units, _local_decode(vae._decode_pixels), group, mark_progress, STATE.shares)
-    had_own = "_decode_pixels" in vae.__dict__
+    own = vae.__dict__.get("_decode_pixels")  # an instance's own decode (another pack's patch) is put back after
     vae._decode_pixels = decoder.serve
     t0 = time.monotonic()
     try:
@@ -91,8 +91,10 @@ def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
                     f"temporal chunking or spatial tiling changed. Set {ENV_PARALLEL_VAE}=0 and report this with your ComfyUI version."
                 )
     finally:
-        if not had_own:
+        if own is None:
             del vae._decode_pixels
+        else:
+            vae._decode_pixels = own
     STATE.prompt.split_decodes += 1
     shares = "; ".join(f"rank {r}: {n}" for r, n in enumerate(decoder.units_per_rank()))
     log.info(
