@@ -16,8 +16,8 @@ import comfy.sd
 import comfy.weight_adapter as weight_adapter
 
 from ..tp2.errors import AdapterPlacementError
-from ..tp2.lora import is_sharded, slice_like_weight, slice_lora_factors, state_dict_digest, unmatched_warning
-from ..tp2.plan import WHOLE, Plan, TensorShard
+from ..tp2.lora import slice_like_weight, slice_lora_factors, state_dict_digest, unmatched_warning
+from ..tp2.plan import RANK0, SPLIT, WHOLE, Plan, TensorShard
 from .patches import PATCHES
 from .state import STATE, log
 
@@ -38,9 +38,9 @@ def tp_plan(patcher) -> Plan | None:
 
 
 def _sharded(plan: Plan, key: str) -> TensorShard | None:
-    """The shard of the model weight a patch key names, where ranks hold different data for it (else None)."""
+    """The shard of the model weight a patch key names if ranks hold different data for it (split, rank-0 bias), else None."""
     ts = plan.tensors.get(plan.prefix + key[len(MODEL_PREFIX) :]) if key.startswith(MODEL_PREFIX) else None
-    return ts if ts is not None and is_sharded(ts) else None
+    return ts if ts is not None and ts.kind in (SPLIT, RANK0) else None
 
 
 def _slice_value(v, ts: TensorShard, key: str):
