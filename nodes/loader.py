@@ -20,10 +20,9 @@ import comfy.utils
 import torch
 
 from ..tp2 import settings
-from ..tp2.checkpoint import CheckpointLayout
+from ..tp2.checkpoint import CheckpointLayout, find_prefix
 from ..tp2.compute_dtype import choose_compute_dtype
 from ..tp2.errors import PlanError, UnknownPrefixError
-from ..tp2.h3_layout import find_prefix
 from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan
 from ..tp2.rank_cache import RankShard, open_rank_shard
 from ..tp2.safetensors_io import read_header, read_tensors

@@ -118,11 +118,6 @@ def lora_patch_report(patcher, plan: Plan) -> str:
     return h.hexdigest()[:16]
 
 
-def te_plan_of(clip):
-    """The TEPlan of a text encoder split over the ranks (nodes/text_encoder.py), else None."""
-    return getattr(getattr(getattr(clip, "patcher", None), "model", None), TE_PLAN_ATTR, None)
-
-
 def refuse_sliced_te_patches(before: dict, clip, te_plan) -> None:
     """A LoRA on the split text encoder is refused where it touches a sliced tensor: ComfyUI would skip a
     full-shape patch on a rank's slice with a warning, so TP would silently run without the LoRA's effect."""
@@ -139,7 +134,7 @@ def refuse_sliced_te_patches(before: dict, clip, te_plan) -> None:
 def _wrap_load_lora(original):
     @functools.wraps(original)
     def load_lora_for_models(model, clip, lora, strength_model, strength_clip, *args, **kwargs):
-        plan, te_plan = tp_plan(model), te_plan_of(clip)
+        plan, te_plan = tp_plan(model), getattr(getattr(getattr(clip, "patcher", None), "model", None), TE_PLAN_ATTR, None)
         if plan is None and te_plan is None:
             return original(model, clip, lora, strength_model, strength_clip, *args, **kwargs)
         clip_before = {k: len(v) for k, v in clip.patcher.patches.items()} if clip is not None else {}

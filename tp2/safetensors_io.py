@@ -98,27 +98,24 @@ def read_header(path: str) -> SafetensorsHeader:
     rewritten (another inode, size or mtime) is parsed again. Treat the result as read-only."""
     try:
         st = os.stat(path)
+        return _parsed_header(path, st.st_ino, st.st_size, st.st_mtime_ns)
     except OSError as e:
         raise CheckpointFormatError(f"Cannot read checkpoint '{path}': {e}.") from e
-    return _parsed_header(path, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=64)
 def _parsed_header(path: str, _inode: int, size: int, _mtime_ns: int) -> SafetensorsHeader:
-    try:
-        with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) != 8:
-                raise CheckpointFormatError(f"'{path}' is {size} bytes: too short to be a safetensors file.")
-            (n,) = struct.unpack("<Q", raw_len)
-            if n > size - 8 or n > 512 << 20:
-                raise CheckpointFormatError(
-                    f"'{path}' declares a {n}-byte header in a {size}-byte file: not a safetensors file "
-                    "(or a truncated download). Re-download it or pass a .safetensors file."
-                )
-            header_bytes = f.read(n)
-    except OSError as e:
-        raise CheckpointFormatError(f"Cannot read checkpoint '{path}': {e}.") from e
+    with open(path, "rb") as f:  # an OSError: read_header's to report
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise CheckpointFormatError(f"'{path}' is {size} bytes: too short to be a safetensors file.")
+        (n,) = struct.unpack("<Q", raw_len)
+        if n > size - 8 or n > 512 << 20:
+            raise CheckpointFormatError(
+                f"'{path}' declares a {n}-byte header in a {size}-byte file: not a safetensors file "
+                "(or a truncated download). Re-download it or pass a .safetensors file."
+            )
+        header_bytes = f.read(n)
     try:
         doc = json.loads(header_bytes)
         metadata = doc.pop("__metadata__", None) or {}

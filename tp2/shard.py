@@ -46,10 +46,8 @@ def read_shard_tensor(reader: TensorReader, tensors: dict[str, TensorShard], nam
     if ts.kind == NVFP4_BLOCK_SCALE:
         n, k = nvfp4_logical_shape(tensors[name[: -len("_scale")]].full_shape)
         return slice_block_scales(reader.read(name), n, k, ts.dim, ts.bounds[tp_rank], ts.bounds[tp_rank + 1])
-    if ts.kind == RANK0 and tp_rank != 0:
-        return torch.zeros(ts.full_shape, dtype=DTYPES[ts.dtype])
     if ts.kind != SPLIT:
-        return reader.read(name)
+        return slice_tensor(reader.read(name), ts, tp_rank)  # whole, or a rank-0-only bias (zeros on the other ranks)
     out = torch.empty(ts.local_shape(tp_rank), dtype=DTYPES[ts.dtype])
     read = reader.read_rows if ts.dim == 0 else reader.read_cols  # a plan splits dim 0 or 1
     offset = 0
