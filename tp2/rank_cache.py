@@ -39,8 +39,7 @@ from .te_plan import NVFP4_BLOCK_SCALE, TEPlan, is_h3_text_encoder, resolve_te_p
 
 log = logging.getLogger(__name__)
 
-# a cache file's header records what it was cut from and for whom (tp2.checkpoint refuses a file carrying "tp2." keys
-# as a checkpoint), and a digest per tensor
+# a cache file's header records what it was cut from and for whom, and a digest per tensor (tp2.checkpoint's TP_METADATA_PREFIX)
 META_RANK, META_SIZE, META_PLAN, META_SOURCE = "tp2.tp_rank", "tp2.tp_size", "tp2.plan", "tp2.source"
 META_VERSION, META_DIGESTS = "tp2.version", "tp2.tensor_digests"  # {tensor: 64-bit BLAKE2b of its bytes}
 SPARE_BYTES = 2 << 30  # a cache file is written only if the disk keeps this much free after it
