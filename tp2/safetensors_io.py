@@ -79,10 +79,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int  # absolute byte offset of its data in the file
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
@@ -159,12 +155,12 @@ class TensorReader:
 
     def read(self, name: str) -> torch.Tensor:
         info = self.header.tensors[name]
-        return self._read_into(info, 0, torch.empty(info.shape, dtype=info.torch_dtype))
+        return self._read_into(info, 0, torch.empty(info.shape, dtype=DTYPES[info.dtype]))
 
     def read_rows(self, name: str, row_start: int, row_end: int, out: torch.Tensor) -> torch.Tensor:
         """Rows [row_start, row_end) of dim 0 in one contiguous read into `out`."""
         info = self.header.tensors[name]
-        row_bytes = info.torch_dtype.itemsize * math.prod(info.shape[1:])
+        row_bytes = DTYPES[info.dtype].itemsize * math.prod(info.shape[1:])
         return self._read_into(info, row_start * row_bytes, out)
 
     def read_cols(self, name: str, col_start: int, col_end: int, out: torch.Tensor) -> torch.Tensor:
@@ -172,14 +168,14 @@ class TensorReader:
         each reading thread allocates once per reader (not a temporary per chunk, which fragments the heap)."""
         info = self.header.tensors[name]
         rows, cols = info.shape
-        row_bytes = max(1, cols * info.torch_dtype.itemsize)
+        row_bytes = max(1, cols * DTYPES[info.dtype].itemsize)
         rows_per_chunk = max(1, READ_CHUNK_BYTES // row_bytes)
         chunk = getattr(self._local, "chunk", None)
         if chunk is None or chunk.numel() < rows_per_chunk * row_bytes:
             chunk = self._local.chunk = torch.empty(max(READ_CHUNK_BYTES, row_bytes), dtype=torch.uint8)
         for r in range(0, rows, rows_per_chunk):
             r_end = min(rows, r + rows_per_chunk)
-            buf = chunk[: (r_end - r) * row_bytes].view(info.torch_dtype).view(r_end - r, cols)
+            buf = chunk[: (r_end - r) * row_bytes].view(DTYPES[info.dtype]).view(r_end - r, cols)
             out[r:r_end] = self.read_rows(name, r, r_end, buf)[:, col_start:col_end]
         return out
 
