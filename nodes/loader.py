@@ -20,12 +20,11 @@ import comfy.utils
 import torch
 
 from ..tp2 import settings
-from ..tp2.checkpoint import CheckpointLayout
+from ..tp2.checkpoint import CheckpointLayout, find_prefix
 from ..tp2.compute_dtype import choose_compute_dtype
 from ..tp2.errors import PlanError, UnknownPrefixError
-from ..tp2.h3_layout import find_prefix
 from ..tp2.plan import ROWWISE_SPLIT_INPUT, Plan
-from ..tp2.rank_cache import open_rank_shard
+from ..tp2.rank_cache import RankShard, open_rank_shard
 from ..tp2.safetensors_io import read_header, read_tensors
 from . import sequence_parallel
 from .model_wrappers import install_model_wrappers
@@ -49,19 +48,19 @@ def is_h3_file(path: str) -> bool:
         return False
 
 
-def rank_cache_args() -> tuple[str | None, object, bool]:
-    """(cache dir or None when off, file reader, whether to cut a missing file) for tp2.rank_cache. The reader is
-    ComfyUI's (a mapping), but without dynamic VRAM cache files are read (tp2's pread): a mapped file that another
+def open_shard(path: str) -> RankShard:
+    """This rank's shard of an H3 DiT or text encoder file, through the rank cache as TP2_RANK_CACHE says. Cache files
+    are read by ComfyUI's reader (a mapping), but without dynamic VRAM by tp2's pread: a mapped file that another
     process cuts short would end the process with SIGBUS."""
     mode, cache_dir = settings.value("TP2_RANK_CACHE"), settings.cache_dir()
     dynamic = comfy.memory_management.aimdo_enabled
-    cut = mode == "on" or (mode == "auto" and dynamic)
     cached = os.path.join(cache_dir, "rank_cache", "")
 
-    def read_all(path: str) -> dict:
-        return read_tensors(path) if not dynamic and path.startswith(cached) else comfy.utils.load_torch_file(path, safe_load=True)
+    def read_all(file: str) -> dict:
+        return read_tensors(file) if not dynamic and file.startswith(cached) else comfy.utils.load_torch_file(file, safe_load=True)
 
-    return (None if mode == "off" else cache_dir), read_all, cut
+    cut = mode == "on" or (mode == "auto" and dynamic)
+    return open_rank_shard(path, STATE.env.tp_rank, STATE.env.tp_size, None if mode == "off" else cache_dir, read_all, cut, STATE.shares)
 
 
 def _hooked_load_diffusion_model(original):
@@ -80,8 +79,8 @@ def _hooked_load_diffusion_model(original):
 
 def _load_h3(unet_path, model_options, disable_dynamic):
     t0 = time.monotonic()
-    shard = open_rank_shard(unet_path, STATE.env.tp_rank, STATE.env.tp_size, *rank_cache_args(), shares=STATE.shares)
-    sd, metadata, plan, source_fp = shard.state_dict, shard.metadata, shard.plan, shard.source_fingerprint
+    shard = open_shard(unet_path)
+    sd, metadata, plan = shard.state_dict, shard.metadata, shard.plan
     split_input = _pop_split_input(sd, plan)
     _PINNED.append(_compute_dtype())  # ComfyUI's manual cast while it builds the model (_pinned_manual_cast)
     try:
@@ -99,15 +98,16 @@ def _load_h3(unet_path, model_options, disable_dynamic):
     if any(name.endswith(".comfy_quant") for name in plan.tensors):
         check_int8_path(patcher.model.get_dtype_inference())  # refuses a device whose int8 path measures wrong
     sp = STATE.sequence_parallel and sequence_parallel.install(dm)  # at tp_size 1 too: the same kernels on one GPU
-    install_model_wrappers(patcher, plan, source_fp, sequence_parallel=sp)
-    record_load("", unet_path, plan, source_fp, shard.origin, t0, changes_of(dm))
+    install_model_wrappers(patcher, plan, shard.source_fingerprint, sequence_parallel=sp)
+    record_load("", unet_path, shard, t0, changes_of(dm))
     return patcher
 
 
-def record_load(kind: str, path: str, plan, checkpoint_fp: str, origin: str, t0: float, changes) -> None:
+def record_load(kind: str, path: str, shard: RankShard, t0: float, changes) -> None:
     """A loaded H3 model (DiT, or `kind` "text encoder ") in STATE.models, for the status readout, and in the log."""
-    secs, name = time.monotonic() - t0, os.path.basename(path)
-    STATE.models.append(LoadedModel(name, plan.summary(), plan.fingerprint(), checkpoint_fp, origin, secs, changes, plan.split()))
+    secs, name, plan = time.monotonic() - t0, os.path.basename(path), shard.plan
+    fp, origin = shard.source_fingerprint, shard.origin
+    STATE.models.append(LoadedModel(name, plan.summary(), plan.fingerprint(), fp, origin, secs, changes, plan.split()))
     log.info("%s loaded %s%s (%s) in %.1f s: %s", STATE.tag, kind, name, origin, secs, plan.summary())
 
 

@@ -16,8 +16,8 @@ import comfy.sd
 import comfy.weight_adapter as weight_adapter
 
 from ..tp2.errors import AdapterPlacementError
-from ..tp2.lora import is_sharded, slice_like_weight, slice_lora_factors, state_dict_digest, unmatched_warning
-from ..tp2.plan import WHOLE, Plan, TensorShard
+from ..tp2.lora import slice_like_weight, slice_lora_factors, state_dict_digest, unmatched_warning
+from ..tp2.plan import RANK0, SPLIT, WHOLE, Plan, TensorShard
 from .patches import PATCHES
 from .state import STATE, log
 
@@ -38,9 +38,9 @@ def tp_plan(patcher) -> Plan | None:
 
 
 def _sharded(plan: Plan, key: str) -> TensorShard | None:
-    """The shard of the model weight a patch key names, where ranks hold different data for it (else None)."""
+    """The shard of the model weight a patch key names if ranks hold different data for it (split, rank-0 bias), else None."""
     ts = plan.tensors.get(plan.prefix + key[len(MODEL_PREFIX) :]) if key.startswith(MODEL_PREFIX) else None
-    return ts if ts is not None and is_sharded(ts) else None
+    return ts if ts is not None and ts.kind in (SPLIT, RANK0) else None
 
 
 def _slice_value(v, ts: TensorShard, key: str):
@@ -118,11 +118,6 @@ def lora_patch_report(patcher, plan: Plan) -> str:
     return h.hexdigest()[:16]
 
 
-def te_plan_of(clip):
-    """The TEPlan of a text encoder split over the ranks (nodes/text_encoder.py), else None."""
-    return getattr(getattr(getattr(clip, "patcher", None), "model", None), TE_PLAN_ATTR, None)
-
-
 def refuse_sliced_te_patches(before: dict, clip, te_plan) -> None:
     """A LoRA on the split text encoder is refused where it touches a sliced tensor: ComfyUI would skip a
     full-shape patch on a rank's slice with a warning, so TP would silently run without the LoRA's effect."""
@@ -139,7 +134,7 @@ def refuse_sliced_te_patches(before: dict, clip, te_plan) -> None:
 def _wrap_load_lora(original):
     @functools.wraps(original)
     def load_lora_for_models(model, clip, lora, strength_model, strength_clip, *args, **kwargs):
-        plan, te_plan = tp_plan(model), te_plan_of(clip)
+        plan, te_plan = tp_plan(model), getattr(getattr(getattr(clip, "patcher", None), "model", None), TE_PLAN_ATTR, None)
         if plan is None and te_plan is None:
             return original(model, clip, lora, strength_model, strength_clip, *args, **kwargs)
         clip_before = {k: len(v) for k, v in clip.patcher.patches.items()} if clip is not None else {}

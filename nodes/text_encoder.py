@@ -22,10 +22,9 @@ from ..tp2.checkpoint import CheckpointLayout
 from ..tp2.collectives import all_reduce
 from ..tp2.errors import PeerLostError, PlanError, TP2Error
 from ..tp2.plan import ROWWISE
-from ..tp2.rank_cache import read_rank_slices
 from ..tp2.same_bytes import bytes_digest
 from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
-from .loader import rank_cache_args, record_load
+from .loader import open_shard, record_load
 from .lora import TE_PLAN_ATTR
 from .parallel import full_precision_rowwise_call, planned_linears, refuse_widths, role_guard, tp_group
 from .patches import PATCHES, changes_of
@@ -51,40 +50,36 @@ def _hooked_load_clip(original):
         model_options={},  # noqa: B006 - ComfyUI's signature
         disable_dynamic=False,
     ):
-        layout = _h3_layout(ckpt_paths, clip_type)
-        if layout is None:
+        if not _is_h3_encoder(ckpt_paths, clip_type):
             return original(ckpt_paths, embedding_directory, clip_type, model_options, disable_dynamic)
         t0 = time.monotonic()
-        path = ckpt_paths[0]
-        plan = resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # refuses before a byte of weights is read
-        rank = STATE.env.tp_rank
-        sd, metadata, origin = read_rank_slices(path, plan, rank, *rank_cache_args())
+        shard = open_shard(ckpt_paths[0])  # the plan refuses before a byte of weights is read
+        sd, metadata, plan = shard.state_dict, shard.metadata, shard.plan
         if model_options.get("custom_operations") is None:
             sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
-        options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config(rank)}})
+        mine = plan.local_config(STATE.env.tp_rank)
+        options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **mine}})
         clip = comfy.sd.load_text_encoder_state_dicts([sd], embedding_directory, clip_type, options, disable_dynamic)
-        del sd
         clip.patcher.cached_patcher_init = (comfy.sd.load_clip_model_patcher, (ckpt_paths, embedding_directory, clip_type, model_options))
         wire_text_encoder(clip, plan)
-        record_load("text encoder ", path, plan, "-", origin, t0, changes_of(clip.cond_stage_model))
+        record_load("text encoder ", ckpt_paths[0], shard, t0, changes_of(clip.cond_stage_model))
         return clip
 
     return load_clip
 
 
-def _h3_layout(ckpt_paths, clip_type) -> CheckpointLayout | None:
-    """The layout of an H3 encoder file this rank must load in slices; None for anything ComfyUI loads as it is."""
+def _is_h3_encoder(ckpt_paths, clip_type) -> bool:
+    """Whether this is an H3 encoder file this rank must load in slices (else ComfyUI loads it as it is)."""
     if not STATE.active or STATE.env.tp_size < 2 or clip_type != comfy.sd.CLIPType.MINIMAX or len(ckpt_paths) != 1:
-        return None
-    path = ckpt_paths[0]
-    if not path.endswith((".safetensors", ".sft")):
-        return None
-    layout = CheckpointLayout.from_file(path)
+        return False
+    if not ckpt_paths[0].endswith((".safetensors", ".sft")):
+        return False
+    layout = CheckpointLayout.from_file(ckpt_paths[0])
     if is_h3_text_encoder(layout):
-        return layout
+        return True
     if looks_like_qwen3vl(layout) and "model.audio_decoder.projection.weight" not in layout.tensors:
         resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # raises: a Qwen language model that is not H3's encoder
-    return None
+    return False
 
 
 def wire_text_encoder(clip, plan: TEPlan) -> None:

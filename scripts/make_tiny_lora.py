@@ -21,8 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
-from tp2.checkpoint import CheckpointLayout  # noqa: E402
-from tp2.h3_layout import find_prefix  # noqa: E402
+from tp2.checkpoint import CheckpointLayout, find_prefix  # noqa: E402
 
 LAYER_SUFFIX = {"qkv_proj": "attn.qkv_proj", "out_proj": "attn.out_proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2", "adaln": "adaln_proj.linear"}
 

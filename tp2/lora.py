@@ -19,13 +19,8 @@ import hashlib
 import torch
 
 from .errors import AdapterPlacementError
-from .plan import RANK0, SPLIT, TensorShard
+from .plan import SPLIT, TensorShard
 from .shard import slice_tensor
-
-
-def is_sharded(ts: TensorShard) -> bool:
-    """True when ranks hold different data for this tensor (a split weight, or a rank-0-only bias)."""
-    return ts.kind in (SPLIT, RANK0)
 
 
 def slice_lora_factors(up: torch.Tensor, down: torch.Tensor, ts: TensorShard, tp_rank: int, key: str) -> tuple[torch.Tensor, torch.Tensor]:

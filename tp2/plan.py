@@ -1,6 +1,6 @@
 """The MiniMax-H3 tensor-parallel plan: which tensor each rank holds, resolved from a checkpoint layout.
 
-The widths come from the checkpoint (tp2.h3_layout). Everything is validated here, before any weight is read or
+The widths come from the checkpoint (tp2.checkpoint H3Shape). Everything is validated here, before any weight is read or
 any collective runs. Imports nothing from `comfy`.
 """
 
@@ -13,8 +13,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from .checkpoint import CheckpointLayout, convrot_group
-from .h3_layout import H3Shape
+from .checkpoint import CheckpointLayout, H3Shape, convrot_group
 from .split import Shares, cut, cut_named, is_even, per_rank, reduced, refusal, resolved, scaled
 
 COLWISE = "colwise"  # Y = X A, A split by output rows; no collective

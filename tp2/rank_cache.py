@@ -3,7 +3,8 @@ TP2_CACHE_DIR/rank_cache, so the loader maps them from disk as it maps any check
 its pinned host copy straight from the file instead of holding a second copy. `python -m tp2.rank_cache` cuts them ahead.
 
 A cache file is named by the checkpoint's name and fingerprint, the plan's fingerprint, this rank and tp_size; its header
-records them and a digest per tensor, checked on load after a change of its size or mtime (tp2.checked_files). A file
+records them and a digest per tensor, checked whole once per size and mtime (recorded per machine by real path in
+TP2_CACHE_DIR/verified_rank_files.json: a file damaged in place with both unchanged is not caught after that). A file
 that fails a check or cannot be read is deleted with a warning and cut again; a disk without room leaves the rank on
 shard-on-read. Imports nothing from `comfy`: `read_all(path) -> state dict` is the loader's own file reader.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -26,19 +29,17 @@ from dataclasses import dataclass
 import torch
 
 from . import __version__, settings
-from .checked_files import remember_verified, verified_before
 from .checkpoint import CheckpointLayout
 from .errors import CheckpointFormatError, ShardMismatchError, TP2Error
 from .plan import Plan, TensorShard, resolve_plan
 from .safetensors_io import DTYPES, IO_WORKERS, PendingTensor, TensorReader, file_fingerprint, hashed_tensors, read_header, write_streaming
-from .shard import check_rank, read_shard, read_shard_tensor
+from .shard import read_shard, read_shard_tensor
 from .split import Shares, parse_split
 from .te_plan import NVFP4_BLOCK_SCALE, TEPlan, is_h3_text_encoder, resolve_te_plan
 
 log = logging.getLogger(__name__)
 
-# a cache file's header records what it was cut from and for whom (tp2.h3_layout refuses a file carrying "tp2." keys
-# as a checkpoint), and a digest per tensor
+# a cache file's header records what it was cut from and for whom, and a digest per tensor (tp2.checkpoint's TP_METADATA_PREFIX)
 META_RANK, META_SIZE, META_PLAN, META_SOURCE = "tp2.tp_rank", "tp2.tp_size", "tp2.plan", "tp2.source"
 META_VERSION, META_DIGESTS = "tp2.version", "tp2.tensor_digests"  # {tensor: 64-bit BLAKE2b of its bytes}
 SPARE_BYTES = 2 << 30  # a cache file is written only if the disk keeps this much free after it
@@ -68,6 +69,45 @@ def _remove_stale(out: str) -> None:
             os.remove(os.path.join(folder, other))
             why = "a cut that was stopped before it ended" if other.endswith(".partial") else f"cut from an earlier version of {m['stem']}"
             log.info("rank cache: removed %s (%s)", other, why)
+
+
+def _verified_record() -> str:
+    return os.path.join(settings.cache_dir(), "verified_rank_files.json")
+
+
+def _file_key(path: str, digests: str) -> str:
+    st = os.stat(path)
+    return json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, hashlib.sha256(digests.encode()).hexdigest()[:16]])
+
+
+def verified_before(path: str, digests: str) -> bool:
+    """Whether this file, at this size and mtime and with these digests, was checked whole before."""
+    try:
+        with open(_verified_record()) as f:
+            return _file_key(path, digests) in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def remember_verified(path: str, digests: str) -> None:
+    """Record that `path` was checked whole. The ranks of one machine share the record: the read, update and
+    replace run under an exclusive lock on `<record>.lock`, so two ranks recording at once both stay recorded."""
+    cache = _verified_record()
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        with open(cache + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                with open(cache) as f:
+                    known = [k for k in json.load(f) if json.loads(k)[0] != os.path.realpath(path)]
+            except (OSError, ValueError):
+                known = []
+            tmp = f"{cache}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump([*known[-200:], _file_key(path, digests)], f)
+            os.replace(tmp, cache)
+    except OSError as e:  # a read-only home: the file is simply checked again next time
+        log.warning("could not record that %s was checked (%s)", path, e)
 
 
 def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], identity: dict[str, str], tp_rank: int, progress=None) -> bool:
@@ -137,35 +177,28 @@ def load_cache_file(
     return {n: sd[n] for n in tensors}
 
 
-def read_rank_slices(
-    source: str, plan: Plan | TEPlan, tp_rank: int, cache_dir: str | None = None, read_all: ReadAll | None = None, cut: bool = True
-) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
-    """This rank's tensors of `source` in `plan` and the file's own metadata: at tp_size 1 the file itself through
-    `read_all`; else from the rank cache when `cache_dir` is given (cut first if missing or damaged, when `cut`), else
-    read from `source` (shard-on-read). The third value says which ("mapped whole", "rank cache FILE" or "shard-on-read")."""
-    tensors, tp_size = plan.tensors, plan.tp_size
-    if tp_size == 1 and read_all is not None:  # nothing to cut: the file itself, mapped by the loader's reader
+def _rank_tensors(
+    source: str, plan: Plan | TEPlan, tp_rank: int, cache_dir: str | None, read_all: ReadAll | None, cut: bool
+) -> tuple[dict[str, torch.Tensor], str]:
+    """This rank's tensors of `source` in `plan`, and where they came from in words (see open_rank_shard)."""
+    tensors = plan.tensors
+    if plan.tp_size == 1 and read_all is not None:  # nothing to cut: the file itself, mapped by the loader's reader
         sd = read_all(source)
-        return {n: sd[n] for n in tensors}, dict(read_header(source).metadata), "mapped whole"
-    if cache_dir is None or read_all is None:
-        return (*read_shard(source, tensors, tp_rank, tp_size), "shard-on-read")
-    path, identity = _cache_entry(cache_dir, source, plan, tp_rank)
-    for attempt in (1, 2):
-        if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank)):
-            break
-        try:
-            return (
-                load_cache_file(path, tensors, identity, read_all, tp_rank),
-                dict(read_header(source).metadata),
-                f"rank cache {os.path.basename(path)}",
-            )
-        except (ShardMismatchError, CheckpointFormatError, OSError) as e:  # as a digest mismatch: never the checkpoint's fault
-            again = attempt == 1 and cut
-            then = "cutting it again" if again else "reading from the checkpoint"
-            log.warning("rank cache file %s cannot be used (%s): deleting it and %s", path, e, then)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-    return (*read_shard(source, tensors, tp_rank, tp_size), "shard-on-read")
+        return {n: sd[n] for n in tensors}, "mapped whole"
+    if cache_dir is not None and read_all is not None:
+        path, identity = _cache_entry(cache_dir, source, plan, tp_rank)
+        for attempt in (1, 2):
+            if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank)):
+                break
+            try:
+                return load_cache_file(path, tensors, identity, read_all, tp_rank), f"rank cache {os.path.basename(path)}"
+            except (ShardMismatchError, CheckpointFormatError, OSError) as e:  # as a digest mismatch: never the checkpoint's fault
+                again = attempt == 1 and cut
+                then = "cutting it again" if again else "reading from the checkpoint"
+                log.warning("rank cache file %s cannot be used (%s): deleting it and %s", path, e, then)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+    return read_shard(source, tensors, tp_rank, plan.tp_size), "shard-on-read"
 
 
 @dataclass(frozen=True)
@@ -173,31 +206,38 @@ class RankShard:
     """What a rank loads, and where its tensors came from in words (`origin`: for the log and the status node)."""
 
     state_dict: dict[str, torch.Tensor]
-    metadata: dict[str, str]
-    plan: Plan
+    metadata: dict[str, str]  # the checkpoint's own
+    plan: Plan | TEPlan
     source_fingerprint: str
-    origin: str
+    origin: str  # "mapped whole", "rank cache FILE" or "shard-on-read"
+
+
+def _plan(source: str, tp_rank: int, tp_size: int, shares: Shares | None) -> Plan | TEPlan:
+    """The plan of H3 DiT or text encoder checkpoint `source` (shares None: the even split), read from its header."""
+    if not 0 <= tp_rank < tp_size:
+        raise TP2Error(f"tp_rank={tp_rank} is outside 0..{tp_size - 1} for tp_size={tp_size}. Set TP2_RANK below TP2_WORLD_SIZE.")
+    layout = CheckpointLayout.from_file(source)
+    return resolve_te_plan(layout, tp_size, shares) if is_h3_text_encoder(layout) else resolve_plan(layout, tp_size, shares)
 
 
 def open_rank_shard(
     path: str, tp_rank: int, tp_size: int, cache_dir: str | None = None, read_all: ReadAll | None = None, cut: bool = True,
     shares: Shares | None = None,
 ) -> RankShard:  # fmt: skip
-    """This rank's shard of DiT checkpoint `path` (shares None: the even split): through the rank cache when
-    `cache_dir` and `read_all` are given (read_rank_slices), else read from `path` (shard-on-read)."""
-    check_rank(tp_rank, tp_size)
-    plan = resolve_plan(CheckpointLayout.from_file(path), tp_size, shares)
-    sd, metadata, origin = read_rank_slices(path, plan, tp_rank, cache_dir, read_all, cut)
-    return RankShard(sd, metadata, plan, file_fingerprint(read_header(path)), origin)
+    """This rank's shard of H3 DiT or text encoder checkpoint `path`, planned before a byte of weights is read: at
+    tp_size 1 the file itself through `read_all`; else from the rank cache when `cache_dir` and `read_all` are given
+    (cut first if missing or damaged, when `cut`), else read from `path` (shard-on-read)."""
+    plan = _plan(path, tp_rank, tp_size, shares)
+    sd, origin = _rank_tensors(path, plan, tp_rank, cache_dir, read_all, cut)
+    header = read_header(path)
+    return RankShard(sd, dict(header.metadata), plan, file_fingerprint(header), origin)
 
 
 def cut_ahead(source: str, tp_size: int, tp_rank: int, cache_dir: str, progress=None, shares: Shares | None = None) -> str:
     """Cut rank `tp_rank`'s slices of `source` (an H3 DiT or text encoder) into the rank cache now; returns the path."""
-    check_rank(tp_rank, tp_size)
     if tp_size == 1:
         raise TP2Error("tp_size 1 maps the checkpoint whole: there is nothing to cut. Use the tp_size you start with.")
-    layout = CheckpointLayout.from_file(source)
-    plan = resolve_te_plan(layout, tp_size, shares) if is_h3_text_encoder(layout) else resolve_plan(layout, tp_size, shares)
+    plan = _plan(source, tp_rank, tp_size, shares)
     path, identity = _cache_entry(cache_dir, source, plan, tp_rank)
     if not write_cache_file(path, source, plan.tensors, identity, tp_rank, progress):
         raise TP2Error(f"not enough free disk in {os.path.dirname(path)} for {os.path.basename(path)} (see the warning above)")

@@ -79,10 +79,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int  # absolute byte offset of its data in the file
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
@@ -98,27 +94,24 @@ def read_header(path: str) -> SafetensorsHeader:
     rewritten (another inode, size or mtime) is parsed again. Treat the result as read-only."""
     try:
         st = os.stat(path)
+        return _parsed_header(path, st.st_ino, st.st_size, st.st_mtime_ns)
     except OSError as e:
         raise CheckpointFormatError(f"Cannot read checkpoint '{path}': {e}.") from e
-    return _parsed_header(path, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=64)
 def _parsed_header(path: str, _inode: int, size: int, _mtime_ns: int) -> SafetensorsHeader:
-    try:
-        with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) != 8:
-                raise CheckpointFormatError(f"'{path}' is {size} bytes: too short to be a safetensors file.")
-            (n,) = struct.unpack("<Q", raw_len)
-            if n > size - 8 or n > 512 << 20:
-                raise CheckpointFormatError(
-                    f"'{path}' declares a {n}-byte header in a {size}-byte file: not a safetensors file "
-                    "(or a truncated download). Re-download it or pass a .safetensors file."
-                )
-            header_bytes = f.read(n)
-    except OSError as e:
-        raise CheckpointFormatError(f"Cannot read checkpoint '{path}': {e}.") from e
+    with open(path, "rb") as f:  # an OSError: read_header's to report
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise CheckpointFormatError(f"'{path}' is {size} bytes: too short to be a safetensors file.")
+        (n,) = struct.unpack("<Q", raw_len)
+        if n > size - 8 or n > 512 << 20:
+            raise CheckpointFormatError(
+                f"'{path}' declares a {n}-byte header in a {size}-byte file: not a safetensors file "
+                "(or a truncated download). Re-download it or pass a .safetensors file."
+            )
+        header_bytes = f.read(n)
     try:
         doc = json.loads(header_bytes)
         metadata = doc.pop("__metadata__", None) or {}
@@ -162,12 +155,12 @@ class TensorReader:
 
     def read(self, name: str) -> torch.Tensor:
         info = self.header.tensors[name]
-        return self._read_into(info, 0, torch.empty(info.shape, dtype=info.torch_dtype))
+        return self._read_into(info, 0, torch.empty(info.shape, dtype=DTYPES[info.dtype]))
 
     def read_rows(self, name: str, row_start: int, row_end: int, out: torch.Tensor) -> torch.Tensor:
         """Rows [row_start, row_end) of dim 0 in one contiguous read into `out`."""
         info = self.header.tensors[name]
-        row_bytes = info.torch_dtype.itemsize * math.prod(info.shape[1:])
+        row_bytes = DTYPES[info.dtype].itemsize * math.prod(info.shape[1:])
         return self._read_into(info, row_start * row_bytes, out)
 
     def read_cols(self, name: str, col_start: int, col_end: int, out: torch.Tensor) -> torch.Tensor:
@@ -175,14 +168,14 @@ class TensorReader:
         each reading thread allocates once per reader (not a temporary per chunk, which fragments the heap)."""
         info = self.header.tensors[name]
         rows, cols = info.shape
-        row_bytes = max(1, cols * info.torch_dtype.itemsize)
+        row_bytes = max(1, cols * DTYPES[info.dtype].itemsize)
         rows_per_chunk = max(1, READ_CHUNK_BYTES // row_bytes)
         chunk = getattr(self._local, "chunk", None)
         if chunk is None or chunk.numel() < rows_per_chunk * row_bytes:
             chunk = self._local.chunk = torch.empty(max(READ_CHUNK_BYTES, row_bytes), dtype=torch.uint8)
         for r in range(0, rows, rows_per_chunk):
             r_end = min(rows, r + rows_per_chunk)
-            buf = chunk[: (r_end - r) * row_bytes].view(info.torch_dtype).view(r_end - r, cols)
+            buf = chunk[: (r_end - r) * row_bytes].view(DTYPES[info.dtype]).view(r_end - r, cols)
             out[r:r_end] = self.read_rows(name, r, r_end, buf)[:, col_start:col_end]
         return out
 

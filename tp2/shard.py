@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from .errors import TP2Error
 from .nvfp4 import nvfp4_logical_shape, slice_block_scales
 from .plan import RANK0, SPLIT, TensorShard
 from .safetensors_io import DTYPES, TensorReader, ordered_map
@@ -40,11 +39,6 @@ def slice_tensor(full: torch.Tensor, ts: TensorShard, tp_rank: int) -> torch.Ten
     return full
 
 
-def check_rank(tp_rank: int, tp_size: int) -> None:
-    if not 0 <= tp_rank < tp_size:
-        raise TP2Error(f"tp_rank={tp_rank} is outside 0..{tp_size - 1} for tp_size={tp_size}. Set TP2_RANK below TP2_WORLD_SIZE.")
-
-
 def read_shard_tensor(reader: TensorReader, tensors: dict[str, TensorShard], name: str, tp_rank: int) -> torch.Tensor:
     """One tensor of a plan as this rank holds it, reading only this rank's bytes straight into the result. nvfp4
     block scales are stored swizzled: each is read whole (1/8 of its weight's bytes) and re-cut in memory."""
@@ -52,10 +46,8 @@ def read_shard_tensor(reader: TensorReader, tensors: dict[str, TensorShard], nam
     if ts.kind == NVFP4_BLOCK_SCALE:
         n, k = nvfp4_logical_shape(tensors[name[: -len("_scale")]].full_shape)
         return slice_block_scales(reader.read(name), n, k, ts.dim, ts.bounds[tp_rank], ts.bounds[tp_rank + 1])
-    if ts.kind == RANK0 and tp_rank != 0:
-        return torch.zeros(ts.full_shape, dtype=DTYPES[ts.dtype])
     if ts.kind != SPLIT:
-        return reader.read(name)
+        return slice_tensor(reader.read(name), ts, tp_rank)  # whole, or a rank-0-only bias (zeros on the other ranks)
     out = torch.empty(ts.local_shape(tp_rank), dtype=DTYPES[ts.dtype])
     read = reader.read_rows if ts.dim == 0 else reader.read_cols  # a plan splits dim 0 or 1
     offset = 0
@@ -65,13 +57,12 @@ def read_shard_tensor(reader: TensorReader, tensors: dict[str, TensorShard], nam
     return out
 
 
-def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size: int) -> tuple[dict, dict[str, str]]:
-    """Every tensor of a plan as this rank holds it, and the file's metadata."""
+def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """Every tensor of a plan as this rank holds it."""
     t0 = time.monotonic()
     with TensorReader(path) as reader:
         sd = dict(zip(tensors, ordered_map(lambda n: read_shard_tensor(reader, tensors, n, tp_rank), tensors)))
-        metadata = dict(reader.header.metadata)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     secs = time.monotonic() - t0
     log.info("read %.2f GB for rank %d/%d from %s in %.1f s", nbytes / 1e9, tp_rank, tp_size, os.path.basename(path), secs)
-    return sd, metadata
+    return sd

@@ -16,9 +16,8 @@ import os
 import sys
 import threading
 
-from tp2.checkpoint import CheckpointLayout
+from tp2.checkpoint import CheckpointLayout, find_prefix
 from tp2.errors import TP2Error
-from tp2.h3_layout import find_prefix
 from tp2.plan import resolve_plan
 from tp2.split import is_even, named, parse_split
 from tp2.te_plan import is_h3_text_encoder, resolve_te_plan

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 import tp2.rank_cache as rank_cache
 from tp2.checkpoint import CheckpointLayout
 from tp2.errors import PlanError
-from tp2.rank_cache import open_rank_shard, read_rank_slices
-from tp2.safetensors_io import read_header
+from tp2.rank_cache import open_rank_shard
+from tp2.safetensors_io import DTYPES, read_header
 from tp2.shard import read_shard
 from tp2.te_plan import resolve_te_plan
 
@@ -69,7 +69,7 @@ def test_cache_files_start_their_tensors_on_64_byte_boundaries(tiny_int8, tmp_pa
         open_rank_shard(tiny_int8, rank, 2, cache, load_file)
     for name in _cache_files(cache):
         infos = sorted(read_header(os.path.join(cache, "rank_cache", name)).tensors.values(), key=lambda i: i.start)
-        lines = [math.prod(i.shape) * i.torch_dtype.itemsize % 64 == 0 for i in infos]  # in file order
+        lines = [math.prod(i.shape) * DTYPES[i.dtype].itemsize % 64 == 0 for i in infos]  # in file order
         assert lines == sorted(lines, reverse=True) and sum(lines) > len(lines) // 2, name
         assert all(i.start % 64 == 0 for i, whole in zip(infos, lines) if whole), name
 
@@ -98,10 +98,10 @@ def test_text_encoder_nvfp4_slices_from_the_cache_equal_shard_on_read(tiny_te_nv
     plan = resolve_te_plan(CheckpointLayout.from_file(tiny_te_nvfp4), tp_size)
     cache = str(tmp_path / "cache")
     for rank in range(tp_size):
-        ref, ref_md = read_shard(tiny_te_nvfp4, plan.tensors, rank, tp_size)
-        sd, md, origin = read_rank_slices(tiny_te_nvfp4, plan, rank, cache, load_file)
-        _equal(sd, ref)
-        assert md == ref_md and origin.startswith("rank cache ")
+        shard = open_rank_shard(tiny_te_nvfp4, rank, tp_size, cache, load_file)
+        _equal(shard.state_dict, read_shard(tiny_te_nvfp4, plan.tensors, rank, tp_size))
+        assert shard.metadata == read_header(tiny_te_nvfp4).metadata and shard.origin.startswith("rank cache ")
+        assert shard.plan.fingerprint() == plan.fingerprint()
 
 
 def test_a_damaged_cache_file_is_deleted_and_cut_again(tiny_int8, tmp_path, caplog):
@@ -153,8 +153,7 @@ def test_cut_ahead_by_the_cli_then_loaded_without_cutting(tiny_float, tiny_te_nv
         _equal(shard.state_dict, shard_state_dict(tiny_float, 2, rank)[0])
         assert shard.origin.startswith("rank cache ")
     plan = resolve_te_plan(CheckpointLayout.from_file(tiny_te_nvfp4), 2)
-    sd, _, origin = read_rank_slices(tiny_te_nvfp4, plan, 1, cache, load_file)
-    _equal(sd, read_shard(tiny_te_nvfp4, plan.tensors, 1, 2)[0])
+    _equal(open_rank_shard(tiny_te_nvfp4, 1, 2, cache, load_file).state_dict, read_shard(tiny_te_nvfp4, plan.tensors, 1, 2))
 
 
 def test_a_cache_file_recording_another_cut_is_cut_again_and_never_taken_for_a_checkpoint(tiny_int8, tmp_path, caplog):

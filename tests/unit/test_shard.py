@@ -15,9 +15,9 @@ import torch
 from conftest import shard_state_dict, unshard_tensor
 from safetensors.torch import load_file, save_file
 
-from tp2.checked_files import verified_before
 from tp2.checkpoint import CheckpointLayout
 from tp2.plan import RANK0, SPLIT, WHOLE, TensorShard, resolve_plan
+from tp2.rank_cache import verified_before
 from tp2.safetensors_io import TensorReader, file_fingerprint, read_header
 from tp2.shard import slice_tensor
 from tp2.split import cut
@@ -129,7 +129,7 @@ def test_ranks_recording_checks_at_once_all_stay_recorded(tmp_path, monkeypatch)
         f.write_bytes(b"x")
     go = tmp_path / "go"
     code = (
-        "import os, sys, time; from tp2.checked_files import remember_verified\n"
+        "import os, sys, time; from tp2.rank_cache import remember_verified\n"
         "while not os.path.exists(sys.argv[1]): time.sleep(0.001)\n"  # both start writing at the same moment
         "for p in sys.argv[2:]: remember_verified(p, 'digests')\n"
     )
