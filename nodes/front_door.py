@@ -27,7 +27,6 @@ from execution import SENSITIVE_EXTRA_DATA_KEYS
 from ..tp2 import settings
 from .queue_journal import install_queue_journal
 from .state import STATE, log
-from .status_api import fetch_status
 
 HEADER = "X-TP2-Secret"
 FOLLOWER_GUARDED = ("/prompt", "/queue", "/interrupt", "/free", "/history")  # POST routes, as _route names them
@@ -216,6 +215,21 @@ async def _json(request: web.Request) -> dict:
         return body if isinstance(body, dict) else {}
     except (json.JSONDecodeError, UnicodeDecodeError):
         return {}
+
+
+async def fetch_status(session: ClientSession, url: str | None) -> tuple[dict | None, str | None]:
+    """A rank's GET /tp2/status over `session`, or why there is none."""
+    if not url:
+        return None, "unknown address (the front door is off: start the ranks with scripts/start-tp2.sh)"
+    try:
+        async with session.get(url + "/tp2/status") as r:
+            if r.status != 200:
+                return None, f"GET /tp2/status answered {r.status}"
+            return await r.json(), None
+    except asyncio.TimeoutError:
+        return None, f"no answer within {session.timeout.total:.0f} s (frozen or overloaded)"
+    except (ClientError, OSError, ValueError) as e:
+        return None, f"not reachable ({type(e).__name__}: {e})"
 
 
 FRONT_DOOR: FrontDoor | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientSession, ClientTimeout, web
 
 from ..tp2.session import is_loopback
 from ..tp2.split import even, is_even, named
@@ -155,20 +155,6 @@ def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[st
     return "healthy", "answers, registered, heartbeat fresh" if age is not None else "answers, registered"
 
 
-async def fetch_status(session: ClientSession, url: str | None) -> tuple[dict | None, str | None]:
-    if not url:
-        return None, "unknown address (the front door is off: start the ranks with scripts/start-tp2.sh)"
-    try:
-        async with session.get(url + "/tp2/status") as r:
-            if r.status != 200:
-                return None, f"GET /tp2/status answered {r.status}"
-            return await r.json(), None
-    except asyncio.TimeoutError:
-        return None, f"no answer within {PEER_TIMEOUT.total:.0f} s (frozen or overloaded)"
-    except (ClientError, OSError, ValueError) as e:
-        return None, f"not reachable ({type(e).__name__}: {e})"
-
-
 async def get_status(request: web.Request) -> web.Response:
     return web.json_response(rank_status())
 
@@ -180,7 +166,7 @@ async def get_cluster(request: web.Request) -> web.Response:
     mine, door = STATE.env.tp_rank, front_door.FRONT_DOOR
     urls = door.rank_urls if door is not None else [None] * STATE.env.tp_size
     async with ClientSession(timeout=PEER_TIMEOUT) as session:
-        fetched = await asyncio.gather(*(fetch_status(session, u) for r, u in enumerate(urls) if r != mine))
+        fetched = await asyncio.gather(*(front_door.fetch_status(session, u) for r, u in enumerate(urls) if r != mine))
     fetched.insert(mine, (me, None))
     ages = me["heartbeats"]
     ranks = []
