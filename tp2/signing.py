@@ -10,8 +10,7 @@ import hmac
 
 
 def _mac(secret: str, where: str, value: str) -> str:
-    """`value`'s signature for `where` (the "-1" stays: entries on disk, the queue journal's, were signed with it)."""
-    return hmac.new(secret.encode(), f"{where}\n-1\n{value}".encode(), hashlib.sha256).hexdigest()[:32]
+    return hmac.new(secret.encode(), f"{where}\n{value}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def signed(secret: str | None, where: str, value: str) -> str:
