@@ -8,13 +8,10 @@ and bf16 from 8.0 on (Ampere, Ada, Hopper). Imports nothing from `comfy`.
 from __future__ import annotations
 
 BF16_FROM = (8, 0)  # the first compute capability with bf16 tensor cores
-CHOICES = ("auto", "fp32", "bf16")
 
 
 def choose_compute_dtype(capability: tuple[int, int] | None, setting: str = "auto") -> tuple[str, str]:
     """("fp32" | "bf16", why) for a GPU of compute `capability` (None: no GPU, the CPU) under TP2_COMPUTE_DTYPE."""
-    if setting not in CHOICES:
-        raise ValueError(f"TP2_COMPUTE_DTYPE={setting!r} is not one of {', '.join(CHOICES)}.")
     if setting != "auto":
         return setting, f"TP2_COMPUTE_DTYPE={setting}"
     if capability is None:

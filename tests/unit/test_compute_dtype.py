@@ -5,7 +5,7 @@ import torch
 
 from kernels import attention
 from kernels.attention import sdpa_materialises_scores
-from tp2 import capacity
+from tp2 import capacity, settings
 from tp2.compute_dtype import choose_compute_dtype
 
 
@@ -26,8 +26,8 @@ def test_setting_overrides_and_says_so(cc, setting):
 
 
 def test_unknown_setting_is_refused():
-    with pytest.raises(ValueError, match="TP2_COMPUTE_DTYPE='fp16' is not one of auto, fp32, bf16"):
-        choose_compute_dtype((7, 5), "fp16")
+    with pytest.raises(settings.SettingError, match="TP2_COMPUTE_DTYPE='fp16' is not one of auto, fp32, bf16"):
+        settings.value("TP2_COMPUTE_DTYPE", {"TP2_COMPUTE_DTYPE": "fp16"})
 
 
 @pytest.mark.parametrize("streamed", [False, True])
