@@ -144,12 +144,7 @@ def read_tp_env(environ: Mapping[str, str] | None = None) -> TPEnv | None:
     missing = [n for n in ("TP2_RANK", "TP2_WORLD_SIZE") if n not in env]
     if missing:
         raise SettingError(f"{missing[0]} is not set but the other TP variable is. Set both TP2_RANK and TP2_WORLD_SIZE, or neither.")
-    try:
-        tp_rank, tp_size = int(env["TP2_RANK"]), int(env["TP2_WORLD_SIZE"])
-    except ValueError as e:
-        raise SettingError(
-            f"TP environment variables must be numbers ({e}). Example: TP2_RANK=0 TP2_WORLD_SIZE=2 MASTER_PORT=29511."
-        ) from e
+    tp_rank, tp_size = value("TP2_RANK", env), value("TP2_WORLD_SIZE", env)
     if not 0 <= tp_rank < tp_size:
         raise SettingError(f"TP2_RANK={tp_rank} must be in 0..{tp_size - 1} for TP2_WORLD_SIZE={tp_size}.")
     return TPEnv(tp_rank, tp_size, raw("MASTER_ADDR", env), value("MASTER_PORT", env), value("TP2_TIMEOUT_S", env))

@@ -23,7 +23,7 @@ def test_env_parsing():
         read_tp_env({"TP2_RANK": "0"})
     with pytest.raises(TP2Error, match=r"TP2_RANK=2 must be in 0\.\.1 for TP2_WORLD_SIZE=2"):
         read_tp_env({"TP2_RANK": "2", "TP2_WORLD_SIZE": "2"})
-    with pytest.raises(TP2Error, match=r"TP environment variables must be numbers"):
+    with pytest.raises(TP2Error, match=r"TP2_RANK='zero' must be a whole number"):
         read_tp_env({"TP2_RANK": "zero", "TP2_WORLD_SIZE": "2"})
 
 
