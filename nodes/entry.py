@@ -10,6 +10,7 @@ import uuid
 import comfy.model_management
 import torch
 from comfy_api.latest import ComfyExtension
+from server import PromptServer
 
 from ..kernels import select_int8_gemm
 from ..tp2 import settings
@@ -44,9 +45,8 @@ def activate() -> None:
     STATE.sequence_parallel = settings.value("TP2_SEQUENCE_PARALLEL")
     STATE.sp_int8_gather = settings.value("TP2_SP_INT8_GATHER")
     STATE.sp_fused_norm = settings.value("TP2_SP_FUSED_NORM")
-    STATE.boot_id = uuid.uuid4().hex
     secret = read_secret()
-    STATE.session = TPSession(env, STATE.device, boot_id=STATE.boot_id, secret=secret, peer_urls=settings.value("TP2_RANK_URLS"))
+    STATE.session = TPSession(env, STATE.device, boot_id=uuid.uuid4().hex, secret=secret, peer_urls=settings.value("TP2_RANK_URLS"))
     _install_hooks(secret)
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     # the settings as "name value" ("sequence parallel:" is the sequence-parallel forward's own log line)
@@ -57,8 +57,6 @@ def activate() -> None:
 
 def _install_hooks(secret: str | None) -> None:
     """Every change the pack makes to ComfyUI (nodes/patches.py lists them), and its routes."""
-    from server import PromptServer
-
     from .loader import install_loader_hook
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
@@ -104,7 +102,7 @@ def _register_boot() -> None:
     deadline = time.monotonic() + STATE.env.timeout_s
     while time.monotonic() < deadline:
         try:
-            STATE.session.register_boot(STATE.boot_id, timeout_s=10)
+            STATE.session.register_boot(timeout_s=10)
             STATE.boot_registered.set()
             STATE.session.watcher.start()
             return

@@ -23,6 +23,7 @@ import time
 import comfy.model_management as mm
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from execution import SENSITIVE_EXTRA_DATA_KEYS
+from server import PromptServer
 
 from ..tp2 import settings
 from .queue_journal import install_queue_journal
@@ -48,14 +49,11 @@ def _route(request: web.Request) -> str:
 class FrontDoor:
     def __init__(self, secret: str, rank_urls: list[str]):
         self.secret, self.rank_urls = secret, rank_urls
+        self.followers = [(r, u) for r, u in enumerate(rank_urls) if r != 0]
         self.run_dir = os.path.dirname(settings.value("TP2_SECRET_FILE"))  # the launcher's: the secret file's folder
         self.seq = 0  # rank 0: prompts dispatched by this process
         self.orders: dict[str, dict] = {}  # follower: prompt id -> rank 0's order for it (run, seq, boot, reset)
         self.last_order: tuple[str, int] | None = None  # follower: (rank 0 boot id, seq) of the last order taken
-
-    @property
-    def followers(self) -> list[tuple[int, str]]:
-        return [(r, u) for r, u in enumerate(self.rank_urls) if r != 0]
 
     async def forward(self, path: str, body: dict) -> list[str]:
         """POST `body` to `path` on every follower; the problems, one line per rank that did not take it."""
@@ -82,10 +80,10 @@ class FrontDoor:
         then every rank clears its cache: the restarted one has none)."""
         reset = await self._wait_for_restarts(prompt_id) or reset
         if mm.processing_interrupted():  # interrupted while it waited: it reaches no follower
-            return f"{prompt_id}.{STATE.boot_id[:8]}.interrupted", reset, None
+            return f"{prompt_id}.{STATE.session.watcher.boot_id[:8]}.interrupted", reset, None
         self.seq += 1
-        run = f"{prompt_id}.{STATE.boot_id[:8]}.{self.seq}"
-        order = {"run": run, "seq": self.seq, "boot": STATE.boot_id, "reset": reset}
+        run = f"{prompt_id}.{STATE.session.watcher.boot_id[:8]}.{self.seq}"
+        order = {"run": run, "seq": self.seq, "boot": STATE.session.watcher.boot_id, "reset": reset}
         extra = {k: v for k, v in extra_data.items() if k not in SENSITIVE_EXTRA_DATA_KEYS}  # API keys stay on rank 0
         body = {"prompt": prompt, "prompt_id": prompt_id, "extra_data": extra, "number": self.seq, "tp2": order,
                 "partial_execution_targets": list(outputs)}  # fmt: skip
@@ -183,8 +181,6 @@ class FrontDoor:
 
 
 def _known_prompt_id(prompt_id) -> bool:
-    from server import PromptServer
-
     queue = PromptServer.instance.prompt_queue
     running, pending = queue.get_current_queue_volatile()
     return prompt_id in queue.history or any(item[1] == prompt_id for item in [*running, *pending])
@@ -252,8 +248,6 @@ def read_secret() -> str | None:
 def install_front_door(secret: str | None) -> None:
     """Add the middleware, GET /tp2/ranks and rank 0's queue journal to ComfyUI's server (before it starts), when a secret is set."""
     global FRONT_DOOR
-    from server import PromptServer
-
     if secret is None:
         log.warning("%s TP2_SECRET_FILE is not set: the front door is off (every rank accepts prompts; submit to all ranks)", STATE.tag)
         return

@@ -113,18 +113,18 @@ class Watcher:
             self.run, self._stop = run, None
             self._boots = dict(boots or {})
         self.progress.end()
-        self._store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "started"), "rank store unreachable")
+        self.store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "started"), "rank store unreachable")
         self._runs.append(run)
         if len(self._runs) > KEPT_RUNS:
             old = self._runs.pop(0)
-            self._store_call(lambda s: [s.delete_key(k) for k in (f"tp2/run/{old}/state/rank{self.rank}", f"tp2/run/{old}/stop")])
+            self.store_call(lambda s: [s.delete_key(k) for k in (f"tp2/run/{old}/state/rank{self.rank}", f"tp2/run/{old}/stop")])
 
     def end(self) -> None:
         with self._lock:
             run, self.run = self.run, None
         self.progress.end()
         if run is not None and self.store_problem() is None:
-            self._store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "done"), "rank store unreachable")
+            self.store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "done"), "rank store unreachable")
 
     def stop_reason(self) -> str | None:
         """Why the current run must stop on this rank (a peer's notice, a silent or restarted peer), else None."""
@@ -141,7 +141,7 @@ class Watcher:
             return
         key = f"tp2/run/{run}/stop"
         notice = signed(self.secret, key, json.dumps({"rank": self.rank, "reason": reason}))
-        self._store_call(lambda s: s.compare_set(key, "", notice), f"could not publish why the run stopped ({reason})")  # if none yet
+        self.store_call(lambda s: s.compare_set(key, "", notice), f"could not publish why the run stopped ({reason})")  # if none yet
 
     def read_stop(self, run: str) -> str | None:
         """The run's stop notice, read now (not at the next poll): why a peer that finished the run stopped it."""
@@ -225,8 +225,7 @@ class Watcher:
                 self._forged.add(r)
                 log.warning("[tp2 r%d/%d] ignored a heartbeat for rank %d that no rank signed", self.rank, self.size, r)
             return
-        old = self._seen.get(r)
-        if old is None or old[0] != value:
+        if self._seen.get(r, (None,))[0] != value:
             self._seen[r] = (value, now)
         boot = value.split(":")[0]
         if run is None:
@@ -290,7 +289,7 @@ class Watcher:
             self._clients.store = store
         return store
 
-    def _store_call(self, fn: Callable[[dist.Store], object], warn: str | None = None):
+    def store_call(self, fn: Callable[[dist.Store], object], warn: str | None = None):
         """`fn(store)` over this thread's connection; None, `warn` logged, when the store does not answer (then it is dropped)."""
         try:
             return fn(self._client())
@@ -301,4 +300,4 @@ class Watcher:
             return None
 
     def _get(self, key: str) -> str | None:
-        return self._store_call(lambda s: s.get(key).decode() if s.check([key]) else None)
+        return self.store_call(lambda s: s.get(key).decode() if s.check([key]) else None)
