@@ -76,9 +76,8 @@ class FrontDoor:
 
     async def dispatch(self, prompt: dict, prompt_id: str, extra_data: dict, outputs: list, reset: bool) -> tuple[str, bool, str | None]:
         """Send the prompt rank 0 is starting to every follower: (the run id, whether every rank clears its node cache
-        first, why a follower could not take it). A follower its launcher is starting again is waited for first (and
-        then every rank clears its cache: the restarted one has none)."""
-        reset = await self._wait_for_restarts(prompt_id) or reset
+        first, why a follower could not take it)."""
+        reset = await self._wait_for_restarts(prompt_id) or reset  # a restarted rank's cache is empty: every rank clears
         if mm.processing_interrupted():  # interrupted while it waited: it reaches no follower
             return f"{prompt_id}.{STATE.session.watcher.boot_id[:8]}.interrupted", reset, None
         self.seq += 1
@@ -91,8 +90,7 @@ class FrontDoor:
         return run, reset, "; ".join(problems) or None
 
     async def _wait_for_restarts(self, prompt_id: str) -> bool:
-        """Wait (at most REJOIN_WAIT_S, until an interrupt) while a follower is down and its launcher is starting it
-        again; whether there was one."""
+        """Wait (at most REJOIN_WAIT_S, until an interrupt) while a follower its launcher is starting again is down; whether one was."""
         down = [r for r, answers in zip((r for r, _ in self.followers), await self._answering()) if not answers and self.restarting(r)]
         if not down:
             return False
@@ -245,19 +243,19 @@ def read_secret() -> str | None:
     return secret
 
 
-def install_front_door(secret: str | None) -> None:
+def install_front_door() -> None:
     """Add the middleware, GET /tp2/ranks and rank 0's queue journal to ComfyUI's server (before it starts), when a secret is set."""
     global FRONT_DOOR
-    if secret is None:
+    if STATE.session.watcher.secret is None:
         log.warning("%s TP2_SECRET_FILE is not set: the front door is off (every rank accepts prompts; submit to all ranks)", STATE.tag)
         return
     urls = settings.value("TP2_RANK_URLS")
     if len(urls) != STATE.env.tp_size:
         raise ValueError(f"TP2_RANK_URLS lists {len(urls)} URLs for tp_size {STATE.env.tp_size}; the launcher sets one per rank.")
-    FRONT_DOOR = FrontDoor(secret, urls)
+    FRONT_DOOR = FrontDoor(STATE.session.watcher.secret, urls)
     PromptServer.instance.app.middlewares.append(FRONT_DOOR.middleware)
     PromptServer.instance.routes.get("/tp2/ranks")(FRONT_DOOR.ranks)
     role = f"prompts only from rank 0 ({urls[0]})" if STATE.env.tp_rank else "the only queue; prompts go to the followers as they start"
     log.info("%s front door on: %s", STATE.tag, role)
     if STATE.env.tp_rank == 0:
-        install_queue_journal(FRONT_DOOR.run_dir, secret)
+        install_queue_journal(FRONT_DOOR.run_dir, FRONT_DOOR.secret)

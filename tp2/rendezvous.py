@@ -109,9 +109,8 @@ class Rendezvous:
             self.watcher.progress.wait_end()
 
     def _verdict(self, base: str, proposal: str | None, timeout_s: float) -> str | None:
-        """The rendezvous' one verdict, "go" or why the run stops: `proposal` if this rank is the first to decide,
-        else the one already taken (`proposal` None: only read it; None if there is none). A verdict no rank signed
-        stops the run."""
+        """The rendezvous' one verdict, "go" or why the run stops: `proposal` if this rank decides first, else the one
+        taken (`proposal` None: only read it; None if there is none). A verdict no rank signed stops the run."""
         where = f"{base}/verdict"
         if proposal is None:
             raw = self._store_op(timeout_s, lambda s: s.get(where) if s.check([where]) else b"").decode()

@@ -98,8 +98,7 @@ class TPSession(Rendezvous):
         self.abandon_group()
 
     def abandon_group(self) -> None:
-        """Leave the current process group now (after a stop); the next agreement forms a new generation, over
-        fresh store connections (rank 0 may have restarted behind the old ones)."""
+        """Leave the current process group now (after a stop); the next agreement forms a new generation."""
         self.healthy = False
         self.watcher.reconnect()
         if self.env.tp_rank != 0:
