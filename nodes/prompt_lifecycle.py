@@ -83,7 +83,7 @@ def _tracking_execute_async(original):
         finally:
             failure = _failure(self)
             if failure is not None:
-                if session.watcher.stop_reason() is None:  # this rank stopped the run: every rank is told why
+                if session.watcher.stop_reason is None:  # this rank stopped the run: every rank is told why
                     session.stop_run(f"rank {STATE.env.tp_rank} stopped the prompt: {failure}")
                 else:
                     session.abandon_group()

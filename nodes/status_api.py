@@ -83,7 +83,7 @@ def rank_status() -> dict:
             "backend": group.backend if group is not None else None,
             "link": link,
         },
-        "stop_reason": session.watcher.stop_reason() if session.watcher.run is not None else None,  # a finished run's is history
+        "stop_reason": session.watcher.stop_reason if session.watcher.run is not None else None,  # a finished run's is history
         "waiting": session.watcher.waiting_text,  # on a peer alive but not progressing (tp2/progress.py)
         "last_agreement": STATE.last_agreement,
         "prompt": {"prompt_id": STATE.prompt.prompt_id, "run": STATE.prompt.run, "model_calls": STATE.prompt.model_calls},
@@ -117,16 +117,15 @@ def prompt_progress() -> dict | None:
 
 def resolved_settings() -> dict[str, str]:
     """The pack's settings as this rank resolved them at start (the env was read once, by activation)."""
-    env = STATE.env
     sp = f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})" if STATE.sequence_parallel else "off"
     return {
         "device": str(STATE.device),
-        "rank store": "on loopback" if is_loopback(env.master_addr) else "on the network",
+        "rank store": "on loopback" if is_loopback(STATE.env.master_addr) else "on the network",
         "int8 GEMM": STATE.int8_kernel,
         "attention": STATE.attention,
         "all-reduce dtype": str(STATE.reduce_dtype).replace("torch.", ""),
         "sequence parallel": sp,
-        "collective timeout": f"{env.timeout_s:.0f} s",
+        "collective timeout": f"{STATE.env.timeout_s:.0f} s",
         "prompt rendezvous timeout": f"{STATE.prompt_timeout_s:.0f} s",
         "front door": "on" if front_door.FRONT_DOOR is not None else "off",
         "numerics check": STATE.numerics,
