@@ -237,9 +237,7 @@ def read_secret() -> str | None:
     with open(path) as f:
         secret = f.read().strip()
     if len(secret) < 16:
-        raise ValueError(
-            f"TP2_SECRET_FILE={path} holds {len(secret)} characters; the launcher writes 64. Restart the ranks with scripts/start-tp2.sh."
-        )
+        raise ValueError(f"TP2_SECRET_FILE={path} holds {len(secret)} characters, not the launcher's 64: restart with scripts/start-tp2.sh")
     return secret
 
 

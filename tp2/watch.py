@@ -277,12 +277,10 @@ class Watcher:
         self._clients.store = None
 
     def _client(self) -> dist.Store:
-        store = getattr(self._clients, "store", None)
-        if store is None:
-            store = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
-                                  timeout=timedelta(seconds=STORE_OP_TIMEOUT_S))  # fmt: skip
-            self._clients.store = store
-        return store
+        if getattr(self._clients, "store", None) is None:
+            self._clients.store = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
+                                                timeout=timedelta(seconds=STORE_OP_TIMEOUT_S))  # fmt: skip
+        return self._clients.store
 
     def store_call(self, fn: Callable[[dist.Store], object], warn: str | None = None):
         """`fn(store)` over this thread's connection; None, `warn` logged, when the store does not answer (then it is dropped)."""
