@@ -10,6 +10,7 @@ import uuid
 import comfy.model_management
 import torch
 from comfy_api.latest import ComfyExtension
+from server import PromptServer
 
 from ..kernels import select_int8_gemm
 from ..tp2 import settings
@@ -44,10 +45,8 @@ def activate() -> None:
     STATE.sequence_parallel = settings.value("TP2_SEQUENCE_PARALLEL")
     STATE.sp_int8_gather = settings.value("TP2_SP_INT8_GATHER")
     STATE.sp_fused_norm = settings.value("TP2_SP_FUSED_NORM")
-    STATE.boot_id = uuid.uuid4().hex
-    secret = read_secret()
-    STATE.session = TPSession(env, STATE.device, boot_id=STATE.boot_id, secret=secret, peer_urls=settings.value("TP2_RANK_URLS"))
-    _install_hooks(secret)
+    STATE.session = TPSession(env, STATE.device, boot_id=uuid.uuid4().hex, secret=read_secret(), peer_urls=settings.value("TP2_RANK_URLS"))
+    _install_hooks()
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()
     # the settings as "name value" ("sequence parallel:" is the sequence-parallel forward's own log line)
     log.info("%s minimax-h3-tp2 active: MASTER %s:%d, split %s; %s", STATE.tag, env.master_addr, env.master_port, split_named(),
@@ -55,10 +54,8 @@ def activate() -> None:
     _warn_if_dynamic_vram_cannot_evict()
 
 
-def _install_hooks(secret: str | None) -> None:
+def _install_hooks() -> None:
     """Every change the pack makes to ComfyUI (nodes/patches.py lists them), and its routes."""
-    from server import PromptServer
-
     from .loader import install_loader_hook
     from .lora import install_lora_hooks
     from .parallel import install_linear_input_act_patch
@@ -74,7 +71,7 @@ def _install_hooks(secret: str | None) -> None:
     install_linear_input_act_patch()
     track_prompts()
     install_interrupt_deferral()
-    install_front_door(secret)
+    install_front_door()
     install_status_routes(PromptServer.instance.routes)  # read-only GETs, with or without the front door
     install_parallel_vae_decode()
     install_same_outputs()
@@ -99,12 +96,11 @@ def _warn_if_dynamic_vram_cannot_evict() -> None:
 
 
 def _register_boot() -> None:
-    """Join the rank store (rank 0 hosts it) and publish this process's boot id, retrying until rank 0 is up; peers
-    compare boot ids at each prompt (nodes/prompt_lifecycle.py)."""
+    """Publish this process's boot id in the rank store, retrying until rank 0 (which hosts it) is up."""
     deadline = time.monotonic() + STATE.env.timeout_s
     while time.monotonic() < deadline:
         try:
-            STATE.session.register_boot(STATE.boot_id, timeout_s=10)
+            STATE.session.register_boot(timeout_s=10)
             STATE.boot_registered.set()
             STATE.session.watcher.start()
             return
@@ -112,9 +108,7 @@ def _register_boot() -> None:
             last = e
             time.sleep(1.0)
     log.warning(
-        "%s could not reach the rank store to register this boot (%s); cache clearing after restarts relies on rendezvous errors",
-        STATE.tag,
-        last,
+        "%s cannot register this boot in the rank store (%s); cache clearing after restarts relies on rendezvous errors", STATE.tag, last
     )
     STATE.session.watcher.start()  # it keeps trying the store
 

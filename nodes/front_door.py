@@ -23,6 +23,7 @@ import time
 import comfy.model_management as mm
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from execution import SENSITIVE_EXTRA_DATA_KEYS
+from server import PromptServer
 
 from ..tp2 import settings
 from .queue_journal import install_queue_journal
@@ -48,14 +49,11 @@ def _route(request: web.Request) -> str:
 class FrontDoor:
     def __init__(self, secret: str, rank_urls: list[str]):
         self.secret, self.rank_urls = secret, rank_urls
+        self.followers = [(r, u) for r, u in enumerate(rank_urls) if r != 0]
         self.run_dir = os.path.dirname(settings.value("TP2_SECRET_FILE"))  # the launcher's: the secret file's folder
         self.seq = 0  # rank 0: prompts dispatched by this process
         self.orders: dict[str, dict] = {}  # follower: prompt id -> rank 0's order for it (run, seq, boot, reset)
         self.last_order: tuple[str, int] | None = None  # follower: (rank 0 boot id, seq) of the last order taken
-
-    @property
-    def followers(self) -> list[tuple[int, str]]:
-        return [(r, u) for r, u in enumerate(self.rank_urls) if r != 0]
 
     async def forward(self, path: str, body: dict) -> list[str]:
         """POST `body` to `path` on every follower; the problems, one line per rank that did not take it."""
@@ -78,14 +76,13 @@ class FrontDoor:
 
     async def dispatch(self, prompt: dict, prompt_id: str, extra_data: dict, outputs: list, reset: bool) -> tuple[str, bool, str | None]:
         """Send the prompt rank 0 is starting to every follower: (the run id, whether every rank clears its node cache
-        first, why a follower could not take it). A follower its launcher is starting again is waited for first (and
-        then every rank clears its cache: the restarted one has none)."""
-        reset = await self._wait_for_restarts(prompt_id) or reset
+        first, why a follower could not take it)."""
+        reset = await self._wait_for_restarts(prompt_id) or reset  # a restarted rank's cache is empty: every rank clears
         if mm.processing_interrupted():  # interrupted while it waited: it reaches no follower
-            return f"{prompt_id}.{STATE.boot_id[:8]}.interrupted", reset, None
+            return f"{prompt_id}.{STATE.session.watcher.boot_id[:8]}.interrupted", reset, None
         self.seq += 1
-        run = f"{prompt_id}.{STATE.boot_id[:8]}.{self.seq}"
-        order = {"run": run, "seq": self.seq, "boot": STATE.boot_id, "reset": reset}
+        run = f"{prompt_id}.{STATE.session.watcher.boot_id[:8]}.{self.seq}"
+        order = {"run": run, "seq": self.seq, "boot": STATE.session.watcher.boot_id, "reset": reset}
         extra = {k: v for k, v in extra_data.items() if k not in SENSITIVE_EXTRA_DATA_KEYS}  # API keys stay on rank 0
         body = {"prompt": prompt, "prompt_id": prompt_id, "extra_data": extra, "number": self.seq, "tp2": order,
                 "partial_execution_targets": list(outputs)}  # fmt: skip
@@ -93,8 +90,7 @@ class FrontDoor:
         return run, reset, "; ".join(problems) or None
 
     async def _wait_for_restarts(self, prompt_id: str) -> bool:
-        """Wait (at most REJOIN_WAIT_S, until an interrupt) while a follower is down and its launcher is starting it
-        again; whether there was one."""
+        """Wait (at most REJOIN_WAIT_S, until an interrupt) while a follower its launcher is starting again is down; whether one was."""
         down = [r for r, answers in zip((r for r, _ in self.followers), await self._answering()) if not answers and self.restarting(r)]
         if not down:
             return False
@@ -183,8 +179,6 @@ class FrontDoor:
 
 
 def _known_prompt_id(prompt_id) -> bool:
-    from server import PromptServer
-
     queue = PromptServer.instance.prompt_queue
     running, pending = queue.get_current_queue_volatile()
     return prompt_id in queue.history or any(item[1] == prompt_id for item in [*running, *pending])
@@ -243,27 +237,23 @@ def read_secret() -> str | None:
     with open(path) as f:
         secret = f.read().strip()
     if len(secret) < 16:
-        raise ValueError(
-            f"TP2_SECRET_FILE={path} holds {len(secret)} characters; the launcher writes 64. Restart the ranks with scripts/start-tp2.sh."
-        )
+        raise ValueError(f"TP2_SECRET_FILE={path} holds {len(secret)} characters, not the launcher's 64: restart with scripts/start-tp2.sh")
     return secret
 
 
-def install_front_door(secret: str | None) -> None:
+def install_front_door() -> None:
     """Add the middleware, GET /tp2/ranks and rank 0's queue journal to ComfyUI's server (before it starts), when a secret is set."""
     global FRONT_DOOR
-    from server import PromptServer
-
-    if secret is None:
+    if STATE.session.watcher.secret is None:
         log.warning("%s TP2_SECRET_FILE is not set: the front door is off (every rank accepts prompts; submit to all ranks)", STATE.tag)
         return
     urls = settings.value("TP2_RANK_URLS")
     if len(urls) != STATE.env.tp_size:
         raise ValueError(f"TP2_RANK_URLS lists {len(urls)} URLs for tp_size {STATE.env.tp_size}; the launcher sets one per rank.")
-    FRONT_DOOR = FrontDoor(secret, urls)
+    FRONT_DOOR = FrontDoor(STATE.session.watcher.secret, urls)
     PromptServer.instance.app.middlewares.append(FRONT_DOOR.middleware)
     PromptServer.instance.routes.get("/tp2/ranks")(FRONT_DOOR.ranks)
     role = f"prompts only from rank 0 ({urls[0]})" if STATE.env.tp_rank else "the only queue; prompts go to the followers as they start"
     log.info("%s front door on: %s", STATE.tag, role)
     if STATE.env.tp_rank == 0:
-        install_queue_journal(FRONT_DOOR.run_dir, secret)
+        install_queue_journal(FRONT_DOOR.run_dir, FRONT_DOOR.secret)

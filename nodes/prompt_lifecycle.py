@@ -33,13 +33,8 @@ def track_prompts() -> None:
     PATCHES.install(execution.PromptExecutor, "execute_async", _tracking_execute_async)
 
 
-def prompt_fingerprint(prompt: dict) -> str:
-    return hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def _caches_may_differ() -> bool:
-    """True when, since this rank's last prompt, a rank restarted (new boot id: empty node cache) or a rank
-    reported a failed rendezvous or collective (cache epoch bumped)."""
+    """Whether, since this rank's last prompt, a rank restarted (a new boot id) or bumped the cache epoch."""
     epoch = STATE.session.cache_epoch() or 0  # None: the store is not reachable now
     changed, SEEN.cache_epoch = epoch > SEEN.cache_epoch, max(epoch, SEEN.cache_epoch)
     for r, boot in (STATE.session.boot_ids() or {}).items():
@@ -73,7 +68,8 @@ def _tracking_execute_async(original):
         if reset:
             log.info("%s a rank restarted, failed or freed memory since the last prompt: clearing this rank's node cache", STATE.tag)
             self.reset()
-        STATE.prompt = Prompt(prompt_id, run, prompt_fingerprint(prompt), prompt_details(prompt))
+        fingerprint = hashlib.sha256(json.dumps(prompt, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        STATE.prompt = Prompt(prompt_id, run, fingerprint, prompt_details(prompt))
         session.watcher.begin(run, boots)
         try:
             if front_door.FRONT_DOOR is not None and STATE.env.tp_rank == 0 and mm.processing_interrupted():
@@ -87,7 +83,7 @@ def _tracking_execute_async(original):
         finally:
             failure = _failure(self)
             if failure is not None:
-                if session.watcher.stop_reason() is None:  # this rank stopped the run: every rank is told why
+                if session.watcher.stop_reason is None:  # this rank stopped the run: every rank is told why
                     session.stop_run(f"rank {STATE.env.tp_rank} stopped the prompt: {failure}")
                 else:
                     session.abandon_group()

@@ -56,8 +56,7 @@ def _journaled(path: str, secret: str, original):
 
 
 def _write(queue, path: str, secret: str) -> None:
-    """The running and pending prompts (without their sensitive data, index 5) and the last finished prompts' records,
-    a signed line each, written whole or not at all, readable by this user only."""
+    """The running and pending prompts (without index 5, their sensitive data) and the last records, a signed line each."""
     with queue.mutex:  # one order for every writer; re-entrant for wipe_queue inside delete_queue_item
         running, pending = queue.get_current_queue_volatile()
         rows = [["running", *i[:5]] for i in running] + [["pending", *i[:5]] for i in sorted(pending)]

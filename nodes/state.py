@@ -63,7 +63,6 @@ class RankState:
     prompt: Prompt = field(default_factory=Prompt)
     last_agreement: str = "none yet"
     numerics: str = "not run yet (runs at the first int8 H3 load)"  # tp2.numerics report of this device's int8 path
-    boot_id: str = ""
     boot_registered: threading.Event = field(default_factory=threading.Event)
 
     @property

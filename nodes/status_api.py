@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import ClientSession, ClientTimeout, web
+from comfy_execution.progress import get_progress_state
 
 from ..tp2.session import is_loopback
 from ..tp2.split import even, is_even, named
@@ -74,7 +75,7 @@ def rank_status() -> dict:
         "tp_rank": env.tp_rank,
         "tp_size": env.tp_size,
         "split": split_named(),
-        "boot": STATE.boot_id[:8],
+        "boot": session.watcher.boot_id[:8],
         "registered": STATE.boot_registered.is_set(),
         "group": {
             "generation": session.generation,
@@ -82,7 +83,7 @@ def rank_status() -> dict:
             "backend": group.backend if group is not None else None,
             "link": link,
         },
-        "stop_reason": session.watcher.stop_reason() if session.watcher.run is not None else None,  # a finished run's is history
+        "stop_reason": session.watcher.stop_reason if session.watcher.run is not None else None,  # a finished run's is history
         "waiting": session.watcher.waiting_text,  # on a peer alive but not progressing (tp2/progress.py)
         "last_agreement": STATE.last_agreement,
         "prompt": {"prompt_id": STATE.prompt.prompt_id, "run": STATE.prompt.run, "model_calls": STATE.prompt.model_calls},
@@ -96,8 +97,6 @@ def rank_status() -> dict:
 
 def prompt_progress() -> dict | None:
     """The current (or last) prompt's progress from ComfyUI's registry: its sampler-like node (one with steps)."""
-    from comfy_execution.progress import get_progress_state
-
     registry = get_progress_state()
     try:
         nodes = list(registry.nodes.items())  # the prompt worker adds entries meanwhile: copy first
@@ -118,16 +117,15 @@ def prompt_progress() -> dict | None:
 
 def resolved_settings() -> dict[str, str]:
     """The pack's settings as this rank resolved them at start (the env was read once, by activation)."""
-    env = STATE.env
     sp = f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})" if STATE.sequence_parallel else "off"
     return {
         "device": str(STATE.device),
-        "rank store": "on loopback" if is_loopback(env.master_addr) else "on the network",
+        "rank store": "on loopback" if is_loopback(STATE.env.master_addr) else "on the network",
         "int8 GEMM": STATE.int8_kernel,
         "attention": STATE.attention,
         "all-reduce dtype": str(STATE.reduce_dtype).replace("torch.", ""),
         "sequence parallel": sp,
-        "collective timeout": f"{env.timeout_s:.0f} s",
+        "collective timeout": f"{STATE.env.timeout_s:.0f} s",
         "prompt rendezvous timeout": f"{STATE.prompt_timeout_s:.0f} s",
         "front door": "on" if front_door.FRONT_DOOR is not None else "off",
         "numerics check": STATE.numerics,
@@ -135,7 +133,7 @@ def resolved_settings() -> dict[str, str]:
     }
 
 
-def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[str, float], heartbeat_timeout_s: float) -> tuple[str, str]:
+def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[str, float]) -> tuple[str, str]:
     """(verdict, why) for one rank: healthy, starting, stopping, silent, wrong or unreachable."""
     if status is None:
         return "unreachable", problem or "no answer"
@@ -150,7 +148,7 @@ def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[st
     if status.get("waiting"):
         return "waiting", status["waiting"]
     age = ages.get(str(tp_rank))
-    if age is not None and age > heartbeat_timeout_s:
+    if age is not None and age > STATE.session.watcher.heartbeat_timeout_s:
         return "silent", f"no heartbeat for {age:.0f} s"
     return "healthy", "answers, registered, heartbeat fresh" if age is not None else "answers, registered"
 
@@ -168,10 +166,9 @@ async def get_cluster(request: web.Request) -> web.Response:
     async with ClientSession(timeout=PEER_TIMEOUT) as session:
         fetched = await asyncio.gather(*(front_door.fetch_status(session, u) for r, u in enumerate(urls) if r != mine))
     fetched.insert(mine, (me, None))
-    ages = me["heartbeats"]
     ranks = []
     for r, (url, (status, problem)) in enumerate(zip(urls, fetched)):
-        verdict, why = health(r, status, problem, ages, STATE.session.watcher.heartbeat_timeout_s)
+        verdict, why = health(r, status, problem, me["heartbeats"])
         ranks.append({"tp_rank": r, "url": url, "health": verdict, "why": why, "status": status})
     healthy = sum(1 for x in ranks if x["health"] == "healthy")
     cluster = {"active": True, "this_rank": mine, "tp_size": STATE.env.tp_size, "split": split_named(), "healthy": healthy}

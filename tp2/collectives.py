@@ -41,7 +41,7 @@ class TPGroup:
     group: dist.ProcessGroup  # tensor collectives
     cpu_group: dist.ProcessGroup  # handshakes and small objects, never blocks a GPU stream
     timeout_s: float
-    watcher: Watcher | None = None  # its stop_reason() ends waits; store_problem() names a rank gone; progress is told of waits
+    watcher: Watcher | None = None  # its stop_reason ends waits; store_problem() names a rank gone; progress is told of waits
 
     @functools.cached_property
     def backend(self) -> str:  # fixed for the group's life; read per collective
@@ -85,7 +85,7 @@ def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbort
     the rank known to be gone, else a peer that died."""
     deadline = time.monotonic() + REASON_GRACE_S
     while tp.watcher is not None and time.monotonic() < deadline:
-        why = tp.watcher.stop_reason()
+        why = tp.watcher.stop_reason
         if why:
             return PromptAbortedError(why)
         time.sleep(0.05)
@@ -118,7 +118,7 @@ def wait(work, tp: TPGroup, what: str | Callable[[], str], host_side: bool) -> N
             return
         pause = 0.0002
         while not work.is_completed():
-            why = tp.watcher.stop_reason()
+            why = tp.watcher.stop_reason
             if why:
                 raise PromptAbortedError(why)
             if pause > 0.01 and tp.watcher.progress.waiting is None:  # waiting for a peer, not a copy

@@ -38,7 +38,7 @@ class Rendezvous:
         self._store_op(timeout_s, lambda s: s.set(keys[self.env.tp_rank], mine))
         everyone = self._records(key, keys, timeout_s, abort, mine)
         own = abort() if abort is not None else None
-        verdict = self._verdict(base, own or self.watcher.stop_reason() or "go", timeout_s)
+        verdict = self._verdict(base, own or self.watcher.stop_reason or "go", timeout_s)
         if self._store_op(timeout_s, lambda s: s.add(f"{base}/read", 1)) == self.env.tp_size:
             self._store_op(timeout_s, lambda s: [s.delete_key(k) for k in (*keys, f"{base}/read", f"{base}/verdict")])
         compare_fields(everyone, self.tag, f"prompt '{key}'")  # the same verdict on every rank
@@ -57,7 +57,7 @@ class Rendezvous:
             try:
                 raws = self._store_op(timeout_s, lambda s: [s.get(k) for k in keys])
             except (RuntimeError, dist.DistError):  # a peer took its key back between our check and our read: it saw a stop
-                why = self._verdict(base, None, timeout_s) or self.watcher.stop_reason() or (self.watcher.read_stop(run) if run else None)
+                why = self._verdict(base, None, timeout_s) or self.watcher.stop_reason or (self.watcher.read_stop(run) if run else None)
                 if why:
                     raise PromptAbortedError(f"{self.tag} '{key}' was cancelled: {why}") from None
                 raise
@@ -87,7 +87,7 @@ class Rendezvous:
                     self._store_op(timeout_s, lambda s: s.set(me, mine))
                     present[self.env.tp_rank] = True
                 own = abort() if abort is not None else None
-                stop = own or self.watcher.stop_reason()
+                stop = own or self.watcher.stop_reason
                 if stop and self._verdict(base, stop, timeout_s) != "go":
                     if own:
                         self.stop_run(own)
@@ -109,9 +109,8 @@ class Rendezvous:
             self.watcher.progress.wait_end()
 
     def _verdict(self, base: str, proposal: str | None, timeout_s: float) -> str | None:
-        """The rendezvous' one verdict, "go" or why the run stops: `proposal` if this rank is the first to decide,
-        else the one already taken (`proposal` None: only read it; None if there is none). A verdict no rank signed
-        stops the run."""
+        """The rendezvous' one verdict, "go" or why the run stops: `proposal` if this rank decides first, else the one
+        taken (`proposal` None: only read it; None if there is none). A verdict no rank signed stops the run."""
         where = f"{base}/verdict"
         if proposal is None:
             raw = self._store_op(timeout_s, lambda s: s.get(where) if s.check([where]) else b"").decode()

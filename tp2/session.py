@@ -46,9 +46,9 @@ class TPSession(Rendezvous):
     def __init__(self, env: TPEnv, device: torch.device | None = None, boot_id: str = "", secret: str | None = None,
                  peer_urls: list[str] | None = None):  # fmt: skip
         self.env = env
+        self.tag = f"[tp2 r{env.tp_rank}/{env.tp_size}]"
         self.device = device
-        self._store: dist.Store | None = None
-        self._stale = False  # the store connection may be dead (rank 0 restarted): reconnect at the next use
+        self._store: dist.Store | None = None  # a follower's is dropped after a stop (rank 0 may have restarted behind it)
         self._listener: socket.socket | None = None  # rank 0: the store's socket, bound to MASTER_ADDR only
         self.group: TPGroup | None = None
         self.link: Link | None = None  # measured as each group forms (tp2/link.py)
@@ -61,14 +61,9 @@ class TPSession(Rendezvous):
         self.watcher.on_stop = self._stopped_by_peer
         self.watcher.progress.stall_s, self.watcher.progress.between_s = value("TP2_STALL_S"), env.timeout_s
 
-    @property
-    def tag(self) -> str:
-        return f"[tp2 r{self.env.tp_rank}/{self.env.tp_size}]"
-
     def _connect(self, timeout_s: float) -> dist.Store:
-        if self._store is not None and not self._stale:
+        if self._store is not None:
             return self._store
-        self._stale = False
         master = self.env.tp_rank == 0
         try:
             if master and self._listener is None:  # MASTER_ADDR only (TCPStore's own server listens on every interface)
@@ -103,11 +98,11 @@ class TPSession(Rendezvous):
         self.abandon_group()
 
     def abandon_group(self) -> None:
-        """Leave the current process group now (after a stop); the next agreement forms a new generation, over
-        fresh store connections (rank 0 may have restarted behind the old ones)."""
+        """Leave the current process group now (after a stop); the next agreement forms a new generation."""
         self.healthy = False
         self.watcher.reconnect()
-        self._stale = self.env.tp_rank != 0
+        if self.env.tp_rank != 0:
+            self._store = None
         if self.group is not None and dist.is_initialized() and self.group.backend == "nccl":
             _abort_nccl()
         self._retire_group()
@@ -162,30 +157,20 @@ class TPSession(Rendezvous):
         self.link_prediction = prediction(self.link, self.env.tp_size, self.group.device.type)
         self.generation, self.healthy = generation, True
         log.info("%s process group generation %d formed; link: %s; %s", self.tag, generation, self.link.text(), self.link_prediction)
-        if self.env.tp_rank == 0:
-            self._forget_earlier_generations(generation)
+        if self.env.tp_rank == 0:  # earlier generations' keys (read only while a group forms) would stay in the store for good
+            own = f"tp2/pg/{generation}/"
+            try:
+                self._store_op(5.0, lambda s: [s.delete_key(k) for k in s.list_keys() if k.startswith("tp2/pg/") and not k.startswith(own)])
+            except (RuntimeError, dist.DistError, PeerLostError) as e:
+                log.warning("%s could not delete earlier process groups' keys from the rank store: %s", self.tag, e)
 
-    def _forget_earlier_generations(self, generation: int) -> None:
-        """Delete the store keys of earlier generations' group formation (read only while a group forms): a prompt
-        that failed would otherwise leave a few keys in the store for good."""
-        own = f"tp2/pg/{generation}/"
-        try:
-            self._store_op(5.0, lambda s: [s.delete_key(k) for k in s.list_keys() if k.startswith("tp2/pg/") and not k.startswith(own)])
-        except (RuntimeError, dist.DistError, PeerLostError) as e:
-            log.warning("%s could not delete earlier process groups' keys from the rank store: %s", self.tag, e)
-
-    def register_boot(self, boot_id: str, timeout_s: float) -> None:
+    def register_boot(self, timeout_s: float) -> None:
         """Publish this process's boot id (a restarted rank has a new one, and an empty node cache)."""
-        self._store_op(timeout_s, lambda s: s.set(f"tp2/boot/rank{self.env.tp_rank}", boot_id))
+        self._store_op(timeout_s, lambda s: s.set(f"tp2/boot/rank{self.env.tp_rank}", self.watcher.boot_id))
 
     def _now(self, fn):
         """`fn(store)` now, or None when the store is not reachable (told at once: rank 0 is gone) or does not answer."""
-        if self._store is None or self.watcher.store_problem() is not None:
-            return None
-        try:
-            return self._store_op(5.0, fn)
-        except (RuntimeError, dist.DistError, PeerLostError):
-            return None
+        return None if self.watcher.store_problem() is not None else self.watcher.store_call(fn)
 
     def boot_ids(self) -> dict[int, str] | None:
         """Each registered rank's current boot id; None when the store is unreachable."""

@@ -2,7 +2,7 @@
 
 A rank that stops a run (a node's exception, out of memory, an interrupt, a failed load, a mismatch) publishes a stop notice
 with its rank and reason under the run's id in the rank store. Every watcher thread reads the store every `POLL_S` and exposes
-as `stop_reason()` the first notice, or a peer whose heartbeat went quiet, that restarted, whose process ended (its HTTP
+as `stop_reason` the first notice, or a peer whose heartbeat went quiet, that restarted, whose process ended (its HTTP
 port refuses connections) or that is stuck in a lockstep step (tp2/progress.py); collectives and rendezvous poll it while
 they wait, so a failure ends every wait within a poll.
 
@@ -39,7 +39,6 @@ HEARTBEAT_TIMEOUT_S = 15.0
 PROBE_AFTER_S = 2.0  # a peer's heartbeat quiet this long: ask its HTTP port whether its process still exists
 STORE_OP_TIMEOUT_S = 5.0
 KEPT_RUNS = 2  # a rank keeps its store keys of its last runs: the current one, and the previous for a late peer
-OOM_HINT = "use fewer frames, a lower resolution or more ranks"
 
 
 def describe_failure(rank: int, exc: BaseException, step: int | None = None, steps: int | None = None) -> str:
@@ -47,7 +46,7 @@ def describe_failure(rank: int, exc: BaseException, step: int | None = None, ste
     where = f" at step {step} of {steps}" if step is not None and steps else ""
     text = " ".join(str(exc).split())[:400] or type(exc).__name__
     if _is_out_of_memory(exc):
-        return f"rank {rank} ran out of GPU memory{where} ({text}): {OOM_HINT}"
+        return f"rank {rank} ran out of GPU memory{where} ({text}): use fewer frames, a lower resolution or more ranks"
     return f"rank {rank} failed{where}: {type(exc).__name__}: {text}"
 
 
@@ -86,7 +85,7 @@ class Watcher:
         self.on_stop: Callable[[str], None] | None = None  # called once per run, from the watcher thread
         self._lock = threading.Lock()
         self.run: str | None = None  # the run being watched (rank 0 names it, unique per execution)
-        self._stop: str | None = None
+        self.stop_reason: str | None = None  # why the current run stops on this rank (a notice, a silent or restarted peer)
         self._beats = 0
         self._seen: dict[int, tuple[str, float]] = {}  # peer -> (last heartbeat value, when it last changed)
         self._boots: dict[int, str] = {}  # peer -> boot id when the run began
@@ -110,25 +109,21 @@ class Watcher:
         """Start watching run `run`; `boots` are peers' boot ids known to be part of it (rank 0's, from its order).
         Other peers' are taken from their first heartbeat read during the run: a change after that is a restart."""
         with self._lock:
-            self.run, self._stop = run, None
+            self.run, self.stop_reason = run, None
             self._boots = dict(boots or {})
         self.progress.end()
-        self._store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "started"), "rank store unreachable")
+        self.store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "started"), "rank store unreachable")
         self._runs.append(run)
         if len(self._runs) > KEPT_RUNS:
             old = self._runs.pop(0)
-            self._store_call(lambda s: [s.delete_key(k) for k in (f"tp2/run/{old}/state/rank{self.rank}", f"tp2/run/{old}/stop")])
+            self.store_call(lambda s: [s.delete_key(k) for k in (f"tp2/run/{old}/state/rank{self.rank}", f"tp2/run/{old}/stop")])
 
     def end(self) -> None:
         with self._lock:
             run, self.run = self.run, None
         self.progress.end()
         if run is not None and self.store_problem() is None:
-            self._store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "done"), "rank store unreachable")
-
-    def stop_reason(self) -> str | None:
-        """Why the current run must stop on this rank (a peer's notice, a silent or restarted peer), else None."""
-        return self._stop
+            self.store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "done"), "rank store unreachable")
 
     def publish_stop(self, reason: str) -> None:
         """Tell every rank that this rank stopped the current run, and why (the first notice of a run wins)."""
@@ -136,12 +131,12 @@ class Watcher:
         if run is None:
             return
         with self._lock:
-            self._stop = self._stop or reason  # this rank waits for nothing more in this run either
+            self.stop_reason = self.stop_reason or reason  # this rank waits for nothing more in this run either
         if self.store_problem() is not None:  # no store, no peer to tell (rank 0 is gone)
             return
         key = f"tp2/run/{run}/stop"
         notice = signed(self.secret, key, json.dumps({"rank": self.rank, "reason": reason}))
-        self._store_call(lambda s: s.compare_set(key, "", notice), f"could not publish why the run stopped ({reason})")  # if none yet
+        self.store_call(lambda s: s.compare_set(key, "", notice), f"could not publish why the run stopped ({reason})")  # if none yet
 
     def read_stop(self, run: str) -> str | None:
         """The run's stop notice, read now (not at the next poll): why a peer that finished the run stopped it."""
@@ -207,7 +202,7 @@ class Watcher:
             if notice is None:
                 log.warning("[tp2 r%d/%d] ignored a stop notice for run %s that no rank signed", self.rank, self.size, run)
             elif notice[0] != self.rank:
-                if notice[1].startswith(f"rank {self.rank} is stuck") and self._stop is None:  # where: for its log
+                if notice[1].startswith(f"rank {self.rank} is stuck") and self.stop_reason is None:  # where: for its log
                     log.error("[tp2 r%d/%d] %s; this rank's Python stacks follow", self.rank, self.size, notice[1])
                     faulthandler.dump_traceback(all_threads=True)
                 self._decide(notice[1])
@@ -225,8 +220,7 @@ class Watcher:
                 self._forged.add(r)
                 log.warning("[tp2 r%d/%d] ignored a heartbeat for rank %d that no rank signed", self.rank, self.size, r)
             return
-        old = self._seen.get(r)
-        if old is None or old[0] != value:
+        if self._seen.get(r, (None,))[0] != value:
             self._seen[r] = (value, now)
         boot = value.split(":")[0]
         if run is None:
@@ -268,9 +262,9 @@ class Watcher:
         """The current run stops on this rank for `reason` (once per run); `publish`: tell the other ranks too (a
         silent or restarted peer did not, and finds out when it comes back)."""
         with self._lock:
-            if self.run is None or self._stop is not None:
+            if self.run is None or self.stop_reason is not None:
                 return
-            self._stop = reason
+            self.stop_reason = reason
         log.warning("[tp2 r%d/%d] stopping run %s: %s", self.rank, self.size, self.run, reason)
         if publish:
             self.publish_stop(reason)
@@ -283,14 +277,12 @@ class Watcher:
         self._clients.store = None
 
     def _client(self) -> dist.Store:
-        store = getattr(self._clients, "store", None)
-        if store is None:
-            store = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
-                                  timeout=timedelta(seconds=STORE_OP_TIMEOUT_S))  # fmt: skip
-            self._clients.store = store
-        return store
+        if getattr(self._clients, "store", None) is None:
+            self._clients.store = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
+                                                timeout=timedelta(seconds=STORE_OP_TIMEOUT_S))  # fmt: skip
+        return self._clients.store
 
-    def _store_call(self, fn: Callable[[dist.Store], object], warn: str | None = None):
+    def store_call(self, fn: Callable[[dist.Store], object], warn: str | None = None):
         """`fn(store)` over this thread's connection; None, `warn` logged, when the store does not answer (then it is dropped)."""
         try:
             return fn(self._client())
@@ -301,4 +293,4 @@ class Watcher:
             return None
 
     def _get(self, key: str) -> str | None:
-        return self._store_call(lambda s: s.get(key).decode() if s.check([key]) else None)
+        return self.store_call(lambda s: s.get(key).decode() if s.check([key]) else None)

@@ -103,7 +103,7 @@ def _unsigned_notice(tp_rank, tp_size):
     if tp_rank == 0:  # an outsider writes a notice without the secret
         s._connect(10).set("tp2/run/run-u/stop", json.dumps({"rank": 1, "reason": "Your licence has expired"}))
     time.sleep(2.0)
-    unsigned = s.watcher.stop_reason()
+    unsigned = s.watcher.stop_reason
     try:
         g = s.agree("run-u/sampler1", {"seed": "1"}, timeout_s=30)
         agreed = all_reduce(torch.ones(1), g).item() == tp_size  # also: neither rank leaves (ending the store) early
@@ -251,7 +251,7 @@ def _forgery(tp_rank, tp_size):
             time.sleep(0.05)
     else:
         time.sleep(3.5)
-    stopped = s.watcher.stop_reason()
+    stopped = s.watcher.stop_reason
     if tp_rank == 0:  # rank 1 waits here with its record written; the forger replaces it before rank 0 arrives
         time.sleep(0.5)
         forger.set("tp2/rv/run-f/forged/rank1", '{"x": "text the forger wants compared"}')
