@@ -222,15 +222,12 @@ def write_streaming(
     digests = {t.name: "0" * DIGEST_CHARS for t in tensors}
     blob = _header_blob(tensors, metadata, digests_key, digests, align)
     tmp = path + ".partial"
-    produced = functools.partial(_produced, hashed=digests_key is not None)
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
-            for i, (data, digest) in enumerate(ordered_map(produced, tensors, workers)):
-                t = tensors[i]
-                if digest is not None:
-                    digests[t.name] = digest
+            for i, (data, digest) in enumerate(ordered_map(_produced, tensors, workers)):
+                digests[tensors[i].name] = digest
                 f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # no copy
                 del data
                 if progress is not None:
@@ -245,7 +242,7 @@ def write_streaming(
     os.replace(tmp, path)
 
 
-def _produced(t: PendingTensor, hashed: bool) -> tuple[torch.Tensor, str | None]:
+def _produced(t: PendingTensor) -> tuple[torch.Tensor, str]:
     data = t.produce()
     if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
         raise ValueError(
@@ -253,12 +250,11 @@ def _produced(t: PendingTensor, hashed: bool) -> tuple[torch.Tensor, str | None]
             f"{data.dtype} {list(data.shape)}: the writer's plan and its data disagree."
         )
     data = data.contiguous()
-    return data, tensor_digest(data) if hashed else None
+    return data, tensor_digest(data)
 
 
 def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None, digests: dict[str, str], align: int) -> bytes:
-    """The JSON header for `tensors` in order (with the digests under `digests_key`), padded so that the data starts
-    at a multiple of `align` bytes (a multiple of 8)."""
+    """The JSON header, space-padded so that the data starts at a multiple of `align` bytes (a multiple of 8)."""
     header: dict[str, object] = {}
     md = {str(k): str(v) for k, v in (metadata or {}).items()}
     if digests_key is not None:
