@@ -101,7 +101,7 @@ def check_block(path: BlockPath, device: torch.device, tp_size: int, device_name
     nw = w["norm"][1, :HEAD_DIM]
     with torch.no_grad():
         ref.qk_norm_rope(*qk_ref, table, nw, nw, EPS)
-        ours.qk_norm_rope(*qk_ours, table, nw.to(path.dtype), nw.to(path.dtype), EPS)
+        ours.qk_norm_rope(*qk_ours, ours.table, nw.to(path.dtype), nw.to(path.dtype), EPS)
         qh, kh = (t.transpose(0, 1).unsqueeze(0) for t in qk_ref)
         scale1, shift = 1 + mods[0], mods[1]
         parts = {
@@ -150,11 +150,9 @@ def _columns(name: str, rank: int, units: Shares) -> slice:
     return slice(sum(units[:rank]) * per_unit, sum(units[: rank + 1]) * per_unit)
 
 
-def _rank_rows(name: str, rank: int, units: Shares) -> list[slice]:
-    """Rows of a column-parallel weight that rank `rank` holds (per packed part)."""
-    parts, mine = {"qkv": 3, "fc1": 2}[name], _columns(name, rank, units)
-    width = sum(units) * (LOCAL_HEADS * HEAD_DIM if name == "qkv" else LOCAL_FFN)
-    return [slice(p * width + mine.start, p * width + mine.stop) for p in range(parts)]
+def _rank_rows(t: torch.Tensor, name: str, rank: int, units: Shares) -> torch.Tensor:
+    """The rows of column-parallel weight (or scale) `t` that rank `rank` holds: its slice of each packed part."""
+    return torch.cat([part[_columns(name, rank, units)] for part in t.chunk({"qkv": 3, "fc1": 2}[name])])
 
 
 def block(x: torch.Tensor, mods, segments, ops, seen: dict | None = None) -> dict[str, torch.Tensor]:
@@ -231,7 +229,7 @@ class _ReferenceOps(_SimulatedRanks):
     norm_modulate = staticmethod(_norm_modulate)
 
     def column(self, name, h, rank):
-        return F.linear(h, torch.cat([self.w[name][r] for r in _rank_rows(name, rank, self.units)]))
+        return F.linear(h, _rank_rows(self.w[name], name, rank, self.units))
 
     def row(self, name, a, rank, input_act=None):
         return F.linear(apply_input_act(a, input_act), self.w[name][:, _columns(name, rank, self.units)])
@@ -254,14 +252,14 @@ class _PathOps(_SimulatedRanks):
     """The rank's path: int8 slices through `path.gemm`, its rope, attention and norm kernels."""
 
     def __init__(self, path: BlockPath, w: dict[str, torch.Tensor], table: torch.Tensor, units: Shares):
-        super().__init__(w, table, units)
+        super().__init__(w, table.to(path.dtype), units)
         self.p, self.q8 = path, {n: path.quantize_weight(t, 256) for n, t in w.items() if n != "norm"}
-        self.norm_modulate, self.attention = path.norm_modulate or _norm_modulate, path.attention
+        self.qk_norm_rope, self.attention = path.qk_norm_rope, path.attention
+        self.norm_modulate = path.norm_modulate or _norm_modulate
 
     def column(self, name, h, rank):
-        q, s = self.q8[name]
-        rows = _rank_rows(name, rank, self.units)
-        return self.p.gemm(h, torch.cat([q[r] for r in rows]), torch.cat([s[r] for r in rows]), None, h.dtype, 256, None)
+        q, s = (_rank_rows(t, name, rank, self.units) for t in self.q8[name])
+        return self.p.gemm(h, q, s, None, h.dtype, 256, None)
 
     def row(self, name, a, rank, input_act=None):
         """This rank's K slice of an int8 row-parallel weight (per-row scales kept; the K slices are whole ConvRot
@@ -269,6 +267,3 @@ class _PathOps(_SimulatedRanks):
         q, s = self.q8[name]
         weight = Int8Weight(q[:, _columns(name, rank, self.units)].contiguous(), s, 256)
         return local_linear(a, weight, None, self.p.reduce_dtype, self.p.gemm, input_act)
-
-    def qk_norm_rope(self, q, k, table, qw, kw, eps):
-        self.p.qk_norm_rope(q, k, table.to(q.dtype), qw, kw, eps)
