@@ -122,7 +122,7 @@ def check_block(path: BlockPath, device: torch.device, tp_size: int, device_name
 def _updates(x, mods, ops) -> torch.Tensor:
     """What the block (one modulation segment) adds to the stream, attention branch then MLP branch. The updates,
     not the stream: x itself (and its rounding in the activation dtype) would hide the block's error."""
-    out = block(x, [m.unsqueeze(0) for m in mods], [(0, len(x), 0)], ops)
+    out = block(x, [m.unsqueeze(0) for m in mods], [(0, len(x), 0)], ops, {})
     return torch.cat([out["attn_update"], out["mlp_update"]])
 
 
@@ -155,7 +155,7 @@ def _rank_rows(t: torch.Tensor, name: str, rank: int, units: Shares) -> torch.Te
     return torch.cat([part[_columns(name, rank, units)] for part in t.chunk({"qkv": 3, "fc1": 2}[name])])
 
 
-def block(x: torch.Tensor, mods, segments, ops, seen: dict | None = None) -> dict[str, torch.Tensor]:
+def block(x: torch.Tensor, mods, segments, ops, seen: dict) -> dict[str, torch.Tensor]:
     """The reference H3 DiT block on the stream `x` [S, hidden], shared by this check and the dist tests.
 
     mods: shift, scale, gate of the attention branch, then of the MLP branch, each [rows, hidden]; segments: (start,
@@ -163,7 +163,7 @@ def block(x: torch.Tensor, mods, segments, ops, seen: dict | None = None) -> dic
     scale1, shift), column(name, h, rank), row(name, a, rank, input_act), qk(q, k) in place, attention(q, k, v,
     heads), reduce(parts) and head_dim, over ops.ranks (one rank's share each, summed as the all-reduce sums; a
     real TP rank has one, whose row-parallel layers all-reduce themselves). Returns each branch's output and update
-    and the stream after; `seen` also gets the last rank's qkv, att and fc1."""
+    and the stream after; `seen` gets the last rank's qkv, att and fc1."""
     shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (m.to(x.dtype) for m in mods)
     h = _modulated(ops, x, 0, scale_a, shift_a, segments)
     attn = []
@@ -173,8 +173,7 @@ def block(x: torch.Tensor, mods, segments, ops, seen: dict | None = None) -> dic
         ops.qk(q, k)
         att = ops.attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), q.shape[1]).reshape(len(x), -1)
         attn.append(ops.row("out", att, r))
-        if seen is not None:
-            seen.update(qkv=qkv, att=att)
+        seen.update(qkv=qkv, att=att)
     attn_out = ops.reduce(attn)
     attn_update = _rows(gate_a, segments) * attn_out.to(x.dtype)
     x = x + attn_update
@@ -183,8 +182,7 @@ def block(x: torch.Tensor, mods, segments, ops, seen: dict | None = None) -> dic
     for r in ops.ranks:
         fc1 = ops.column("fc1", h, r)
         mlp.append(ops.row("fc2", fc1, r, "swiglu"))
-        if seen is not None:
-            seen.update(fc1=fc1)
+        seen.update(fc1=fc1)
     mlp_out = ops.reduce(mlp)
     mlp_update = _rows(gate_m, segments) * mlp_out.to(x.dtype)
     return {"attn_out": attn_out, "attn_update": attn_update, "mlp_out": mlp_out, "mlp_update": mlp_update, "out": x + mlp_update}
