@@ -46,11 +46,7 @@ def _checked(device: torch.device, dtype: torch.dtype, kernel: str, shares: tupl
 def _block_path(device: torch.device, dtype: torch.dtype, fused: bool, kitchen: str) -> BlockPath:
     from .h3_attention import norm_rope_
 
-    override = attention_override(device, dtype)
-
-    def attention(q, k, v, heads):
-        return override(None, q, k, v, heads, skip_reshape=True)
-
+    attention = functools.partial(attention_override(device, dtype), None, skip_reshape=True)  # (q, k, v, heads)
     rope = functools.partial(norm_rope_, fused=fused)
     rope_name = "pack Triton" if fused and qk_norm_rope.triton is not None and device.type == "cuda" else "comfy-kitchen"
     names = {"int8 GEMM": STATE.int8_kernel, "attention": STATE.attention, "q/k norm + rope": rope_name, "comfy-kitchen": kitchen}
