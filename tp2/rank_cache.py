@@ -190,8 +190,7 @@ def _rank_tensors(
             try:
                 return load_cache_file(path, tensors, identity, read_all, tp_rank), f"rank cache {os.path.basename(path)}"
             except (ShardMismatchError, CheckpointFormatError, OSError) as e:  # as a digest mismatch: never the checkpoint's fault
-                again = attempt == 1 and cut
-                then = "cutting it again" if again else "reading from the checkpoint"
+                then = "cutting it again" if attempt == 1 and cut else "reading from the checkpoint"
                 log.warning("rank cache file %s cannot be used (%s): deleting it and %s", path, e, then)
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)

@@ -124,16 +124,13 @@ def _parsed_header(path: str, _inode: int, size: int, _mtime_ns: int) -> Safeten
     return SafetensorsHeader(path, tensors, metadata, header_bytes, size)
 
 
-class TensorReader:
+class TensorReader(contextlib.AbstractContextManager):
     """Reads whole tensors, row ranges or column ranges with `pread`. Use as a context manager."""
 
     def __init__(self, path: str):
         self.header = read_header(path)
         self._fd = os.open(path, os.O_RDONLY)
         self._local = threading.local()  # each thread's read_cols buffer (pread is safe from several threads)
-
-    def __enter__(self) -> TensorReader:
-        return self
 
     def __exit__(self, *exc) -> None:
         os.close(self._fd)
