@@ -193,8 +193,9 @@ def _modulated(ops, x, which, scale, shift, segments) -> torch.Tensor:
     return torch.cat([ops.norm(x[a:b], which, 1 + scale[r], shift[r]) for a, b, r in segments])
 
 
-class _SimulatedRanks:
-    """Every rank of the TP set in this one process, on the check's own weights (w) and rope table."""
+class _ReferenceOps:
+    """Every rank of the TP set in this one process, on the check's own weights (w) and rope table: fp32 math on the
+    unquantised weights, plain torch ops."""
 
     head_dim = HEAD_DIM
 
@@ -212,15 +213,9 @@ class _SimulatedRanks:
     def reduce(parts: list[torch.Tensor]) -> torch.Tensor:
         return sum(parts[1:], parts[0])
 
-
-def _norm_modulate(x, w, eps, scale1, shift):
-    return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
-
-
-class _ReferenceOps(_SimulatedRanks):
-    """fp32 math on the unquantised weights, plain torch ops."""
-
-    norm_modulate = staticmethod(_norm_modulate)
+    @staticmethod
+    def norm_modulate(x, w, eps, scale1, shift):
+        return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
 
     def column(self, name, h, rank):
         return F.linear(h, _rank_rows(self.w[name], name, rank, self.units))
@@ -242,14 +237,14 @@ class _ReferenceOps(_SimulatedRanks):
         return att.transpose(1, 2).reshape(1, q.shape[2], heads * q.shape[-1])
 
 
-class _PathOps(_SimulatedRanks):
+class _PathOps(_ReferenceOps):
     """The rank's path: int8 slices through `path.gemm`, its rope, attention and norm kernels."""
 
     def __init__(self, path: BlockPath, w: dict[str, torch.Tensor], table: torch.Tensor, units: Shares):
         super().__init__(w, table.to(path.dtype), units)
         self.p, self.q8 = path, {n: path.quantize_weight(t, 256) for n, t in w.items() if n != "norm"}
         self.qk_norm_rope, self.attention = path.qk_norm_rope, path.attention
-        self.norm_modulate = path.norm_modulate or _norm_modulate
+        self.norm_modulate = path.norm_modulate or _ReferenceOps.norm_modulate
 
     def column(self, name, h, rank):
         q, s = (_rank_rows(t, name, rank, self.units) for t in self.q8[name])
