@@ -1,6 +1,5 @@
-"""Outputs each rank computes alone, made identical on every rank: decodes (wrapped: comfy.sd.VAE.decode,
-VAE.decode_tiled) and every file an output node writes (wrapped: execution.get_output_from_returns, where ComfyUI
-reads a node's UI output, which lists its files).
+"""Outputs each rank computes alone, made identical on every rank: VAE decodes, and every file an output node writes
+(execution.get_output_from_returns reads a node's UI output, which lists its files).
 
 A VAE decode a rank runs alone (a one-chunk video, TP2_PARALLEL_VAE=0, the audio, a tiled retry after an
 out-of-memory on one rank) equals the other ranks' only if the processes round alike; files differ for other causes

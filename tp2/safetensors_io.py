@@ -214,8 +214,7 @@ def write_streaming(
 ) -> None:
     """Write a safetensors file one tensor at a time, through `path + ".partial"` renamed at the end. `digests_key`:
     the metadata key for every tensor's `tensor_digest` (placeholders of the same length, rewritten once the data is
-    out). `workers` > 1: the next tensors are produced and hashed on that many threads (`produce` must allow any thread
-    and order). The data starts at a multiple of `align` bytes."""
+    out). `workers` > 1: tensors produced and hashed on that many threads (`produce` must allow any thread and order)."""
     digests = {t.name: "0" * DIGEST_CHARS for t in tensors}
     blob = _header_blob(tensors, metadata, digests_key, digests, align)
     tmp = path + ".partial"
