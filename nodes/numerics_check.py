@@ -6,6 +6,7 @@ device and kernel choice; a path below tp2.numerics.MIN_DB is refused (NumericsE
 from __future__ import annotations
 
 import functools
+import platform
 from importlib import metadata
 
 import torch
@@ -61,8 +62,6 @@ def _block_path(device: torch.device, dtype: torch.dtype, fused: bool) -> BlockP
 
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
-        import platform
-
         return f"{device.type} ({platform.processor() or platform.machine() or 'unknown'})"
     major, minor = torch.cuda.get_device_capability(device)
     return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"

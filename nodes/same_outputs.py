@@ -83,8 +83,7 @@ def _same_files(paths: list[str], group) -> list[int]:
 
 def _compare(kind: str, stage: str, fields: dict[str, str], make_same, verb: str, what: str) -> None:
     """Every rank at this prompt's next `kind` step agrees on `fields` and the stage, then `make_same(group)` gives
-    every rank rank 0's `what` and returns the ranks whose bytes differed (logged as `verb` other bytes). A peer that
-    never came leaves this rank's `what` as it is, logged as possibly different."""
+    every rank rank 0's `what` and returns the ranks whose bytes differed (logged as `verb` other bytes)."""
     try:
         group = agree_step(step_key(kind), {"stage": stage, **fields})
     except PeerLostError as e:

@@ -155,11 +155,9 @@ def block(x: torch.Tensor, mods, segments, ops, seen: dict) -> dict[str, torch.T
     """The reference H3 DiT block on the stream `x` [S, hidden], shared by this check and the dist tests.
 
     mods: shift, scale, gate of the attention branch, then of the MLP branch, each [rows, hidden]; segments: (start,
-    end, row) for each modality's tokens. `ops` is the block's calls as one process makes them: norm(x, which,
-    scale1, shift), column(name, h, rank), row(name, a, rank, input_act), qk(q, k) in place, attention(q, k, v,
-    heads), reduce(parts) and head_dim, over ops.ranks (one rank's share each, summed as the all-reduce sums; a
-    real TP rank has one, whose row-parallel layers all-reduce themselves). Returns each branch's output and update
-    and the stream after; `seen` gets the last rank's qkv, att and fc1."""
+    end, row) for each modality's tokens. `ops` makes the calls _ReferenceOps makes, over ops.ranks (one rank's share
+    each, summed as the all-reduce sums; a real TP rank has one, whose row-parallel layers all-reduce themselves).
+    Returns each branch's output and update and the stream after; `seen` gets the last rank's qkv, att and fc1."""
     shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (m.to(x.dtype) for m in mods)
     h = _modulated(ops, x, 0, scale_a, shift_a, segments)
     attn = []

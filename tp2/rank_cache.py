@@ -60,8 +60,7 @@ def _cache_entry(cache_dir: str, source: str, plan: Plan | TEPlan, tp_rank: int)
 
 
 def _remove_stale(out: str) -> None:
-    """Delete this rank's cache files of an earlier version of the same checkpoint name (same rank and tp_size,
-    another fingerprint or plan), and any `.partial` of them or of `out` (a cut that was stopped)."""
+    """Delete this rank's cache files cut from an earlier version of the same checkpoint, and stopped cuts (`.partial`)."""
     folder, name = os.path.split(out)
     m = re.fullmatch(r"(?P<stem>.+)\.[0-9a-f]{12}\.[0-9a-f]{12}(?P<tail>\.tp\d+-rank\d+\.safetensors)", name)
     same = re.compile(re.escape(m["stem"]) + r"\.[0-9a-f]{12}\.[0-9a-f]{12}" + re.escape(m["tail"]) + r"(\.partial)?")
