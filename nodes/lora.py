@@ -147,9 +147,7 @@ def _wrap_load_lora(original):
         source = state_dict_digest(lora)
         shard_new_patches(before, new_model, plan, source)
         added = sum(len(v) for v in new_model.patches.values()) - sum(before.values())
-        log.info(
-            "%s LoRA %s applied at strength %s: %d patches, sliced for rank %d", STATE.tag, source, strength_model, added, STATE.env.tp_rank
-        )
+        log.info("%s LoRA %s at strength %s: %d patches, sliced for rank %d", STATE.tag, source, strength_model, added, STATE.env.tp_rank)
         te_added = sum(len(v) for v in new_clip.patcher.patches.values()) - sum(clip_before.values()) if new_clip is not None else 0
         if (warning := unmatched_warning(lora.keys(), added + te_added)) is not None:
             tell_node(f"LoRA {source}: {warning}")

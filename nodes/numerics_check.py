@@ -1,11 +1,12 @@
 """The loader's numerics check: this rank's int8 path, through the very callables a TP forward uses (int8 GEMM,
 q/k norm + rope, attention backend, fused norm when on), measured against exact math (tp2.numerics) once per
-device, comfy-kitchen version and kernel choice; a path below tp2.numerics.MIN_DB is refused (NumericsError).
+device and kernel choice; a path below tp2.numerics.MIN_DB is refused (NumericsError).
 """
 
 from __future__ import annotations
 
 import functools
+import platform
 from importlib import metadata
 
 import torch
@@ -21,36 +22,29 @@ from .state import STATE, log
 def check_int8_path(dtype: torch.dtype) -> NumericsReport:
     """Run (or recall) the check for activations of `dtype` on this rank's device; refuse a wrong path."""
     fused = STATE.sequence_parallel and STATE.sp_fused_norm
-    report = _checked(STATE.device, dtype, STATE.int8_kernel, STATE.shares or (1,) * STATE.env.tp_size, fused, _kitchen_version())
+    report = _checked(STATE.device, dtype, STATE.int8_kernel, STATE.shares or (1,) * STATE.env.tp_size, fused)
     STATE.numerics = report.summary()
-    if not report.passed:
+    if report.failing:
         raise NumericsError(_refusal(report))
     return report
 
 
-def _kitchen_version() -> str:
-    try:
-        return metadata.version("comfy-kitchen")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
 @functools.cache
-def _checked(device: torch.device, dtype: torch.dtype, kernel: str, shares: tuple, fused: bool, kitchen: str) -> NumericsReport:
-    path = _block_path(device, dtype, fused, kitchen)
+def _checked(device: torch.device, dtype: torch.dtype, kernel: str, shares: tuple, fused: bool) -> NumericsReport:
+    path = _block_path(device, dtype, fused)
     report = check_block(path, device, len(shares), _device_name(device), shares=shares)
-    (log.info if report.passed else log.error)("%s numerics check of the int8 path: %s", STATE.tag, report.summary())
+    (log.error if report.failing else log.info)("%s numerics check of the int8 path: %s", STATE.tag, report.summary())
     return report
 
 
-def _block_path(device: torch.device, dtype: torch.dtype, fused: bool, kitchen: str) -> BlockPath:
+def _block_path(device: torch.device, dtype: torch.dtype, fused: bool) -> BlockPath:
     from .h3_attention import norm_rope_
 
-    override = attention_override(device, dtype)
-
-    def attention(q, k, v, heads):
-        return override(None, q, k, v, heads, skip_reshape=True)
-
+    try:
+        kitchen = metadata.version("comfy-kitchen")
+    except metadata.PackageNotFoundError:
+        kitchen = "unknown"
+    attention = functools.partial(attention_override(device, dtype), None, skip_reshape=True)  # (q, k, v, heads)
     rope = functools.partial(norm_rope_, fused=fused)
     rope_name = "pack Triton" if fused and qk_norm_rope.triton is not None and device.type == "cuda" else "comfy-kitchen"
     names = {"int8 GEMM": STATE.int8_kernel, "attention": STATE.attention, "q/k norm + rope": rope_name, "comfy-kitchen": kitchen}
@@ -68,8 +62,6 @@ def _block_path(device: torch.device, dtype: torch.dtype, fused: bool, kitchen: 
 
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
-        import platform
-
         return f"{device.type} ({platform.processor() or platform.machine() or 'unknown'})"
     major, minor = torch.cuda.get_device_capability(device)
     return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"

@@ -1,6 +1,5 @@
-"""Outputs each rank computes alone, made identical on every rank: decodes (wrapped: comfy.sd.VAE.decode,
-VAE.decode_tiled) and every file an output node writes (wrapped: execution.get_output_from_returns, where ComfyUI
-reads a node's UI output, which lists its files).
+"""Outputs each rank computes alone, made identical on every rank: VAE decodes, and every file an output node writes
+(execution.get_output_from_returns reads a node's UI output, which lists its files).
 
 A VAE decode a rank runs alone (a one-chunk video, TP2_PARALLEL_VAE=0, the audio, a tiled retry after an
 out-of-memory on one rank) equals the other ranks' only if the processes round alike; files differ for other causes
@@ -44,15 +43,12 @@ def _hooked(how: str, original):
         # split: every tile came from the ranks' one schedule, identical; alone: a peer missed a step (logged there)
         if STATE.prompt.split_decodes > split_before or STATE.prompt.alone:
             return out
-        _make_same(f"{type(self.first_stage_model).__name__} {how}", samples, out)
+        fields = {"latent": f"{tuple(samples.shape)}:{bytes_digest(samples)[:12]}", "output": f"{tuple(out.shape)} {out.dtype}"}
+        stage = f"{type(self.first_stage_model).__name__} {how}"
+        _compare("decoded", stage, fields, lambda group: same_everywhere(out, group), "decoded", "output")
         return out
 
     return decode
-
-
-def _make_same(stage: str, samples, out) -> None:
-    fields = {"latent": f"{tuple(samples.shape)}:{bytes_digest(samples)[:12]}", "output": f"{tuple(out.shape)} {out.dtype}"}
-    _compare("decoded", stage, fields, lambda group: same_everywhere(out, group), "decoded", "output")
 
 
 def _files_made_same(original):
@@ -64,34 +60,30 @@ def _files_made_same(original):
         base = folder_paths.get_output_directory()
         paths = [os.path.join(base, e.get("subfolder") or "", e["filename"]) for e in entries if e.get("type") == "output"]
         if paths and not STATE.prompt.alone:
-            _make_files_same(f"{type(obj).__name__} files", paths)
+            make_same = functools.partial(_same_files, paths)
+            _compare("saved", f"{type(obj).__name__} files", {"files": str(len(paths))}, make_same, "wrote", "files")
         return output, ui, has_subgraph
 
     return get_output_from_returns
 
 
-def _make_files_same(stage: str, paths: list[str]) -> None:
-    """Every rank's files at `paths` (each rank its own output folder) end as rank 0's bytes."""
-
-    def make_same(group) -> list[int]:
-        differ = set()
-        for path in paths:
-            with open(path, "rb") as f:
-                blob, differ_here = same_blob_everywhere(f.read(), group)
-            if differ_here and group.tp_rank != 0:
-                with open(path + ".tp2-part", "wb") as f:
-                    f.write(blob)
-                os.replace(path + ".tp2-part", path)
-            differ.update(differ_here)
-        return sorted(differ)
-
-    _compare("saved", stage, {"files": str(len(paths))}, make_same, "wrote", "files")
+def _same_files(paths: list[str], group) -> list[int]:
+    """Every rank's files at `paths` (each rank its own output folder) end as rank 0's bytes; the ranks that differed."""
+    differ = set()
+    for path in paths:
+        with open(path, "rb") as f:
+            blob, differ_here = same_blob_everywhere(f.read(), group)
+        if differ_here and group.tp_rank != 0:
+            with open(path + ".tp2-part", "wb") as f:
+                f.write(blob)
+            os.replace(path + ".tp2-part", path)
+        differ.update(differ_here)
+    return sorted(differ)
 
 
 def _compare(kind: str, stage: str, fields: dict[str, str], make_same, verb: str, what: str) -> None:
     """Every rank at this prompt's next `kind` step agrees on `fields` and the stage, then `make_same(group)` gives
-    every rank rank 0's `what` and returns the ranks whose bytes differed (logged as `verb` other bytes). A peer that
-    never came leaves this rank's `what` as it is, logged as possibly different."""
+    every rank rank 0's `what` and returns the ranks whose bytes differed (logged as `verb` other bytes)."""
     try:
         group = agree_step(step_key(kind), {"stage": stage, **fields})
     except PeerLostError as e:

@@ -30,10 +30,9 @@ def detail_key(field: str) -> str:
 
 
 def compare_fields(everyone: list[dict[str, str]], tag: str, what: str) -> None:
-    """Raise RankMismatchError naming every field whose value differs between ranks (ranks in list order). A differing
-    field that comes with details (`detail_key(field)`, e.g. the prompt's nodes and inputs) is explained by
-    the labels whose values differ: "node 5 (KSampler) input 'seed' (rank 0: 1, rank 1: 2)". Ranks started with
-    different splits are told so first, without the plans that follow from them."""
+    """Raise RankMismatchError naming every field that differs between ranks (in list order); a field with details
+    (`detail_key(field)`, e.g. the prompt's nodes and inputs) is explained by the labels that differ: "node 5
+    (KSampler) input 'seed' (rank 0: 1, rank 1: 2)". Different splits are told first, without the plans they make."""
     splits = [f.get("split", "even") for f in everyone]
     if len(set(splits)) > 1:
         raise RankMismatchError(

@@ -56,8 +56,7 @@ def slice_like_weight(t: torch.Tensor, ts: TensorShard, tp_rank: int, key: str) 
 def state_dict_digest(sd: dict[str, torch.Tensor]) -> str:
     """A content hash of a LoRA state dict (names, dtypes, shapes and bytes): the LoRA's identity across ranks."""
     h = hashlib.sha256()
-    for name in sorted(sd):
-        t = sd[name]
+    for name, t in sorted(sd.items()):
         h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
         h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]

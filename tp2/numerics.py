@@ -64,14 +64,10 @@ class NumericsReport:
     def failing(self) -> list[str]:
         return [p for p, db in self.parts_db.items() if not db >= MIN_DB]  # NaN fails
 
-    @property
-    def passed(self) -> bool:
-        return not self.failing
-
     def summary(self) -> str:
         parts = ", ".join(f"{p} {db:.1f} dB" for p, db in self.parts_db.items())
         kernels = ", ".join(f"{p} {n}" for p, n in self.names.items())
-        return f"{'passed' if self.passed else 'FAILED'} on {self.device} ({parts}; threshold {MIN_DB:.0f} dB; {kernels}; {self.seconds:.2f} s)"
+        return f"{'FAILED' if self.failing else 'passed'} on {self.device} ({parts}; threshold {MIN_DB:.0f} dB; {kernels}; {self.seconds:.2f} s)"
 
 
 def sqnr_db(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -101,7 +97,7 @@ def check_block(path: BlockPath, device: torch.device, tp_size: int, device_name
     nw = w["norm"][1, :HEAD_DIM]
     with torch.no_grad():
         ref.qk_norm_rope(*qk_ref, table, nw, nw, EPS)
-        ours.qk_norm_rope(*qk_ours, table, nw.to(path.dtype), nw.to(path.dtype), EPS)
+        ours.qk_norm_rope(*qk_ours, ours.table, nw.to(path.dtype), nw.to(path.dtype), EPS)
         qh, kh = (t.transpose(0, 1).unsqueeze(0) for t in qk_ref)
         scale1, shift = 1 + mods[0], mods[1]
         parts = {
@@ -122,7 +118,7 @@ def check_block(path: BlockPath, device: torch.device, tp_size: int, device_name
 def _updates(x, mods, ops) -> torch.Tensor:
     """What the block (one modulation segment) adds to the stream, attention branch then MLP branch. The updates,
     not the stream: x itself (and its rounding in the activation dtype) would hide the block's error."""
-    out = block(x, [m.unsqueeze(0) for m in mods], [(0, len(x), 0)], ops)
+    out = block(x, [m.unsqueeze(0) for m in mods], [(0, len(x), 0)], ops, {})
     return torch.cat([out["attn_update"], out["mlp_update"]])
 
 
@@ -150,22 +146,18 @@ def _columns(name: str, rank: int, units: Shares) -> slice:
     return slice(sum(units[:rank]) * per_unit, sum(units[: rank + 1]) * per_unit)
 
 
-def _rank_rows(name: str, rank: int, units: Shares) -> list[slice]:
-    """Rows of a column-parallel weight that rank `rank` holds (per packed part)."""
-    parts, mine = {"qkv": 3, "fc1": 2}[name], _columns(name, rank, units)
-    width = sum(units) * (LOCAL_HEADS * HEAD_DIM if name == "qkv" else LOCAL_FFN)
-    return [slice(p * width + mine.start, p * width + mine.stop) for p in range(parts)]
+def _rank_rows(t: torch.Tensor, name: str, rank: int, units: Shares) -> torch.Tensor:
+    """The rows of column-parallel weight (or scale) `t` that rank `rank` holds: its slice of each packed part."""
+    return torch.cat([part[_columns(name, rank, units)] for part in t.chunk({"qkv": 3, "fc1": 2}[name])])
 
 
-def block(x: torch.Tensor, mods, segments, ops, seen: dict | None = None) -> dict[str, torch.Tensor]:
+def block(x: torch.Tensor, mods, segments, ops, seen: dict) -> dict[str, torch.Tensor]:
     """The reference H3 DiT block on the stream `x` [S, hidden], shared by this check and the dist tests.
 
     mods: shift, scale, gate of the attention branch, then of the MLP branch, each [rows, hidden]; segments: (start,
-    end, row) for each modality's tokens. `ops` is the block's calls as one process makes them: norm(x, which,
-    scale1, shift), column(name, h, rank), row(name, a, rank, input_act), qk(q, k) in place, attention(q, k, v,
-    heads), reduce(parts) and head_dim, over ops.ranks (one rank's share each, summed as the all-reduce sums; a
-    real TP rank has one, whose row-parallel layers all-reduce themselves). Returns each branch's output and update
-    and the stream after; `seen` also gets the last rank's qkv, att and fc1."""
+    end, row) for each modality's tokens. `ops` makes the calls _ReferenceOps makes, over ops.ranks (one rank's share
+    each, summed as the all-reduce sums; a real TP rank has one, whose row-parallel layers all-reduce themselves).
+    Returns each branch's output and update and the stream after; `seen` gets the last rank's qkv, att and fc1."""
     shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = (m.to(x.dtype) for m in mods)
     h = _modulated(ops, x, 0, scale_a, shift_a, segments)
     attn = []
@@ -175,8 +167,7 @@ def block(x: torch.Tensor, mods, segments, ops, seen: dict | None = None) -> dic
         ops.qk(q, k)
         att = ops.attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), q.shape[1]).reshape(len(x), -1)
         attn.append(ops.row("out", att, r))
-        if seen is not None:
-            seen.update(qkv=qkv, att=att)
+        seen.update(qkv=qkv, att=att)
     attn_out = ops.reduce(attn)
     attn_update = _rows(gate_a, segments) * attn_out.to(x.dtype)
     x = x + attn_update
@@ -185,8 +176,7 @@ def block(x: torch.Tensor, mods, segments, ops, seen: dict | None = None) -> dic
     for r in ops.ranks:
         fc1 = ops.column("fc1", h, r)
         mlp.append(ops.row("fc2", fc1, r, "swiglu"))
-        if seen is not None:
-            seen.update(fc1=fc1)
+        seen.update(fc1=fc1)
     mlp_out = ops.reduce(mlp)
     mlp_update = _rows(gate_m, segments) * mlp_out.to(x.dtype)
     return {"attn_out": attn_out, "attn_update": attn_update, "mlp_out": mlp_out, "mlp_update": mlp_update, "out": x + mlp_update}
@@ -201,8 +191,9 @@ def _modulated(ops, x, which, scale, shift, segments) -> torch.Tensor:
     return torch.cat([ops.norm(x[a:b], which, 1 + scale[r], shift[r]) for a, b, r in segments])
 
 
-class _SimulatedRanks:
-    """Every rank of the TP set in this one process, on the check's own weights (w) and rope table."""
+class _ReferenceOps:
+    """Every rank of the TP set in this one process, on the check's own weights (w) and rope table: fp32 math on the
+    unquantised weights, plain torch ops."""
 
     head_dim = HEAD_DIM
 
@@ -220,18 +211,12 @@ class _SimulatedRanks:
     def reduce(parts: list[torch.Tensor]) -> torch.Tensor:
         return sum(parts[1:], parts[0])
 
-
-def _norm_modulate(x, w, eps, scale1, shift):
-    return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
-
-
-class _ReferenceOps(_SimulatedRanks):
-    """fp32 math on the unquantised weights, plain torch ops."""
-
-    norm_modulate = staticmethod(_norm_modulate)
+    @staticmethod
+    def norm_modulate(x, w, eps, scale1, shift):
+        return F.rms_norm(x, (x.shape[-1],), w, eps) * scale1 + shift
 
     def column(self, name, h, rank):
-        return F.linear(h, torch.cat([self.w[name][r] for r in _rank_rows(name, rank, self.units)]))
+        return F.linear(h, _rank_rows(self.w[name], name, rank, self.units))
 
     def row(self, name, a, rank, input_act=None):
         return F.linear(apply_input_act(a, input_act), self.w[name][:, _columns(name, rank, self.units)])
@@ -250,18 +235,18 @@ class _ReferenceOps(_SimulatedRanks):
         return att.transpose(1, 2).reshape(1, q.shape[2], heads * q.shape[-1])
 
 
-class _PathOps(_SimulatedRanks):
+class _PathOps(_ReferenceOps):
     """The rank's path: int8 slices through `path.gemm`, its rope, attention and norm kernels."""
 
     def __init__(self, path: BlockPath, w: dict[str, torch.Tensor], table: torch.Tensor, units: Shares):
-        super().__init__(w, table, units)
+        super().__init__(w, table.to(path.dtype), units)
         self.p, self.q8 = path, {n: path.quantize_weight(t, 256) for n, t in w.items() if n != "norm"}
-        self.norm_modulate, self.attention = path.norm_modulate or _norm_modulate, path.attention
+        self.qk_norm_rope, self.attention = path.qk_norm_rope, path.attention
+        self.norm_modulate = path.norm_modulate or _ReferenceOps.norm_modulate
 
     def column(self, name, h, rank):
-        q, s = self.q8[name]
-        rows = _rank_rows(name, rank, self.units)
-        return self.p.gemm(h, torch.cat([q[r] for r in rows]), torch.cat([s[r] for r in rows]), None, h.dtype, 256, None)
+        q, s = (_rank_rows(t, name, rank, self.units) for t in self.q8[name])
+        return self.p.gemm(h, q, s, None, h.dtype, 256, None)
 
     def row(self, name, a, rank, input_act=None):
         """This rank's K slice of an int8 row-parallel weight (per-row scales kept; the K slices are whole ConvRot
@@ -269,6 +254,3 @@ class _PathOps(_SimulatedRanks):
         q, s = self.q8[name]
         weight = Int8Weight(q[:, _columns(name, rank, self.units)].contiguous(), s, 256)
         return local_linear(a, weight, None, self.p.reduce_dtype, self.p.gemm, input_act)
-
-    def qk_norm_rope(self, q, k, table, qw, kw, eps):
-        self.p.qk_norm_rope(q, k, table.to(q.dtype), qw, kw, eps)

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # a cache file's header records what it was cut from and for whom, and a digest per tensor (tp2.checkpoint's TP_METADATA_PREFIX)
 META_RANK, META_SIZE, META_PLAN, META_SOURCE = "tp2.tp_rank", "tp2.tp_size", "tp2.plan", "tp2.source"
 META_VERSION, META_DIGESTS = "tp2.version", "tp2.tensor_digests"  # {tensor: 64-bit BLAKE2b of its bytes}
+VERIFIED_RECORD = "verified_rank_files.json"  # in TP2_CACHE_DIR: the cache files checked whole
 SPARE_BYTES = 2 << 30  # a cache file is written only if the disk keeps this much free after it
 # Tensors start at multiples of ALIGN bytes in a cache file, as in memory: a CPU BLAS may round a product by where its
 # operands start, so mapped slices compute what read ones do.
@@ -59,8 +60,7 @@ def _cache_entry(cache_dir: str, source: str, plan: Plan | TEPlan, tp_rank: int)
 
 
 def _remove_stale(out: str) -> None:
-    """Delete this rank's cache files of an earlier version of the same checkpoint name (same rank and tp_size,
-    another fingerprint or plan), and any `.partial` of them or of `out` (a cut that was stopped)."""
+    """Delete this rank's cache files cut from an earlier version of the same checkpoint, and stopped cuts (`.partial`)."""
     folder, name = os.path.split(out)
     m = re.fullmatch(r"(?P<stem>.+)\.[0-9a-f]{12}\.[0-9a-f]{12}(?P<tail>\.tp\d+-rank\d+\.safetensors)", name)
     same = re.compile(re.escape(m["stem"]) + r"\.[0-9a-f]{12}\.[0-9a-f]{12}" + re.escape(m["tail"]) + r"(\.partial)?")
@@ -71,10 +71,6 @@ def _remove_stale(out: str) -> None:
             log.info("rank cache: removed %s (%s)", other, why)
 
 
-def _verified_record() -> str:
-    return os.path.join(settings.cache_dir(), "verified_rank_files.json")
-
-
 def _file_key(path: str, digests: str) -> str:
     st = os.stat(path)
     return json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, hashlib.sha256(digests.encode()).hexdigest()[:16]])
@@ -83,7 +79,7 @@ def _file_key(path: str, digests: str) -> str:
 def verified_before(path: str, digests: str) -> bool:
     """Whether this file, at this size and mtime and with these digests, was checked whole before."""
     try:
-        with open(_verified_record()) as f:
+        with open(os.path.join(settings.cache_dir(), VERIFIED_RECORD)) as f:
             return _file_key(path, digests) in json.load(f)
     except (OSError, ValueError):
         return False
@@ -92,7 +88,7 @@ def verified_before(path: str, digests: str) -> bool:
 def remember_verified(path: str, digests: str) -> None:
     """Record that `path` was checked whole. The ranks of one machine share the record: the read, update and
     replace run under an exclusive lock on `<record>.lock`, so two ranks recording at once both stay recorded."""
-    cache = _verified_record()
+    cache = os.path.join(settings.cache_dir(), VERIFIED_RECORD)
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         with open(cache + ".lock", "a") as lock:
@@ -193,8 +189,7 @@ def _rank_tensors(
             try:
                 return load_cache_file(path, tensors, identity, read_all, tp_rank), f"rank cache {os.path.basename(path)}"
             except (ShardMismatchError, CheckpointFormatError, OSError) as e:  # as a digest mismatch: never the checkpoint's fault
-                again = attempt == 1 and cut
-                then = "cutting it again" if again else "reading from the checkpoint"
+                then = "cutting it again" if attempt == 1 and cut else "reading from the checkpoint"
                 log.warning("rank cache file %s cannot be used (%s): deleting it and %s", path, e, then)
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)

@@ -124,16 +124,13 @@ def _parsed_header(path: str, _inode: int, size: int, _mtime_ns: int) -> Safeten
     return SafetensorsHeader(path, tensors, metadata, header_bytes, size)
 
 
-class TensorReader:
+class TensorReader(contextlib.AbstractContextManager):
     """Reads whole tensors, row ranges or column ranges with `pread`. Use as a context manager."""
 
     def __init__(self, path: str):
         self.header = read_header(path)
         self._fd = os.open(path, os.O_RDONLY)
         self._local = threading.local()  # each thread's read_cols buffer (pread is safe from several threads)
-
-    def __enter__(self) -> TensorReader:
-        return self
 
     def __exit__(self, *exc) -> None:
         os.close(self._fd)
@@ -217,20 +214,16 @@ def write_streaming(
 ) -> None:
     """Write a safetensors file one tensor at a time, through `path + ".partial"` renamed at the end. `digests_key`:
     the metadata key for every tensor's `tensor_digest` (placeholders of the same length, rewritten once the data is
-    out). `workers` > 1: the next tensors are produced and hashed on that many threads (`produce` must allow any thread
-    and order). The data starts at a multiple of `align` bytes."""
+    out). `workers` > 1: tensors produced and hashed on that many threads (`produce` must allow any thread and order)."""
     digests = {t.name: "0" * DIGEST_CHARS for t in tensors}
     blob = _header_blob(tensors, metadata, digests_key, digests, align)
     tmp = path + ".partial"
-    produced = functools.partial(_produced, hashed=digests_key is not None)
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
-            for i, (data, digest) in enumerate(ordered_map(produced, tensors, workers)):
-                t = tensors[i]
-                if digest is not None:
-                    digests[t.name] = digest
+            for i, (data, digest) in enumerate(ordered_map(_produced, tensors, workers)):
+                digests[tensors[i].name] = digest
                 f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # no copy
                 del data
                 if progress is not None:
@@ -245,7 +238,7 @@ def write_streaming(
     os.replace(tmp, path)
 
 
-def _produced(t: PendingTensor, hashed: bool) -> tuple[torch.Tensor, str | None]:
+def _produced(t: PendingTensor) -> tuple[torch.Tensor, str]:
     data = t.produce()
     if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
         raise ValueError(
@@ -253,12 +246,11 @@ def _produced(t: PendingTensor, hashed: bool) -> tuple[torch.Tensor, str | None]
             f"{data.dtype} {list(data.shape)}: the writer's plan and its data disagree."
         )
     data = data.contiguous()
-    return data, tensor_digest(data) if hashed else None
+    return data, tensor_digest(data)
 
 
 def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None, digests: dict[str, str], align: int) -> bytes:
-    """The JSON header for `tensors` in order (with the digests under `digests_key`), padded so that the data starts
-    at a multiple of `align` bytes (a multiple of 8)."""
+    """The JSON header, space-padded so that the data starts at a multiple of `align` bytes (a multiple of 8)."""
     header: dict[str, object] = {}
     md = {str(k): str(v) for k, v in (metadata or {}).items()}
     if digests_key is not None:

@@ -6,12 +6,11 @@ Imports nothing from `comfy`.
 from __future__ import annotations
 
 import hashlib
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from .collectives import TPGroup, all_gather_object, broadcast_object, broadcast_tree
+from .safetensors_io import ordered_map
 
 DIGEST_PIECE_BYTES = 64 << 20
 
@@ -21,9 +20,8 @@ def bytes_digest(t: torch.Tensor) -> str:
     (hashlib lets go of the GIL); no copy when the tensor's memory is dense in some dim order."""
     data = memoryview(_dense(t.detach())[0].cpu().reshape(-1).view(torch.uint8).numpy())
     pieces = [data[i : i + DIGEST_PIECE_BYTES] for i in range(0, len(data), DIGEST_PIECE_BYTES)]
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        parts = pool.map(lambda piece: hashlib.sha256(piece).digest(), pieces)
-        return hashlib.sha256(b"".join(parts)).hexdigest()
+    parts = ordered_map(lambda piece: hashlib.sha256(piece).digest(), pieces)
+    return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
 def _dense(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -62,7 +62,7 @@ def test_every_int8_path_here_passes_in_well_under_a_second(pack, monkeypatch, t
     report = pack.check.check_int8_path(dtype)
     secs = time.perf_counter() - t0
     print(f"\ntp{tp_size} {dtype} {kernel}/{attention}/fused={fused}: {report.summary()} [{secs:.3f} s warm]")
-    assert report.passed and secs < 1.0, report.summary()
+    assert not report.failing and secs < 1.0, report.summary()
     t0 = time.perf_counter()
     pack.check.check_int8_path(dtype)  # recalled, not rerun
     assert time.perf_counter() - t0 < 0.01
