@@ -222,8 +222,9 @@ def write_streaming(
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(blob)))
             f.write(blob)
-            for i, (data, digest) in enumerate(ordered_map(_produced, tensors, workers)):
-                digests[tensors[i].name] = digest
+            for i, (data, digest) in enumerate(ordered_map(functools.partial(_produced, hashed=digests_key is not None), tensors, workers)):
+                if digest is not None:
+                    digests[tensors[i].name] = digest
                 f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))  # no copy
                 del data
                 if progress is not None:
@@ -238,7 +239,7 @@ def write_streaming(
     os.replace(tmp, path)
 
 
-def _produced(t: PendingTensor) -> tuple[torch.Tensor, str]:
+def _produced(t: PendingTensor, hashed: bool) -> tuple[torch.Tensor, str | None]:
     data = t.produce()
     if tuple(data.shape) != tuple(t.shape) or data.dtype != t.dtype:
         raise ValueError(
@@ -246,7 +247,7 @@ def _produced(t: PendingTensor) -> tuple[torch.Tensor, str]:
             f"{data.dtype} {list(data.shape)}: the writer's plan and its data disagree."
         )
     data = data.contiguous()
-    return data, tensor_digest(data)
+    return data, tensor_digest(data) if hashed else None  # a file without digests (the generators' 20 GB) is not hashed
 
 
 def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None, digests: dict[str, str], align: int) -> bytes:
