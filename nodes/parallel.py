@@ -20,9 +20,9 @@ from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
 from ..kernels.int8_split import SplitInt8Linear, split_int8_linear
 from ..tp2.errors import MissingRoleError, PlanError
-from ..tp2.layers import ALL_REDUCE, ROLE_ATTR, Int8Weight, LinearWeight, Reduction, require_role, row_parallel
+from ..tp2.layers import ALL_REDUCE, ROLE_ATTR, Int8Weight, Reduction, require_role, row_parallel
 from ..tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
-from .patches import PATCHES, ModelChanges, changes_of
+from .patches import PATCHES, changes_of
 from .state import STATE
 
 ROLE_OF_STYLE = {COLWISE: "colwise", COLWISE_PACKED: "colwise", ROWWISE: "rowwise", ROWWISE_SPLIT_INPUT: "rowwise", REPLICATE: "replicate"}
@@ -83,7 +83,8 @@ def full_precision_rowwise_call(linear: torch.nn.Module, x: torch.Tensor) -> tor
 @contextlib.contextmanager
 def held_weight(linear: torch.nn.Module, like, dtype: torch.dtype | None = None, want_requant: bool = True):
     """ComfyUI's cast of `linear`'s weight and bias for inputs like `like` (a tensor, or Int8Rows: the
-    weight-only-quant cast), held until the block ends, then uncast: yields (the core's LinearWeight, bias)."""
+    weight-only-quant cast), held until the block ends, then uncast: yields (the core's LinearWeight: int8 plain
+    tensors or a float tensor, bias)."""
     if isinstance(like, Int8Rows):
         cast = comfy.ops.cast_bias_weight(
             linear, None, dtype=linear.weight.dtype, device=like.qdata.device, bias_dtype=like.dtype,
@@ -93,17 +94,13 @@ def held_weight(linear: torch.nn.Module, like, dtype: torch.dtype | None = None,
         cast = comfy.ops.cast_bias_weight(linear, like, dtype, offloadable=True, compute_dtype=like.dtype, want_requant=want_requant)
     weight, bias, offload_stream = cast
     try:
-        yield _local_weight(weight), bias
+        if isinstance(weight, QuantizedTensor) and weight._layout_cls == "TensorWiseINT8Layout":
+            qdata, scale = TensorWiseINT8Layout.get_plain_tensors(weight)
+            yield Int8Weight(qdata, scale, weight._params.convrot_groupsize if getattr(weight._params, "convrot", False) else None), bias
+        else:
+            yield (weight.dequantize() if isinstance(weight, QuantizedTensor) else weight), bias
     finally:
         comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
-
-
-def _local_weight(weight) -> LinearWeight:
-    """ComfyUI's cast weight as the TP core's weight: int8 plain tensors, or a float tensor."""
-    if isinstance(weight, QuantizedTensor) and weight._layout_cls == "TensorWiseINT8Layout":
-        qdata, scale = TensorWiseINT8Layout.get_plain_tensors(weight)
-        return Int8Weight(qdata, scale, weight._params.convrot_groupsize if getattr(weight._params, "convrot", False) else None)
-    return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
 
 
 @dataclass(frozen=True)
@@ -149,12 +146,8 @@ def int8_rows_call(linear: torch.nn.Module, rows: Int8Rows, held=None) -> torch.
         return rows.split.gemm(rows.qdata, rows.scale, local.qdata, local.scale, bias, rows.dtype)
 
 
-def accept_int8_rows(changes: ModelChanges, name: str, linear: torch.nn.Module) -> None:
-    """Let `linear` (a column-parallel ComfyUI linear) take Int8Rows as well as tensors; tensors go to its own forward."""
-    changes.replace(f"{name}.forward", linear, "forward", lambda own: functools.partial(_int8_rows_or_own, linear, own))
-
-
-def _int8_rows_or_own(linear, own, x, *args, **kwargs):
+def int8_rows_or_own(linear, own, x, *args, **kwargs):
+    """The forward of a column-parallel ComfyUI linear that takes Int8Rows as well as tensors (tensors go to `own`)."""
     return int8_rows_call(linear, x) if isinstance(x, Int8Rows) else own(x, *args, **kwargs)
 
 

@@ -26,7 +26,7 @@ from ..tp2.errors import PlanError
 from ..tp2.layers import PARTIAL
 from ..tp2.sequence_layout import RowLayout, chunk_bounds
 from .h3_attention import attention_forward
-from .parallel import Int8Rows, accept_int8_rows, held_weight, int8_input_split, int8_rows_call, rowwise_call, tp_group
+from .parallel import Int8Rows, held_weight, int8_input_split, int8_rows_call, int8_rows_or_own, rowwise_call, tp_group
 from .patches import changes_of
 from .sp_norms import fused_norm_ok, gated_norm
 from .state import STATE, log
@@ -215,7 +215,8 @@ def install(diffusion_model: torch.nn.Module) -> bool:
     blocks, changes = list(diffusion_model.blocks), changes_of(diffusion_model)
     for i, block in enumerate(blocks):
         block.tp2_sp_first, block.tp2_sp_last = i == 0, i == len(blocks) - 1
-        accept_int8_rows(changes, f"blocks.{i}.attn.qkv_proj", block.attn.qkv_proj)
-        accept_int8_rows(changes, f"blocks.{i}.mlp.fc1", block.mlp.fc1)
+        for name in ("attn.qkv_proj", "mlp.fc1"):  # the linears the gathers feed: they take Int8Rows too
+            lin = block.get_submodule(name)
+            changes.replace(f"blocks.{i}.{name}.forward", lin, "forward", lambda own, m=lin: functools.partial(int8_rows_or_own, m, own))
         changes.replace(f"blocks.{i}.forward", block, "forward", lambda own, b=block: functools.partial(_block_forward, h3, b))
     return True

@@ -35,9 +35,7 @@ def gated_norm(h3, fused: bool, x, norm, shift, scale, segments, gate=None, y=No
     scale1, shift = 1.0 + scale.to(x.dtype), shift.to(x.dtype)  # every modulation row at once, as ComfyUI makes each
     gate = gate.to(x.dtype) if gate is not None else None
     for a, b, row in segments:
-        if gate is None:
-            norm_modulate.norm_modulate(x[a:b], w, eps, scale1[row], shift[row], h[a:b])
-        else:
-            norm_modulate.norm_modulate(x[a:b], w, eps, scale1[row], shift[row], h[a:b], gate[row], y[a:b])
+        residual = () if gate is None else (gate[row], y[a:b])
+        norm_modulate.norm_modulate(x[a:b], w, eps, scale1[row], shift[row], h[a:b], *residual)
     h[segments[-1][1] if segments else 0 :].zero_()
     return x, h
