@@ -45,12 +45,11 @@ def _time_once(fn: Callable, q, k, v, heads: int, repeats: int = 3) -> float:
 def select_attention(
     candidates: dict[str, tuple[Callable | None, str]],
     device: torch.device,
-    name: str | None = None,
+    name: str = "auto",
     dtype: torch.dtype = torch.bfloat16,
 ) -> str:
     """Pick a backend name from `candidates` ({name: (fn(q, k, v, heads) or None, why unavailable)}), timed in
     `dtype` (the model's compute dtype); logs the choice once per device and dtype."""
-    name = name or "auto"
     key = (name, str(device), str(dtype))
     if key in _chosen:
         return _chosen[key]

@@ -82,9 +82,8 @@ def full_precision_rowwise_call(linear: torch.nn.Module, x: torch.Tensor) -> tor
 
 @contextlib.contextmanager
 def held_weight(linear: torch.nn.Module, like, dtype: torch.dtype | None = None, want_requant: bool = True):
-    """ComfyUI's cast of `linear`'s weight and bias for inputs like `like` (a tensor, or Int8Rows: the
-    weight-only-quant cast), held until the block ends, then uncast: yields (the core's LinearWeight: int8 plain
-    tensors or a float tensor, bias)."""
+    """ComfyUI's cast of `linear`'s weight and bias for inputs like `like` (a tensor, or Int8Rows: the weight-only-quant
+    cast), held until the block ends: yields (the core's LinearWeight, int8 plain tensors or float, bias)."""
     if isinstance(like, Int8Rows):
         cast = comfy.ops.cast_bias_weight(
             linear, None, dtype=linear.weight.dtype, device=like.qdata.device, bias_dtype=like.dtype,
@@ -166,11 +165,11 @@ def _hooked_linear_input_act(original):
     return linear_input_act
 
 
-def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
+def tag_and_verify(dm: torch.nn.Module, plan: Plan) -> None:
     """Give every linear of the built model its plan role, replace row-parallel forwards, and check the build:
     PlanError when a width differs from the plan's, a linear is not in the plan, or int8 was dropped."""
-    changes = changes_of(diffusion_model)
-    for name, module, style in planned_linears(diffusion_model, plan.linears, "model"):
+    changes = changes_of(dm)
+    for name, module, style in planned_linears(dm, plan.linears, "model"):
         if ROLE_OF_STYLE[style] == "rowwise" and plan.tp_size > 1:
             changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(rowwise_call, m))
             if style == ROWWISE_SPLIT_INPUT:
@@ -181,10 +180,6 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
                 f"'{name}' is int8 in the checkpoint but ComfyUI loaded it as {type(module.weight).__name__}: the int8 path was "
                 "dropped (another node pack passing custom_operations?). Disable that pack for H3 or report it."
             )
-    _verify_widths(diffusion_model, plan)
-
-
-def _verify_widths(dm: torch.nn.Module, plan: Plan) -> None:
     counts = {"blocks": len(dm.blocks), "refiner blocks": len(dm.token_refiner.blocks)}
     why = "The checkpoint and the built model disagree; report this with the file name."
     refuse_widths("the model", counts, {"blocks": plan.num_layers, "refiner blocks": plan.refiner_layers}, why)

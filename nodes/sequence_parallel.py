@@ -78,8 +78,7 @@ def gather(sp, local: torch.Tensor, linear=None):
 
 
 def _split(sp: SequenceParallelForward, x: torch.Tensor, mod_segments, block) -> torch.Tensor:
-    """Record this evaluation's layout, local segments and whether int8 gathers are on; return this rank's rows of the
-    full stream `x` (zero rows where padded)."""
+    """Record this evaluation's layout, local segments and int8 vote in `sp`; this rank's rows of `x` (zero-padded)."""
     global _logged
     layout = RowLayout.plan(x.shape[0], STATE.env.tp_size, STATE.env.tp_rank)
     sp.layout, sp.segments = layout, layout.local_segments(mod_segments)

@@ -65,9 +65,8 @@ def _hooked_decode_temporal(original):
 
 
 def _decode_units(vae, z, pad_tokens: int, num_chunks: int):
-    """Every chunk's tile inputs in the order ComfyUI's decode asks for them, as views: `z` padded with its last token
-    `pad_tokens` times, chunk i its tokens [i * size, i * size + size + overlap), each chunk's tiles row by row as
-    `tiled_decode` takes them from ComfyUI's own `split_tiles` (pixels, `vae_ratio` per latent cell); untiled, the chunks."""
+    """Every chunk's tile inputs in the order ComfyUI's decode asks for them: `z` padded with its last token, chunk i its
+    tokens [i * size, i * size + size + overlap), its tiles row by row from ComfyUI's `split_tiles`; untiled, the chunks."""
     if pad_tokens > 0:
         z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad_tokens, 1, 1)], dim=2)
     size, ratio = vae.tokens_chunk_size, vae.vae_ratio
