@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from .int8_gemm import KernelUnavailableError
+
 log = logging.getLogger(__name__)
 
 ENV_ATTN_BACKEND = "TP2_ATTN_BACKEND"  # auto | ck | sdpa, checked by tp2.settings
@@ -26,10 +28,6 @@ def sdpa_materialises_scores(capability: tuple[int, int] | None, dtype: torch.dt
     """Whether torch's SDPA takes its math path (the full score matrix) on a GPU of this compute capability: flash
     and memory-efficient attention take bf16 only from 8.0; fp32 and fp16 have the memory-efficient kernel."""
     return capability is not None and dtype == torch.bfloat16 and tuple(capability) < (8, 0)
-
-
-class AttentionUnavailableError(RuntimeError):
-    """The requested attention backend cannot run on this device."""
 
 
 def _time_once(fn: Callable, q, k, v, heads: int, repeats: int = 3) -> float:
@@ -47,12 +45,11 @@ def _time_once(fn: Callable, q, k, v, heads: int, repeats: int = 3) -> float:
 def select_attention(
     candidates: dict[str, tuple[Callable | None, str]],
     device: torch.device,
-    name: str | None = None,
+    name: str = "auto",
     dtype: torch.dtype = torch.bfloat16,
 ) -> str:
     """Pick a backend name from `candidates` ({name: (fn(q, k, v, heads) or None, why unavailable)}), timed in
     `dtype` (the model's compute dtype); logs the choice once per device and dtype."""
-    name = name or "auto"
     key = (name, str(device), str(dtype))
     if key in _chosen:
         return _chosen[key]
@@ -64,7 +61,7 @@ def select_attention(
     if name != "auto":
         if name not in usable:
             why = candidates.get(name, (None, "unknown backend"))[1]
-            raise AttentionUnavailableError(f"{ENV_ATTN_BACKEND}={name} cannot run on {device}: {why}. Unset it (auto) or choose sdpa.")
+            raise KernelUnavailableError(f"{ENV_ATTN_BACKEND}={name} cannot run on {device}: {why}. Unset it (auto) or choose sdpa.")
         choice, detail = name, "forced"
     elif len(usable) == 1 or device.type != "cuda":
         choice = "sdpa" if "sdpa" in usable else next(iter(usable))

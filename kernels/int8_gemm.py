@@ -23,7 +23,7 @@ _selected: dict[str, Int8Gemm] = {}
 
 
 class KernelUnavailableError(RuntimeError):
-    """The requested GEMM kernel cannot run on this device."""
+    """The requested kernel (the int8 GEMM's or attention's) cannot run on this device."""
 
 
 def _unavailable(name: str, why: str) -> KernelUnavailableError:

@@ -16,17 +16,12 @@ from __future__ import annotations
 import torch
 
 from . import triton_probe
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs, Windows without triton: callers use ComfyUI's own ops
-    triton = None
+from .triton_probe import tl, triton
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """CUDA with Triton where both variants really run for `dtype` (probed once; see kernels/triton_probe.py)."""
-    return triton is not None and triton_probe.runs("norm_modulate", device, dtype, _probe)
+    """Whether both variants really run here for `dtype` (probed once; see kernels/triton_probe.py)."""
+    return triton_probe.runs("norm_modulate", device, dtype, _probe)
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> None:

@@ -18,12 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import triton_probe
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs, Windows without triton: callers use comfy-kitchen's kernel
-    triton = None
+from .triton_probe import tl, triton
 
 TOKENS_PER_PROGRAM = 16
 
@@ -31,8 +26,6 @@ TOKENS_PER_PROGRAM = 16
 def available(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor) -> bool:
     """Whether this kernel can take the call: CUDA where it really runs for this dtype (probed once; Triton's
     interpreter on CPU), floating q/k views [S, H, D] with contiguous heads, a [1, S, 1, P, 2, 2] table, 2P <= D."""
-    if triton is None:
-        return False
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or k.dtype != q.dtype or q.shape != k.shape or q.dim() != 3:
         return False
     if q.stride(-1) != 1 or k.stride(-1) != 1 or q.stride(1) != q.shape[2] or k.stride(1) != k.shape[2]:

@@ -13,14 +13,20 @@ from collections.abc import Callable
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl  # noqa: F401 - the kernel modules take both from here
+except ImportError:  # CPU-only installs, Windows without triton: the kernels' callers keep their own ops
+    triton = tl = None
+
 log = logging.getLogger(__name__)
 _results: dict[tuple[str, str, torch.dtype], bool] = {}
 
 
 def runs(name: str, device: torch.device, dtype: torch.dtype, call: Callable[[torch.device, torch.dtype], None]) -> bool:
-    """True once `call(device, dtype)` has run without an error on this device and dtype (cached). Only CUDA
-    devices qualify, or CPU under Triton's interpreter (TRITON_INTERPRET=1), which the CPU tests use."""
-    if not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    """True once `call(device, dtype)` has run without an error on this device and dtype (cached). Only with Triton
+    installed, on CUDA devices or on CPU under Triton's interpreter (TRITON_INTERPRET=1), which the CPU tests use."""
+    if triton is None or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     key = (name, str(device), dtype)
     if key not in _results:

@@ -108,8 +108,6 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
 def _step_of(transformer_options) -> tuple[int | None, int | None]:
     """(1-based step, steps) of the model evaluation with these options, from the sampler's sigmas; (None, None)
     when unknown. Compares tensors (a device sync on GPUs): for failure messages, not for every step."""
-    if not transformer_options:
-        return None, None
     try:
         schedule, sigma = transformer_options["sample_sigmas"], transformer_options["sigmas"]
         hits = (schedule == sigma.reshape(-1)[0].to(schedule)).nonzero()

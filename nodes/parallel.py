@@ -20,9 +20,9 @@ from comfy_kitchen.tensor import QuantizedTensor, TensorWiseINT8Layout
 
 from ..kernels.int8_split import SplitInt8Linear, split_int8_linear
 from ..tp2.errors import MissingRoleError, PlanError
-from ..tp2.layers import ALL_REDUCE, ROLE_ATTR, Int8Weight, LinearWeight, Reduction, require_role, row_parallel
+from ..tp2.layers import ALL_REDUCE, ROLE_ATTR, Int8Weight, Reduction, require_role, row_parallel
 from ..tp2.plan import COLWISE, COLWISE_PACKED, REPLICATE, ROWWISE, ROWWISE_SPLIT_INPUT, Plan
-from .patches import PATCHES, ModelChanges, changes_of
+from .patches import PATCHES, changes_of
 from .state import STATE
 
 ROLE_OF_STYLE = {COLWISE: "colwise", COLWISE_PACKED: "colwise", ROWWISE: "rowwise", ROWWISE_SPLIT_INPUT: "rowwise", REPLICATE: "replicate"}
@@ -82,8 +82,8 @@ def full_precision_rowwise_call(linear: torch.nn.Module, x: torch.Tensor) -> tor
 
 @contextlib.contextmanager
 def held_weight(linear: torch.nn.Module, like, dtype: torch.dtype | None = None, want_requant: bool = True):
-    """ComfyUI's cast of `linear`'s weight and bias for inputs like `like` (a tensor, or Int8Rows: the
-    weight-only-quant cast), held until the block ends, then uncast: yields (the core's LinearWeight, bias)."""
+    """ComfyUI's cast of `linear`'s weight and bias for inputs like `like` (a tensor, or Int8Rows: the weight-only-quant
+    cast), held until the block ends: yields (the core's LinearWeight, int8 plain tensors or float, bias)."""
     if isinstance(like, Int8Rows):
         cast = comfy.ops.cast_bias_weight(
             linear, None, dtype=linear.weight.dtype, device=like.qdata.device, bias_dtype=like.dtype,
@@ -93,17 +93,13 @@ def held_weight(linear: torch.nn.Module, like, dtype: torch.dtype | None = None,
         cast = comfy.ops.cast_bias_weight(linear, like, dtype, offloadable=True, compute_dtype=like.dtype, want_requant=want_requant)
     weight, bias, offload_stream = cast
     try:
-        yield _local_weight(weight), bias
+        if isinstance(weight, QuantizedTensor) and weight._layout_cls == "TensorWiseINT8Layout":
+            qdata, scale = TensorWiseINT8Layout.get_plain_tensors(weight)
+            yield Int8Weight(qdata, scale, weight._params.convrot_groupsize if getattr(weight._params, "convrot", False) else None), bias
+        else:
+            yield (weight.dequantize() if isinstance(weight, QuantizedTensor) else weight), bias
     finally:
         comfy.ops.uncast_bias_weight(linear, weight, bias, offload_stream)
-
-
-def _local_weight(weight) -> LinearWeight:
-    """ComfyUI's cast weight as the TP core's weight: int8 plain tensors, or a float tensor."""
-    if isinstance(weight, QuantizedTensor) and weight._layout_cls == "TensorWiseINT8Layout":
-        qdata, scale = TensorWiseINT8Layout.get_plain_tensors(weight)
-        return Int8Weight(qdata, scale, weight._params.convrot_groupsize if getattr(weight._params, "convrot", False) else None)
-    return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
 
 
 @dataclass(frozen=True)
@@ -149,12 +145,8 @@ def int8_rows_call(linear: torch.nn.Module, rows: Int8Rows, held=None) -> torch.
         return rows.split.gemm(rows.qdata, rows.scale, local.qdata, local.scale, bias, rows.dtype)
 
 
-def accept_int8_rows(changes: ModelChanges, name: str, linear: torch.nn.Module) -> None:
-    """Let `linear` (a column-parallel ComfyUI linear) take Int8Rows as well as tensors; tensors go to its own forward."""
-    changes.replace(f"{name}.forward", linear, "forward", lambda own: functools.partial(_int8_rows_or_own, linear, own))
-
-
-def _int8_rows_or_own(linear, own, x, *args, **kwargs):
+def int8_rows_or_own(linear, own, x, *args, **kwargs):
+    """The forward of a column-parallel ComfyUI linear that takes Int8Rows as well as tensors (tensors go to `own`)."""
     return int8_rows_call(linear, x) if isinstance(x, Int8Rows) else own(x, *args, **kwargs)
 
 
@@ -173,11 +165,11 @@ def _hooked_linear_input_act(original):
     return linear_input_act
 
 
-def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
+def tag_and_verify(dm: torch.nn.Module, plan: Plan) -> None:
     """Give every linear of the built model its plan role, replace row-parallel forwards, and check the build:
     PlanError when a width differs from the plan's, a linear is not in the plan, or int8 was dropped."""
-    changes = changes_of(diffusion_model)
-    for name, module, style in planned_linears(diffusion_model, plan.linears, "model"):
+    changes = changes_of(dm)
+    for name, module, style in planned_linears(dm, plan.linears, "model"):
         if ROLE_OF_STYLE[style] == "rowwise" and plan.tp_size > 1:
             changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(rowwise_call, m))
             if style == ROWWISE_SPLIT_INPUT:
@@ -188,10 +180,6 @@ def tag_and_verify(diffusion_model: torch.nn.Module, plan: Plan) -> None:
                 f"'{name}' is int8 in the checkpoint but ComfyUI loaded it as {type(module.weight).__name__}: the int8 path was "
                 "dropped (another node pack passing custom_operations?). Disable that pack for H3 or report it."
             )
-    _verify_widths(diffusion_model, plan)
-
-
-def _verify_widths(dm: torch.nn.Module, plan: Plan) -> None:
     counts = {"blocks": len(dm.blocks), "refiner blocks": len(dm.token_refiner.blocks)}
     why = "The checkpoint and the built model disagree; report this with the file name."
     refuse_widths("the model", counts, {"blocks": plan.num_layers, "refiner blocks": plan.refiner_layers}, why)

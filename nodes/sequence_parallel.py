@@ -4,9 +4,10 @@
         -> norm2, modulation -> all-gather -> fc1 | fc2 partial -> reduce-scatter -> x_r += gate * mlp_r
 
 The first block takes this rank's rows, the last gathers them back; pad rows (zeros, at the end) are in no segment and
-gathers drop them. Row math is unchanged. Gathers may carry int8 rows (TP2_SP_INT8_GATHER, voted per run), norms may
-run fused (sp_norms.py; norm1 then adds the previous block's pending MLP residual). Blocks follow ComfyUI's DiTBlock.forward; `install` falls
-back to plain TP if that code changed.
+gathers drop them. Row math is unchanged. Gathers may carry int8 rows (TP2_SP_INT8_GATHER, voted per run); norms may
+run fused (TP2_SP_FUSED_NORM=1, CUDA with Triton: kernels/norm_modulate.py, one kernel per modulation segment; norm1
+then adds the previous block's pending MLP residual). Blocks follow ComfyUI's DiTBlock.forward; `install` falls back
+to plain TP if that code changed.
 """
 
 from __future__ import annotations
@@ -18,17 +19,18 @@ import inspect
 import textwrap
 from dataclasses import dataclass
 
+import comfy.model_management
 import torch
 
+from ..kernels import norm_modulate
 from ..tp2 import settings
 from ..tp2.collectives import all_reduce, start_all_gather_rows, start_reduce_scatter_rows
 from ..tp2.errors import PlanError
 from ..tp2.layers import PARTIAL
 from ..tp2.sequence_layout import RowLayout, chunk_bounds
 from .h3_attention import attention_forward
-from .parallel import Int8Rows, accept_int8_rows, held_weight, int8_input_split, int8_rows_call, rowwise_call, tp_group
+from .parallel import Int8Rows, held_weight, int8_input_split, int8_rows_call, int8_rows_or_own, rowwise_call, tp_group
 from .patches import changes_of
-from .sp_norms import fused_norm_ok, gated_norm
 from .state import STATE, log
 
 SP_FORWARD = "tp2_sequence_parallel"  # transformer_options key of the model evaluation's SequenceParallelForward
@@ -77,9 +79,38 @@ def gather(sp, local: torch.Tensor, linear=None):
     return Int8Rows(rows.result()[:full], scales[:full], local.dtype, split)
 
 
+def fused_norm_ok(block, x: torch.Tensor, segments) -> bool:
+    """Whether this block's norms can run fused here: CUDA with Triton, plain norm weights (no weight function, e.g.
+    a LoRA patch applied on the fly), and segments that tile this rank's rows from the first one on."""
+    if not (STATE.sp_fused_norm and norm_modulate.available(x.device, x.dtype)):
+        return False
+    if any(n.weight is None or n.weight_function or n.bias_function for n in (block.norm1, block.norm2)):
+        return False
+    return all(a == (segments[i - 1][1] if i else 0) for i, (a, _b, _row) in enumerate(segments))
+
+
+def gated_norm(h3, fused: bool, x, norm, shift, scale, segments, gate=None, y=None):
+    """(x, its modulated norm) after x += gate * y where given. Without `fused`: ComfyUI's ops (h3's _mod_gate and
+    _mod_scale_shift). With it: rms_norm(x) * (1 + scale) + shift per segment in one kernel each (x += gate * y in
+    place in it); rows after the last segment (the zero pad rows) get the plain norm of zero rows, as in ComfyUI's ops: zeros."""
+    if not fused:
+        if gate is not None:
+            x = h3._mod_gate(x, gate, y, segments)
+        return x, h3._mod_scale_shift(norm(x), shift, scale, segments)
+    h = torch.empty_like(x)
+    w = comfy.model_management.cast_to(norm.weight, dtype=x.dtype, device=x.device)
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    scale1, shift = 1.0 + scale.to(x.dtype), shift.to(x.dtype)  # every modulation row at once, as ComfyUI makes each
+    gate = gate.to(x.dtype) if gate is not None else None
+    for a, b, row in segments:
+        residual = () if gate is None else (gate[row], y[a:b])
+        norm_modulate.norm_modulate(x[a:b], w, eps, scale1[row], shift[row], h[a:b], *residual)
+    h[segments[-1][1] if segments else 0 :].zero_()
+    return x, h
+
+
 def _split(sp: SequenceParallelForward, x: torch.Tensor, mod_segments, block) -> torch.Tensor:
-    """Record this evaluation's layout, local segments and whether int8 gathers are on; return this rank's rows of the
-    full stream `x` (zero rows where padded)."""
+    """Record this evaluation's layout, local segments and int8 vote in `sp`; this rank's rows of `x` (zero-padded)."""
     global _logged
     layout = RowLayout.plan(x.shape[0], STATE.env.tp_size, STATE.env.tp_rank)
     sp.layout, sp.segments = layout, layout.local_segments(mod_segments)
@@ -215,7 +246,8 @@ def install(diffusion_model: torch.nn.Module) -> bool:
     blocks, changes = list(diffusion_model.blocks), changes_of(diffusion_model)
     for i, block in enumerate(blocks):
         block.tp2_sp_first, block.tp2_sp_last = i == 0, i == len(blocks) - 1
-        accept_int8_rows(changes, f"blocks.{i}.attn.qkv_proj", block.attn.qkv_proj)
-        accept_int8_rows(changes, f"blocks.{i}.mlp.fc1", block.mlp.fc1)
+        for name in ("attn.qkv_proj", "mlp.fc1"):  # the linears the gathers feed: they take Int8Rows too
+            lin = block.get_submodule(name)
+            changes.replace(f"blocks.{i}.{name}.forward", lin, "forward", lambda own, m=lin: functools.partial(int8_rows_or_own, m, own))
         changes.replace(f"blocks.{i}.forward", block, "forward", lambda own, b=block: functools.partial(_block_forward, h3, b))
     return True

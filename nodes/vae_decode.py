@@ -13,9 +13,10 @@ import functools
 import time
 
 import comfy.model_management as mm
+import torch
 
 from ..tp2 import settings
-from ..tp2.chunk_decode import RoundRobinDecoder, spatial_tiles, temporal_chunks
+from ..tp2.chunk_decode import RoundRobinDecoder
 from ..tp2.errors import PeerLostError, TP2Error
 from ..tp2.same_bytes import bytes_digest
 from .patches import PATCHES
@@ -44,8 +45,7 @@ def _hooked_decode_temporal(original):
                 "%s VAE decode: latent of %d frames is one chunk, nothing to split: decoding on this rank alone", STATE.tag, z.shape[2]
             )
             return original(vae, z, output_buffer)
-        clips = temporal_chunks(z, pad_tokens, num_chunks, vae.tokens_chunk_size, vae.token_overlap)
-        units = _decode_units(vae, clips)
+        units = _decode_units(vae, z, pad_tokens, num_chunks)
         fields = {
             "latent_shape": str(tuple(z.shape)),
             "latent": bytes_digest(z)[:12],
@@ -64,21 +64,26 @@ def _hooked_decode_temporal(original):
     return decode_temporal
 
 
-def _decode_units(vae, clips):
-    """Every chunk's tile inputs in the order ComfyUI's decode asks for them (`tiled_decode` row by row, from
-    ComfyUI's own `split_tiles`); untiled, the chunks themselves."""
+def _decode_units(vae, z, pad_tokens: int, num_chunks: int):
+    """Every chunk's tile inputs in the order ComfyUI's decode asks for them: `z` padded with its last token, chunk i its
+    tokens [i * size, i * size + size + overlap), its tiles row by row from ComfyUI's `split_tiles`; untiled, the chunks."""
+    if pad_tokens > 0:
+        z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad_tokens, 1, 1)], dim=2)
+    size, ratio = vae.tokens_chunk_size, vae.vae_ratio
+    clips = [z[:, :, i * size : i * size + size + vae.token_overlap] for i in range(num_chunks)]
     if not vae.tiling:
-        return list(clips)
-    ratio, units = vae.vae_ratio, []
+        return clips
+    units = []
     for clip in clips:
         ys, xs = (vae.split_tiles(n * ratio) for n in clip.shape[-2:])
-        units += spatial_tiles(clip, list(zip(ys[0], ys[1])), list(zip(xs[0], xs[1])), ratio)
+        for y, h in zip(ys[0], ys[1]):
+            units += [clip[..., y // ratio : y // ratio + h // ratio, x // ratio : x // ratio + w // ratio] for x, w in zip(xs[0], xs[1])]
     return units
 
 
 def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
     """ComfyUI's decode_temporal with its tile decodes served by a RoundRobinDecoder."""
-    decoder = RoundRobinDecoder(units, _local_decode(vae._decode_pixels), group, mark_progress, STATE.shares)
+    decoder = RoundRobinDecoder(units, functools.partial(_local_decode, vae._decode_pixels), group, mark_progress, STATE.shares)
     own = vae.__dict__.get("_decode_pixels")  # an instance's own decode (another pack's patch) is put back after
     vae._decode_pixels = decoder.serve
     t0 = time.monotonic()
@@ -104,18 +109,14 @@ def _decode_split(original, vae, z, output_buffer, num_chunks, units, group):
     return out
 
 
-def _local_decode(decode):
+def _local_decode(decode, clip):
     """This rank's tile decode; an OOM becomes a TP2Error so ComfyUI does not retry on this rank alone."""
-
-    def run(clip):
-        try:
-            return decode(clip)
-        except Exception as e:
-            if not mm.is_oom(e):
-                raise
-            raise TP2Error(
-                f"{STATE.tag} out of memory decoding a VAE tile {tuple(clip.shape)} during the split decode ({e}). Free memory "
-                f"(smaller resolution, or unload models) or set {ENV_PARALLEL_VAE}=0, then queue again."
-            ) from e
-
-    return run
+    try:
+        return decode(clip)
+    except Exception as e:
+        if not mm.is_oom(e):
+            raise
+        raise TP2Error(
+            f"{STATE.tag} out of memory decoding a VAE tile {tuple(clip.shape)} during the split decode ({e}). Free memory "
+            f"(smaller resolution, or unload models) or set {ENV_PARALLEL_VAE}=0, then queue again."
+        ) from e

@@ -20,20 +20,6 @@ from .split import Shares, even, small
 MAX_ROUND_PER_RANK = 4  # uneven shares are approximated by a round of at most this many units per rank
 
 
-def temporal_chunks(z: torch.Tensor, pad_tokens: int, num_chunks: int, chunk_size: int, overlap: int) -> list[torch.Tensor]:
-    """The inputs of a temporally chunked decode of `z` [B, C, T, H, W]: pad T with the last token `pad_tokens`
-    times, then chunk i is tokens [i * chunk_size, i * chunk_size + chunk_size + overlap) (views, no copies)."""
-    if pad_tokens > 0:
-        z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad_tokens, 1, 1)], dim=2)
-    return [z[:, :, i * chunk_size : i * chunk_size + chunk_size + overlap] for i in range(num_chunks)]
-
-
-def spatial_tiles(clip: torch.Tensor, y_tiles: list[tuple[int, int]], x_tiles: list[tuple[int, int]], ratio: int) -> list[torch.Tensor]:
-    """The latent inputs of a spatially tiled decode of `clip` [..., H, W], row by row: each tile given in pixels as
-    (start, length), `ratio` pixels per latent cell (views, no copies)."""
-    return [clip[..., y // ratio : y // ratio + h // ratio, x // ratio : x // ratio + w // ratio] for y, h in y_tiles for x, w in x_tiles]
-
-
 class RoundRobinDecoder:
     """Serve unit decodes in order 0..n-1, a round at a time, each broadcast from its owner (over `tp`). `mark()` is
     called as each round starts and as this rank's decodes in it are done (tp2/progress.py)."""

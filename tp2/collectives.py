@@ -78,34 +78,29 @@ def init_tp_group(
 
 
 REASON_GRACE_S = 2.0  # after a collective fails, how long to look for the peer's published reason
+ENDED = ("closed", "reset by peer", "refused", "broken pipe", "end of file")  # words of a connection whose process ended
 
 
 def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbortedError:
     """The error for a failed collective: the peer's own reason when it published one (it stopped the run), else
-    the rank known to be gone, else a peer that died."""
+    the rank known to be gone, else what the error itself says of the peer (with two ranks, the other one)."""
     deadline = time.monotonic() + REASON_GRACE_S
     while tp.watcher is not None and time.monotonic() < deadline:
         why = tp.watcher.stop_reason
         if why:
             return PromptAbortedError(why)
         time.sleep(0.05)
-    gone = tp.watcher.store_problem() if tp.watcher is not None else None
-    told = gone or f"{_what_happened(tp, e)} ({type(e).__name__}: {e})"
-    return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {told}")
-
-
-ENDED = ("closed", "reset by peer", "refused", "broken pipe", "end of file")  # words of a connection whose process ended
-
-
-def _what_happened(tp: TPGroup, e: BaseException) -> str:
-    """What a failed collective says of the peer, from the error itself: with two ranks the peer is the other one."""
     who = f"rank {1 - tp.tp_rank}" if tp.tp_size == 2 else "a peer rank"
     text = str(e).lower()
     if any(word in text for word in ENDED):
-        return f"{who} ended: it closed its connection (killed, crashed or out of host memory); the launcher starts it again, read its log"
-    if "timeout" in text or "timed out" in text:
-        return f"{who} did not answer within {tp.timeout_s:.0f} s: it is frozen or stuck; read its log (scripts/start-tp2.sh status)"
-    return f"{who} failed or died; read the other ranks' logs (scripts/start-tp2.sh status)"
+        happened = f"{who} ended: it closed its connection (killed, crashed or out of host memory); the launcher restarts it, read its log"
+    elif "timeout" in text or "timed out" in text:
+        happened = f"{who} did not answer within {tp.timeout_s:.0f} s: it is frozen or stuck; read its log (scripts/start-tp2.sh status)"
+    else:
+        happened = f"{who} failed or died; read the other ranks' logs (scripts/start-tp2.sh status)"
+    gone = tp.watcher.store_problem() if tp.watcher is not None else None
+    told = gone or f"{happened} ({type(e).__name__}: {e})"
+    return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {told}")
 
 
 def wait(work, tp: TPGroup, what: str | Callable[[], str], host_side: bool) -> None:
