@@ -23,7 +23,7 @@ from ..tp2.collectives import all_reduce
 from ..tp2.errors import PeerLostError, PlanError, TP2Error
 from ..tp2.plan import ROWWISE
 from ..tp2.same_bytes import bytes_digest
-from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
+from ..tp2.te_plan import TEPlan, is_h3_text_encoder, resolve_te_plan
 from .loader import open_shard, record_load
 from .lora import TE_PLAN_ATTR
 from .parallel import full_precision_rowwise_call, planned_linears, refuse_widths, role_guard, tp_group
@@ -77,7 +77,8 @@ def _is_h3_encoder(ckpt_paths, clip_type) -> bool:
     layout = CheckpointLayout.from_file(ckpt_paths[0])
     if is_h3_text_encoder(layout):
         return True
-    if looks_like_qwen3vl(layout) and "model.audio_decoder.projection.weight" not in layout.tensors:
+    qwen = any(k.endswith("layers.0.self_attn.q_proj.weight") for k in layout.tensors)  # what a user might pick by mistake
+    if qwen and "model.audio_decoder.projection.weight" not in layout.tensors:
         resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # raises: a Qwen language model that is not H3's encoder
     return False
 

@@ -95,8 +95,7 @@ H3_REQUIRED = (
     "blocks.0.mlp.fc2.weight",
     "final_layer.video_out.weight",
 )
-# every prefix ComfyUI's loader strips from a diffusion model (comfy/model_detection.py unet_prefix_from_state_dict),
-# and bare keys
+# every prefix ComfyUI's loader strips from a diffusion model (comfy/model_detection.py unet_prefix_from_state_dict), and bare keys
 KNOWN_PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.model.", "net.", "model.")
 
 
@@ -114,11 +113,23 @@ class H3Shape:
     def of(cls, layout: CheckpointLayout) -> H3Shape:
         """Read it, or raise PlanError saying what the file is instead."""
         prefix = find_prefix(layout)
-        _refuse_if_sliced(layout)
-        form = _adaln_form(layout, prefix)
+        if any(k.startswith(TP_METADATA_PREFIX) for k in layout.metadata):
+            raise PlanError(
+                f"'{layout.source}' is already a tensor-parallel shard (rank {layout.metadata.get('tp2.tp_rank')} of "
+                f"{layout.metadata.get('tp2.tp_size')}); it cannot be sliced again. Select the original "
+                "checkpoint: each rank finds its own cut in the rank cache (python -m tp2.rank_cache)."
+            )
         shape = lambda k: layout.shape(prefix + k)  # noqa: E731
+        if prefix + "adaln_t_table" in layout.tensors:
+            form, t_dim = "curve", shape("adaln_t_table")[1]
+        elif prefix + "time_embedder.proj_out.weight" in layout.tensors:
+            form, t_dim = "full", shape("time_embedder.proj_out.weight")[0]
+        else:
+            raise PlanError(
+                f"'{layout.source}' has neither 'adaln_t_table' (curve form) nor 'time_embedder.proj_out.weight' "
+                "(full form): cannot tell how its timestep conditioning works. Use an unmodified H3 checkpoint."
+            )
         head_dim = shape("blocks.0.attn.q_norm.weight")[0]
-        t_dim = shape("adaln_t_table")[1] if form == "curve" else shape("time_embedder.proj_out.weight")[0]
         heads = shape("blocks.0.attn.qkv_proj.weight")[0] // (3 * head_dim)
         return cls(prefix, form, shape("video_patch_proj.weight")[0], head_dim, heads, shape("blocks.0.mlp.fc1.weight")[0] // 2, t_dim)
 
@@ -155,23 +166,3 @@ def find_prefix(layout: CheckpointLayout) -> str:
         f"'{layout.source}' is not a MiniMax-H3 diffusion model: it has no 'video_patch_proj.weight' and "
         "'audio_patch_proj.weight'. Load other models with the stock loader; TP applies to H3 only."
     )
-
-
-def _adaln_form(layout: CheckpointLayout, prefix: str) -> str:
-    if f"{prefix}adaln_t_table" in layout.tensors:
-        return "curve"
-    if f"{prefix}time_embedder.proj_out.weight" in layout.tensors:
-        return "full"
-    raise PlanError(
-        f"'{layout.source}' has neither 'adaln_t_table' (curve form) nor 'time_embedder.proj_out.weight' "
-        "(full form): cannot tell how its timestep conditioning works. Use an unmodified H3 checkpoint."
-    )
-
-
-def _refuse_if_sliced(layout: CheckpointLayout) -> None:
-    if any(k.startswith(TP_METADATA_PREFIX) for k in layout.metadata):
-        raise PlanError(
-            f"'{layout.source}' is already a tensor-parallel shard (rank {layout.metadata.get('tp2.tp_rank')} of "
-            f"{layout.metadata.get('tp2.tp_size')}); it cannot be sliced again. Select the original "
-            "checkpoint: each rank finds its own cut in the rank cache (python -m tp2.rank_cache)."
-        )

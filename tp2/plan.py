@@ -22,8 +22,6 @@ ROWWISE = "rowwise"  # Y = sum_r X_r A_r, A split by input columns; all-reduce(s
 ROWWISE_SPLIT_INPUT = "rowwise_split_input"  # rowwise whose input is replicated: each rank slices it first
 REPLICATE = "replicate"
 
-ROW_PARALLEL = (ROWWISE, ROWWISE_SPLIT_INPUT)
-
 # How one tensor of a rank file relates to the full tensor.
 SPLIT = "split"  # narrowed along `dim` (per packed part)
 WHOLE = "whole"  # identical on every rank
@@ -303,7 +301,7 @@ def _check_quant(layout: CheckpointLayout, prefix: str, linears: dict[str, str],
             )
             continue
         ts = tensors.get(module + ".weight")
-        if linears.get(module[len(prefix) :]) in ROW_PARALLEL and ts is not None and ts.kind == SPLIT:
+        if linears.get(module[len(prefix) :]) in (ROWWISE, ROWWISE_SPLIT_INPUT) and ts is not None and ts.kind == SPLIT:
             problems += convrot_problems(module[len(prefix) :], ts, convrot_group(conf))
     return problems
 

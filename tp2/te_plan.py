@@ -107,11 +107,6 @@ def is_h3_text_encoder(layout: CheckpointLayout) -> bool:
     return all(k in layout.tensors for k in DETECT_KEYS)
 
 
-def looks_like_qwen3vl(layout: CheckpointLayout) -> bool:
-    """A Qwen3-VL (or other Qwen) language model in some form: what a user might pick by mistake for H3."""
-    return any(k.endswith("layers.0.self_attn.q_proj.weight") for k in layout.tensors)
-
-
 def resolve_te_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None = None) -> TEPlan:
     """Resolve and validate (shares None: the even split); raises PlanError naming the first problem and what would work."""
     if not is_h3_text_encoder(layout):
@@ -148,7 +143,8 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TE
     tensors: dict[str, TensorShard] = {}
     for name, (dtype, full) in sorted(layout.tensors.items()):
         module, _, suffix = name.rpartition(".")
-        if name in TE_SKIPPED or _layer_index(name) >= H3_TE_LAYERS:
+        layer = re.match(r"^model\.layers\.(\d+)\.", name)
+        if name in TE_SKIPPED or layer and int(layer.group(1)) >= H3_TE_LAYERS:
             continue
         style, pool = _style(module)
         if style is None:
@@ -197,11 +193,6 @@ def _pools(layout: CheckpointLayout, widths, tp_size: int, shares: Shares) -> tu
         elif not is_even(shares) and unit and n and pools[key][1] is None:
             problems.append(refusal(shares, f"text encoder's {what}", n, unit))
     return pools, problems
-
-
-def _layer_index(name: str) -> int:
-    m = re.match(r"^model\.layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else -1
 
 
 def _style(module: str) -> tuple[str | None, str | None]:
