@@ -103,12 +103,11 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
 
 
 def _verify_widths(transformer, plan: TEPlan) -> None:
-    mine = plan.local_config(STATE.env.tp_rank)
+    r = STATE.env.tp_rank
     why = f"(tp_size={plan.tp_size}) ComfyUI ignored the pack's width override; report this with your ComfyUI version."
     rows = {"vocabulary rows": transformer.model.embed_tokens.num_embeddings}
-    refuse_widths("the text encoder's embedding", rows, {"vocabulary rows": mine["vocab_size"]}, why)
-    want = {"heads": mine["num_attention_heads"], "KV heads": mine["num_key_value_heads"], "head_dim": plan.head_dim}
-    want["FFN"] = mine["intermediate_size"]
+    refuse_widths("the text encoder's embedding", rows, {"vocabulary rows": plan.local("vocab", r)}, why)
+    want = {"heads": plan.local("q", r), "KV heads": plan.local("kv", r), "head_dim": plan.head_dim, "FFN": plan.local("ffn", r)}
     for i, layer in enumerate(transformer.model.layers):
         attn = layer.self_attn
         built = {"heads": attn.num_heads, "KV heads": attn.num_kv_heads, "head_dim": attn.head_dim, "FFN": layer.mlp.down_proj.in_features}

@@ -30,9 +30,6 @@ class CheckpointLayout:
     quant: dict[str, dict] = field(default_factory=dict)  # layer name (no suffix) -> {"format": ..., ...}
     source: str = "<memory>"
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.tensors[name][1]
-
     @classmethod
     def from_file(cls, path: str) -> CheckpointLayout:
         """Read the header and the `.comfy_quant` markers (a few dozen bytes each); no weights are read."""
@@ -119,7 +116,7 @@ class H3Shape:
                 f"{layout.metadata.get('tp2.tp_size')}); it cannot be sliced again. Select the original "
                 "checkpoint: each rank finds its own cut in the rank cache (python -m tp2.rank_cache)."
             )
-        shape = lambda k: layout.shape(prefix + k)  # noqa: E731
+        shape = lambda k: layout.tensors[prefix + k][1]  # noqa: E731
         if prefix + "adaln_t_table" in layout.tensors:
             form, t_dim = "curve", shape("adaln_t_table")[1]
         elif prefix + "time_embedder.proj_out.weight" in layout.tensors:

@@ -83,7 +83,7 @@ def plan_fingerprint(tp_size: int, rows: list[list], shares: Shares) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-_LINEAR_RULES = [(compile_pattern(p), p, style) for p, style in H3_TP_PLAN.items()]
+_LINEAR_RULES = [(compile_pattern(p), style) for p, style in H3_TP_PLAN.items()]
 _REPLICATED_RULES = [compile_pattern(p) for p in H3_REPLICATED]
 
 
@@ -156,13 +156,6 @@ def resolve_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None =
     return resolved(_resolve, layout, tp_size, shares, range(1, 65))
 
 
-def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
-    for rx, pattern, style in _LINEAR_RULES:
-        if rx.match(module):
-            return (adaln_style, 1) if pattern == ADALN else style
-    return None
-
-
 def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Plan | None, list[str]]:
     dims = H3Shape.of(layout)
     prefix = dims.prefix
@@ -219,7 +212,9 @@ def _place(src, dims: H3Shape, pools, name, dtype, full) -> tuple[TensorShard | 
     if key in H3_BUFFERS:
         return TensorShard(name, WHOLE, None, 1, full, dtype, REPLICATE), None, []
     module, _, suffix = key.rpartition(".")
-    style = _layer_style(module, ADALN_STYLE[dims.adaln_form])
+    style = next((style for rx, style in _LINEAR_RULES if rx.match(module)), None)
+    if style and module.endswith("adaln_proj.linear"):  # a block's adaln (the final layer's is replicated)
+        style = (ADALN_STYLE[dims.adaln_form], 1)
     unplanned = _unplanned(key, module, suffix, style, src)
     if unplanned:
         return None, None, [unplanned]
