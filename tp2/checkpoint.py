@@ -32,10 +32,15 @@ class CheckpointLayout:
 
     @classmethod
     def from_file(cls, path: str) -> CheckpointLayout:
-        """Read the header and the `.comfy_quant` markers (a few dozen bytes each); no weights are read."""
+        """Read the header and the quant configs (`.comfy_quant` markers, a few dozen bytes each); no weights are read."""
         with TensorReader(path) as reader:
             header = reader.header
-            quant = parse_quant_metadata(header.metadata, path)
+            raw = header.metadata.get(QUANT_METADATA_KEY)
+            try:  # ComfyUI's alternative to markers: every layer's config in one header entry
+                layers = json.loads(raw).get("layers", {}) if raw else {}
+            except (ValueError, AttributeError) as e:
+                raise PlanError(f"'{QUANT_METADATA_KEY}' in '{path}' is not a JSON object with 'layers' ({e}). The file is damaged.") from e
+            quant = {n: _parse_quant_json(json.dumps(c), f"{QUANT_METADATA_KEY}[{n}]", path) for n, c in layers.items()}
             for name in header.tensors:
                 if name.endswith(QUANT_SUFFIX):
                     raw = bytes(reader.read(name).numpy().tobytes())
@@ -57,18 +62,6 @@ def _parse_quant_json(raw: bytes | str, where: str, path: str) -> dict:
     if not isinstance(conf, dict) or "format" not in conf:
         raise PlanError(f"Quantisation marker '{where}' in '{path}' has no 'format' field: {conf!r}. The file is damaged; re-download it.")
     return conf
-
-
-def parse_quant_metadata(metadata: dict[str, str], path: str) -> dict[str, dict]:
-    """Per-layer configs from the `_quantization_metadata` header entry (ComfyUI's alternative to markers)."""
-    raw = metadata.get(QUANT_METADATA_KEY)
-    if not raw:
-        return {}
-    try:
-        layers = json.loads(raw).get("layers", {})
-    except (ValueError, AttributeError) as e:
-        raise PlanError(f"'{QUANT_METADATA_KEY}' in '{path}' is not a JSON object with 'layers' ({e}). The file is damaged.") from e
-    return {name: _parse_quant_json(json.dumps(conf), f"{QUANT_METADATA_KEY}[{name}]", path) for name, conf in layers.items()}
 
 
 def convrot_group(conf: dict | None) -> int | None:

@@ -212,8 +212,7 @@ def _te_tensor_shard(name, suffix, dtype, full, style, quant, pool) -> tuple[Ten
         return whole, None
     if pool[1] is None:
         return None, None  # the width's refusal says why
-    fmt = (quant or {}).get("format")
-    if suffix == "weight_scale" and fmt != "nvfp4":  # int8 / fp8: one scalar, or one scale per output row
+    if suffix == "weight_scale" and (quant or {}).get("format") != "nvfp4":  # int8 / fp8: one scalar, or one scale per output row
         return split_shard(name, dtype, full, style, pool, 0) if style == COLWISE and math.prod(full) > 1 else (whole, None)
     if suffix == "pre_quant_scale":  # AWQ smoothing, one factor per input channel
         return split_shard(name, dtype, full, style, pool, 0) if style == ROWWISE else (whole, None)
