@@ -151,9 +151,8 @@ def _pop_split_input(sd: dict, plan: Plan) -> dict[str, torch.Tensor]:
 
 
 def _assign_split_input(dm: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Give the split-input layers (full-form adaln) this rank's K slice and its bias, in the dtype and on the device
-    ComfyUI chose for them. With mixed-precision ops (an int8 file) such a layer was built with weight None: then it
-    takes the layer's compute dtype and goes where the model's other weights are."""
+    """The split-input layers' (full-form adaln) K slice and bias, in the dtype and on the device ComfyUI chose; a layer
+    built with weight None (mixed-precision ops: an int8 file) takes its compute dtype and the model's device."""
     home = next((p.device for p in dm.parameters() if p is not None), torch.device("cpu"))
     for name, t in tensors.items():
         layer, attr = name.rsplit(".", 1)

@@ -158,7 +158,6 @@ def resolve_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None =
 
 def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Plan | None, list[str]]:
     dims = H3Shape.of(layout)
-    prefix = dims.prefix
     pools, problems = _pools(layout, dims, tp_size, shares)
     linears: dict[str, str] = {}
     tensors: dict[str, TensorShard] = {}
@@ -168,14 +167,14 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Pl
         if shard:
             tensors[name] = shard
         if linear_style:
-            linears[name[len(prefix) :].rpartition(".")[0]] = linear_style
-    problems += _check_quant(layout, prefix, linears, tensors)
+            linears[name[len(dims.prefix) :].rpartition(".")[0]] = linear_style
+    problems += _check_quant(layout, dims.prefix, linears, tensors)
     if problems:
         return None, problems
     num_layers = 1 + max(int(k.split(".")[1]) for k in linears if k.startswith("blocks."))
     refiner_layers = 1 + max((int(k.split(".")[2]) for k in linears if k.startswith("token_refiner.blocks.")), default=-1)
     plan = Plan(
-        tp_size, shares, prefix, dims.adaln_form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers,
+        tp_size, shares, dims.prefix, dims.adaln_form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers,
         linears, tensors, pools["attn"][1], pools["mlp"][1],
     )  # fmt: skip
     return plan, []
@@ -215,8 +214,7 @@ def _place(src, dims: H3Shape, pools, name, dtype, full) -> tuple[TensorShard | 
     style = next((style for rx, style in _LINEAR_RULES if rx.match(module)), None)
     if style and module.endswith("adaln_proj.linear"):  # a block's adaln (the final layer's is replicated)
         style = (ADALN_STYLE[dims.adaln_form], 1)
-    unplanned = _unplanned(key, module, suffix, style, src)
-    if unplanned:
+    if unplanned := _unplanned(key, module, suffix, style, src):
         return None, None, [unplanned]
     style, parts = style or (REPLICATE, 1)
     problems = _check_block_shape(key, module, full, dims, src)

@@ -63,6 +63,5 @@ def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size
     with TensorReader(path) as reader:
         sd = dict(zip(tensors, ordered_map(lambda n: read_shard_tensor(reader, tensors, n, tp_rank), tensors)))
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    secs = time.monotonic() - t0
-    log.info("read %.2f GB for rank %d/%d from %s in %.1f s", nbytes / 1e9, tp_rank, tp_size, os.path.basename(path), secs)
+    log.info("read %.2f GB for rank %d/%d from %s in %.1f s", nbytes / 1e9, tp_rank, tp_size, os.path.basename(path), time.monotonic() - t0)
     return sd
