@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-import types
 
 import comfy.sd
 import comfy.utils
@@ -94,10 +93,7 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
         if style == ROWWISE:
             _require_full_precision(name, module)
             changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(full_precision_rowwise_call, m))
-    embedding = transformer.model.embed_tokens
-    changes.replace(
-        "model.embed_tokens.forward", embedding, "forward", lambda own: types.MethodType(_vocab_parallel_forward(own, plan), embedding)
-    )
+    changes.replace("model.embed_tokens.forward", transformer.model.embed_tokens, "forward", lambda own: _vocab_parallel_forward(own, plan))
     # SDClipModel.forward: token embedding (process_tokens), then the layers
     changes.replace("encoder.forward", encoder, "forward", lambda own: _encoding_in_step(own, plan))
 
@@ -130,7 +126,7 @@ def _vocab_parallel_forward(own, plan: TEPlan):
     every token's row comes from exactly one rank, so the sum is the lookup itself, bit for bit."""
     start, local = plan.bounds["vocab"][STATE.env.tp_rank], plan.local("vocab", STATE.env.tp_rank)
 
-    def forward(self, input_ids, *args, **kwargs):
+    def forward(input_ids, *args, **kwargs):
         mine = (input_ids >= start) & (input_ids < start + local)
         rows = own((input_ids - start).clamp(0, local - 1), *args, **kwargs)
         rows = torch.where(mine.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
