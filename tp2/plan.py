@@ -182,9 +182,8 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Pl
 
 def _pools(layout: CheckpointLayout, dims: H3Shape, tp_size: int, shares: Shares) -> tuple[dict, list[str]]:
     """Each split width ("attn": heads, "mlp": FFN columns, "adaln": the full form's adaln input) as (total, bounds).
-    Uneven shares cut in whole units: heads filling whole ConvRot groups of out_proj's input (pairs of 128-wide
-    heads in groups of 256), FFN columns and adaln inputs in ConvRot groups (at least 16). Even shares: equal slices,
-    or the widths' refusal (the int8 layout's group check follows in _check_quant)."""
+    Uneven shares cut in whole units: heads filling whole ConvRot groups of out_proj's input (pairs of 128-wide heads
+    in groups of 256), FFN columns and adaln inputs in ConvRot groups (at least 16); even slices' groups are checked in _check_quant."""
     group = lambda layer: convrot_group(layout.quant.get(dims.prefix + layer)) or 1  # noqa: E731
     head_unit = math.lcm(dims.head_dim, group("blocks.0.attn.out_proj")) // dims.head_dim
     widths = {

@@ -33,6 +33,7 @@ VOCAB_PARALLEL = "vocab_parallel"  # the token embedding: rows (tokens) split ov
 EMBEDDING = "model.embed_tokens"
 
 TE_TP_PLAN = {  # layer -> (style, the width it splits: a pool of _pools)
+    EMBEDDING: (VOCAB_PARALLEL, "vocab"),
     "model.layers.*.self_attn.q_proj": (COLWISE, "q"),
     "model.layers.*.self_attn.k_proj": (COLWISE, "kv"),
     "model.layers.*.self_attn.v_proj": (COLWISE, "kv"),
@@ -53,7 +54,7 @@ SUPPORTED_TE_FORMATS = ("int8_tensorwise", "float8_e4m3fn", "float8_e5m2", "nvfp
 SCALAR_SUFFIXES = ("weight_scale_2", "input_scale")
 
 
-_LINEARS = [(compile_pattern(p), style_pool) for p, style_pool in TE_TP_PLAN.items()]
+_SPLIT_RULES = [(compile_pattern(p), style_pool) for p, style_pool in TE_TP_PLAN.items()]
 _REPLICATED = [compile_pattern(p) for p in TE_REPLICATED]
 
 
@@ -198,9 +199,7 @@ def _style(module: str) -> tuple[str | None, str | None]:
     """A module's style (None: not in the plan) and its pool (None: replicated)."""
     if module.startswith("visual."):
         return REPLICATE, None
-    if module == EMBEDDING:
-        return VOCAB_PARALLEL, "vocab"
-    for rx, style_pool in _LINEARS:
+    for rx, style_pool in _SPLIT_RULES:
         if rx.match(module):
             return style_pool
     return REPLICATE if any(rx.match(module) for rx in _REPLICATED) else None, None
