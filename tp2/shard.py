@@ -1,9 +1,8 @@
 """Cutting a checkpoint into per-rank pieces, in memory or straight from disk (shard-on-read).
 
-A rank reads only its slices (`read_shard`), so it never holds the full checkpoint; a packed
-tensor ([q|k|v], [gate|up]) gives each rank its slice of each part, a row-parallel bias lives on rank 0 only, and the
-text encoder's nvfp4 block scales are cut in their swizzled layout (tp2.nvfp4). The rank cache (tp2.rank_cache)
-writes what this reads into one file per rank. Imports nothing from `comfy`.
+A rank reads only its slices (`read_shard`), so it never holds the full checkpoint; a packed tensor ([q|k|v], [gate|up]) gives each rank its
+slice of each part, a row-parallel bias lives on rank 0 only, and the text encoder's nvfp4 block scales are cut in their swizzled layout
+(tp2.nvfp4). The rank cache (tp2.rank_cache) writes what this reads into one file per rank. Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
