@@ -1,10 +1,9 @@
 """The UNETLoader hook: H3 checkpoints load as this rank's shard; everything else loads untouched.
 
-For an H3 safetensors file on an active rank, `comfy.sd.load_diffusion_model` reads only this rank's slices (or its
-rank file) and lets ComfyUI's own `load_diffusion_model_state_dict` build the local-width model from the shapes (so
-the int8 mixed-precision path is picked as without the pack), then tags, verifies and wires it. The model computes in
-the dtype tp2/compute_dtype.py picks (ComfyUI's manual cast pinned to it while it is built); an int8 model is used
-only after this device's int8 path passed the numerics check (nodes/numerics_check.py).
+For an H3 safetensors file on an active rank, `comfy.sd.load_diffusion_model` reads only this rank's slices (or its rank file) and lets
+ComfyUI's own `load_diffusion_model_state_dict` build the local-width model from the shapes (so the int8 mixed-precision path is picked as
+without the pack), then tags, verifies and wires it. The model computes in the dtype tp2/compute_dtype.py picks (ComfyUI's manual cast
+pinned to it while it is built); an int8 model runs only once this device's int8 path passed nodes/numerics_check.py.
 """
 
 from __future__ import annotations
