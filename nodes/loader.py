@@ -1,10 +1,9 @@
 """The UNETLoader hook: H3 checkpoints load as this rank's shard; everything else loads untouched.
 
-For an H3 safetensors file on an active rank, `comfy.sd.load_diffusion_model` reads only this rank's slices (or its
-rank file) and lets ComfyUI's own `load_diffusion_model_state_dict` build the local-width model from the shapes (so
-the int8 mixed-precision path is picked as without the pack), then tags, verifies and wires it. The model computes in
-the dtype tp2/compute_dtype.py picks (ComfyUI's manual cast pinned to it while it is built); an int8 model is used
-only after this device's int8 path passed the numerics check (nodes/numerics_check.py).
+For an H3 safetensors file on an active rank, `comfy.sd.load_diffusion_model` reads only this rank's slices (or its rank file) and lets
+ComfyUI's own `load_diffusion_model_state_dict` build the local-width model from the shapes (so the int8 mixed-precision path is picked as
+without the pack), then tags, verifies and wires it. The model computes in the dtype tp2/compute_dtype.py picks (ComfyUI's manual cast
+pinned to it while it is built); an int8 model runs only once this device's int8 path passed nodes/numerics_check.py.
 """
 
 from __future__ import annotations
@@ -151,9 +150,8 @@ def _pop_split_input(sd: dict, plan: Plan) -> dict[str, torch.Tensor]:
 
 
 def _assign_split_input(dm: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Give the split-input layers (full-form adaln) this rank's K slice and its bias, in the dtype and on the device
-    ComfyUI chose for them. With mixed-precision ops (an int8 file) such a layer was built with weight None: then it
-    takes the layer's compute dtype and goes where the model's other weights are."""
+    """The split-input layers' (full-form adaln) K slice and bias, in the dtype and on the device ComfyUI chose; a layer
+    built with weight None (mixed-precision ops: an int8 file) takes its compute dtype and the model's device."""
     home = next((p.device for p in dm.parameters() if p is not None), torch.device("cpu"))
     for name, t in tensors.items():
         layer, attr = name.rsplit(".", 1)

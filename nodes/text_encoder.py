@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-import types
 
 import comfy.sd
 import comfy.utils
@@ -23,7 +22,7 @@ from ..tp2.collectives import all_reduce
 from ..tp2.errors import PeerLostError, PlanError, TP2Error
 from ..tp2.plan import ROWWISE
 from ..tp2.same_bytes import bytes_digest
-from ..tp2.te_plan import TEPlan, is_h3_text_encoder, looks_like_qwen3vl, resolve_te_plan
+from ..tp2.te_plan import TEPlan, is_h3_text_encoder, resolve_te_plan
 from .loader import open_shard, record_load
 from .lora import TE_PLAN_ATTR
 from .parallel import full_precision_rowwise_call, planned_linears, refuse_widths, role_guard, tp_group
@@ -77,7 +76,8 @@ def _is_h3_encoder(ckpt_paths, clip_type) -> bool:
     layout = CheckpointLayout.from_file(ckpt_paths[0])
     if is_h3_text_encoder(layout):
         return True
-    if looks_like_qwen3vl(layout) and "model.audio_decoder.projection.weight" not in layout.tensors:
+    qwen = any(k.endswith("layers.0.self_attn.q_proj.weight") for k in layout.tensors)  # what a user might pick by mistake
+    if qwen and "model.audio_decoder.projection.weight" not in layout.tensors:
         resolve_te_plan(layout, STATE.env.tp_size, STATE.shares)  # raises: a Qwen language model that is not H3's encoder
     return False
 
@@ -93,21 +93,17 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
         if style == ROWWISE:
             _require_full_precision(name, module)
             changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(full_precision_rowwise_call, m))
-    embedding = transformer.model.embed_tokens
-    changes.replace(
-        "model.embed_tokens.forward", embedding, "forward", lambda own: types.MethodType(_vocab_parallel_forward(own, plan), embedding)
-    )
+    changes.replace("model.embed_tokens.forward", transformer.model.embed_tokens, "forward", lambda own: _vocab_parallel_forward(own, plan))
     # SDClipModel.forward: token embedding (process_tokens), then the layers
     changes.replace("encoder.forward", encoder, "forward", lambda own: _encoding_in_step(own, plan))
 
 
 def _verify_widths(transformer, plan: TEPlan) -> None:
-    mine = plan.local_config(STATE.env.tp_rank)
+    r = STATE.env.tp_rank
     why = f"(tp_size={plan.tp_size}) ComfyUI ignored the pack's width override; report this with your ComfyUI version."
     rows = {"vocabulary rows": transformer.model.embed_tokens.num_embeddings}
-    refuse_widths("the text encoder's embedding", rows, {"vocabulary rows": mine["vocab_size"]}, why)
-    want = {"heads": mine["num_attention_heads"], "KV heads": mine["num_key_value_heads"], "head_dim": plan.head_dim}
-    want["FFN"] = mine["intermediate_size"]
+    refuse_widths("the text encoder's embedding", rows, {"vocabulary rows": plan.local("vocab", r)}, why)
+    want = {"heads": plan.local("q", r), "KV heads": plan.local("kv", r), "head_dim": plan.head_dim, "FFN": plan.local("ffn", r)}
     for i, layer in enumerate(transformer.model.layers):
         attn = layer.self_attn
         built = {"heads": attn.num_heads, "KV heads": attn.num_kv_heads, "head_dim": attn.head_dim, "FFN": layer.mlp.down_proj.in_features}
@@ -130,7 +126,7 @@ def _vocab_parallel_forward(own, plan: TEPlan):
     every token's row comes from exactly one rank, so the sum is the lookup itself, bit for bit."""
     start, local = plan.bounds["vocab"][STATE.env.tp_rank], plan.local("vocab", STATE.env.tp_rank)
 
-    def forward(self, input_ids, *args, **kwargs):
+    def forward(input_ids, *args, **kwargs):
         mine = (input_ids >= start) & (input_ids < start + local)
         rows = own((input_ids - start).clamp(0, local - 1), *args, **kwargs)
         rows = torch.where(mine.unsqueeze(-1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))

@@ -1,6 +1,5 @@
-"""--split auto's decision: shares in proportion to each rank's measured speed, no rank given more of the weights than
-its free memory holds (scripts/lib/balance.py measures each GPU before any rank starts; this decides and says why).
-Imports nothing from `comfy`.
+"""--split auto's decision: shares in proportion to each rank's measured speed, no rank given more of the weights than its free memory holds
+(scripts/lib/balance.py measures each GPU before any rank starts; this decides and says why). Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
@@ -67,10 +66,9 @@ def auto_shares(block_seconds: list[float], free_gib: list[float | None]) -> Sha
 
 
 def auto_split(devices: list[str], samples: list[list[float]], free_gib: list[float | None]) -> tuple[Shares, str | None]:
-    """--split auto's shares from each rank's block timings (several each), with why it kept the even split where the
-    ranks' difference is within the measurement's own noise: one GPU timed for every rank, or every rank's timings
-    overlapping (the slowest rank's fastest no slower than the fastest rank's slowest). On the CPU (a test run) the
-    ranks share the cores, so only the overlap decides."""
+    """--split auto's shares from each rank's block timings (several each), with why it kept the even split where the ranks' difference is
+    within the measurement's own noise: one GPU timed for every rank, or every rank's timings overlapping (the slowest rank's fastest no
+    slower than the fastest rank's slowest). On the CPU (a test run) the ranks share the cores, so only the overlap decides."""
     if len(set(devices)) == 1 and devices[0] != "cpu":
         return even(len(samples)), f"every rank is {devices[0]}, one device"
     if max(min(s) for s in samples) <= min(max(s) for s in samples):

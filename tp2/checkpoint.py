@@ -30,15 +30,17 @@ class CheckpointLayout:
     quant: dict[str, dict] = field(default_factory=dict)  # layer name (no suffix) -> {"format": ..., ...}
     source: str = "<memory>"
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.tensors[name][1]
-
     @classmethod
     def from_file(cls, path: str) -> CheckpointLayout:
-        """Read the header and the `.comfy_quant` markers (a few dozen bytes each); no weights are read."""
+        """Read the header and the quant configs (`.comfy_quant` markers, a few dozen bytes each); no weights are read."""
         with TensorReader(path) as reader:
             header = reader.header
-            quant = parse_quant_metadata(header.metadata, path)
+            raw = header.metadata.get(QUANT_METADATA_KEY)
+            try:  # ComfyUI's alternative to markers: every layer's config in one header entry
+                layers = json.loads(raw).get("layers", {}) if raw else {}
+            except (ValueError, AttributeError) as e:
+                raise PlanError(f"'{QUANT_METADATA_KEY}' in '{path}' is not a JSON object with 'layers' ({e}). The file is damaged.") from e
+            quant = {n: _parse_quant_json(json.dumps(c), f"{QUANT_METADATA_KEY}[{n}]", path) for n, c in layers.items()}
             for name in header.tensors:
                 if name.endswith(QUANT_SUFFIX):
                     raw = bytes(reader.read(name).numpy().tobytes())
@@ -62,18 +64,6 @@ def _parse_quant_json(raw: bytes | str, where: str, path: str) -> dict:
     return conf
 
 
-def parse_quant_metadata(metadata: dict[str, str], path: str) -> dict[str, dict]:
-    """Per-layer configs from the `_quantization_metadata` header entry (ComfyUI's alternative to markers)."""
-    raw = metadata.get(QUANT_METADATA_KEY)
-    if not raw:
-        return {}
-    try:
-        layers = json.loads(raw).get("layers", {})
-    except (ValueError, AttributeError) as e:
-        raise PlanError(f"'{QUANT_METADATA_KEY}' in '{path}' is not a JSON object with 'layers' ({e}). The file is damaged.") from e
-    return {name: _parse_quant_json(json.dumps(conf), f"{QUANT_METADATA_KEY}[{name}]", path) for name, conf in layers.items()}
-
-
 def convrot_group(conf: dict | None) -> int | None:
     """The ConvRot group size of a layer's quant config, or None when the layer is not rotated."""
     if not conf:
@@ -95,8 +85,7 @@ H3_REQUIRED = (
     "blocks.0.mlp.fc2.weight",
     "final_layer.video_out.weight",
 )
-# every prefix ComfyUI's loader strips from a diffusion model (comfy/model_detection.py unet_prefix_from_state_dict),
-# and bare keys
+# every prefix ComfyUI's loader strips from a diffusion model (comfy/model_detection.py unet_prefix_from_state_dict), and bare keys
 KNOWN_PREFIXES = ("", "model.diffusion_model.", "diffusion_model.", "model.model.", "net.", "model.")
 
 
@@ -114,11 +103,23 @@ class H3Shape:
     def of(cls, layout: CheckpointLayout) -> H3Shape:
         """Read it, or raise PlanError saying what the file is instead."""
         prefix = find_prefix(layout)
-        _refuse_if_sliced(layout)
-        form = _adaln_form(layout, prefix)
-        shape = lambda k: layout.shape(prefix + k)  # noqa: E731
+        if any(k.startswith(TP_METADATA_PREFIX) for k in layout.metadata):
+            raise PlanError(
+                f"'{layout.source}' is already a tensor-parallel shard (rank {layout.metadata.get('tp2.tp_rank')} of "
+                f"{layout.metadata.get('tp2.tp_size')}); it cannot be sliced again. Select the original "
+                "checkpoint: each rank finds its own cut in the rank cache (python -m tp2.rank_cache)."
+            )
+        shape = lambda k: layout.tensors[prefix + k][1]  # noqa: E731
+        if prefix + "adaln_t_table" in layout.tensors:
+            form, t_dim = "curve", shape("adaln_t_table")[1]
+        elif prefix + "time_embedder.proj_out.weight" in layout.tensors:
+            form, t_dim = "full", shape("time_embedder.proj_out.weight")[0]
+        else:
+            raise PlanError(
+                f"'{layout.source}' has neither 'adaln_t_table' (curve form) nor 'time_embedder.proj_out.weight' "
+                "(full form): cannot tell how its timestep conditioning works. Use an unmodified H3 checkpoint."
+            )
         head_dim = shape("blocks.0.attn.q_norm.weight")[0]
-        t_dim = shape("adaln_t_table")[1] if form == "curve" else shape("time_embedder.proj_out.weight")[0]
         heads = shape("blocks.0.attn.qkv_proj.weight")[0] // (3 * head_dim)
         return cls(prefix, form, shape("video_patch_proj.weight")[0], head_dim, heads, shape("blocks.0.mlp.fc1.weight")[0] // 2, t_dim)
 
@@ -155,23 +156,3 @@ def find_prefix(layout: CheckpointLayout) -> str:
         f"'{layout.source}' is not a MiniMax-H3 diffusion model: it has no 'video_patch_proj.weight' and "
         "'audio_patch_proj.weight'. Load other models with the stock loader; TP applies to H3 only."
     )
-
-
-def _adaln_form(layout: CheckpointLayout, prefix: str) -> str:
-    if f"{prefix}adaln_t_table" in layout.tensors:
-        return "curve"
-    if f"{prefix}time_embedder.proj_out.weight" in layout.tensors:
-        return "full"
-    raise PlanError(
-        f"'{layout.source}' has neither 'adaln_t_table' (curve form) nor 'time_embedder.proj_out.weight' "
-        "(full form): cannot tell how its timestep conditioning works. Use an unmodified H3 checkpoint."
-    )
-
-
-def _refuse_if_sliced(layout: CheckpointLayout) -> None:
-    if any(k.startswith(TP_METADATA_PREFIX) for k in layout.metadata):
-        raise PlanError(
-            f"'{layout.source}' is already a tensor-parallel shard (rank {layout.metadata.get('tp2.tp_rank')} of "
-            f"{layout.metadata.get('tp2.tp_size')}); it cannot be sliced again. Select the original "
-            "checkpoint: each rank finds its own cut in the rank cache (python -m tp2.rank_cache)."
-        )

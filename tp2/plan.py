@@ -22,8 +22,6 @@ ROWWISE = "rowwise"  # Y = sum_r X_r A_r, A split by input columns; all-reduce(s
 ROWWISE_SPLIT_INPUT = "rowwise_split_input"  # rowwise whose input is replicated: each rank slices it first
 REPLICATE = "replicate"
 
-ROW_PARALLEL = (ROWWISE, ROWWISE_SPLIT_INPUT)
-
 # How one tensor of a rank file relates to the full tensor.
 SPLIT = "split"  # narrowed along `dim` (per packed part)
 WHOLE = "whole"  # identical on every rank
@@ -85,7 +83,7 @@ def plan_fingerprint(tp_size: int, rows: list[list], shares: Shares) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-_LINEAR_RULES = [(compile_pattern(p), p, style) for p, style in H3_TP_PLAN.items()]
+_LINEAR_RULES = [(compile_pattern(p), style) for p, style in H3_TP_PLAN.items()]
 _REPLICATED_RULES = [compile_pattern(p) for p in H3_REPLICATED]
 
 
@@ -158,16 +156,8 @@ def resolve_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None =
     return resolved(_resolve, layout, tp_size, shares, range(1, 65))
 
 
-def _layer_style(module: str, adaln_style: str) -> tuple[str, int] | None:
-    for rx, pattern, style in _LINEAR_RULES:
-        if rx.match(module):
-            return (adaln_style, 1) if pattern == ADALN else style
-    return None
-
-
 def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Plan | None, list[str]]:
     dims = H3Shape.of(layout)
-    prefix = dims.prefix
     pools, problems = _pools(layout, dims, tp_size, shares)
     linears: dict[str, str] = {}
     tensors: dict[str, TensorShard] = {}
@@ -177,14 +167,14 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Pl
         if shard:
             tensors[name] = shard
         if linear_style:
-            linears[name[len(prefix) :].rpartition(".")[0]] = linear_style
-    problems += _check_quant(layout, prefix, linears, tensors)
+            linears[name[len(dims.prefix) :].rpartition(".")[0]] = linear_style
+    problems += _check_quant(layout, dims.prefix, linears, tensors)
     if problems:
         return None, problems
     num_layers = 1 + max(int(k.split(".")[1]) for k in linears if k.startswith("blocks."))
     refiner_layers = 1 + max((int(k.split(".")[2]) for k in linears if k.startswith("token_refiner.blocks.")), default=-1)
     plan = Plan(
-        tp_size, shares, prefix, dims.adaln_form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers,
+        tp_size, shares, dims.prefix, dims.adaln_form, dims.hidden, dims.heads, dims.head_dim, dims.ffn, num_layers, refiner_layers,
         linears, tensors, pools["attn"][1], pools["mlp"][1],
     )  # fmt: skip
     return plan, []
@@ -192,9 +182,8 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[Pl
 
 def _pools(layout: CheckpointLayout, dims: H3Shape, tp_size: int, shares: Shares) -> tuple[dict, list[str]]:
     """Each split width ("attn": heads, "mlp": FFN columns, "adaln": the full form's adaln input) as (total, bounds).
-    Uneven shares cut in whole units: heads filling whole ConvRot groups of out_proj's input (pairs of 128-wide
-    heads in groups of 256), FFN columns and adaln inputs in ConvRot groups (at least 16). Even shares: equal slices,
-    or the widths' refusal (the int8 layout's group check follows in _check_quant)."""
+    Uneven shares cut in whole units: heads filling whole ConvRot groups of out_proj's input (pairs of 128-wide heads
+    in groups of 256), FFN columns and adaln inputs in ConvRot groups (at least 16); even slices' groups are checked in _check_quant."""
     group = lambda layer: convrot_group(layout.quant.get(dims.prefix + layer)) or 1  # noqa: E731
     head_unit = math.lcm(dims.head_dim, group("blocks.0.attn.out_proj")) // dims.head_dim
     widths = {
@@ -221,9 +210,10 @@ def _place(src, dims: H3Shape, pools, name, dtype, full) -> tuple[TensorShard | 
     if key in H3_BUFFERS:
         return TensorShard(name, WHOLE, None, 1, full, dtype, REPLICATE), None, []
     module, _, suffix = key.rpartition(".")
-    style = _layer_style(module, ADALN_STYLE[dims.adaln_form])
-    unplanned = _unplanned(key, module, suffix, style, src)
-    if unplanned:
+    style = next((style for rx, style in _LINEAR_RULES if rx.match(module)), None)
+    if style and module.endswith("adaln_proj.linear"):  # a block's adaln (the final layer's is replicated)
+        style = (ADALN_STYLE[dims.adaln_form], 1)
+    if unplanned := _unplanned(key, module, suffix, style, src):
         return None, None, [unplanned]
     style, parts = style or (REPLICATE, 1)
     problems = _check_block_shape(key, module, full, dims, src)
@@ -303,7 +293,7 @@ def _check_quant(layout: CheckpointLayout, prefix: str, linears: dict[str, str],
             )
             continue
         ts = tensors.get(module + ".weight")
-        if linears.get(module[len(prefix) :]) in ROW_PARALLEL and ts is not None and ts.kind == SPLIT:
+        if linears.get(module[len(prefix) :]) in (ROWWISE, ROWWISE_SPLIT_INPUT) and ts is not None and ts.kind == SPLIT:
             problems += convrot_problems(module[len(prefix) :], ts, convrot_group(conf))
     return problems
 

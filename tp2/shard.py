@@ -1,9 +1,8 @@
 """Cutting a checkpoint into per-rank pieces, in memory or straight from disk (shard-on-read).
 
-A rank reads only its slices (`read_shard`), so it never holds the full checkpoint; a packed
-tensor ([q|k|v], [gate|up]) gives each rank its slice of each part, a row-parallel bias lives on rank 0 only, and the
-text encoder's nvfp4 block scales are cut in their swizzled layout (tp2.nvfp4). The rank cache (tp2.rank_cache)
-writes what this reads into one file per rank. Imports nothing from `comfy`.
+A rank reads only its slices (`read_shard`), so it never holds the full checkpoint; a packed tensor ([q|k|v], [gate|up]) gives each rank its
+slice of each part, a row-parallel bias lives on rank 0 only, and the text encoder's nvfp4 block scales are cut in their swizzled layout
+(tp2.nvfp4). The rank cache (tp2.rank_cache) writes what this reads into one file per rank. Imports nothing from `comfy`.
 """
 
 from __future__ import annotations
@@ -63,6 +62,5 @@ def read_shard(path: str, tensors: dict[str, TensorShard], tp_rank: int, tp_size
     with TensorReader(path) as reader:
         sd = dict(zip(tensors, ordered_map(lambda n: read_shard_tensor(reader, tensors, n, tp_rank), tensors)))
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    secs = time.monotonic() - t0
-    log.info("read %.2f GB for rank %d/%d from %s in %.1f s", nbytes / 1e9, tp_rank, tp_size, os.path.basename(path), secs)
+    log.info("read %.2f GB for rank %d/%d from %s in %.1f s", nbytes / 1e9, tp_rank, tp_size, os.path.basename(path), time.monotonic() - t0)
     return sd

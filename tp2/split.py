@@ -107,8 +107,7 @@ def refusal(shares: Shares, what: str, total: int, unit: int) -> str:
 
 
 def workable(n_units: int, shares: Shares) -> Shares:
-    """The nearest shares that leave every rank at least one of `n_units` units: for a refusal to name. Refused when
-    there are fewer units than ranks (no such shares)."""
+    """The nearest shares that leave every rank at least one of `n_units` units (refused when there are fewer than ranks)."""
     if n_units < len(shares):
         raise PlanError(f"{n_units} whole unit(s) cannot give each of {len(shares)} ranks one: use at most {n_units} rank(s).")
     got = counts(n_units, shares)

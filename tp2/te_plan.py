@@ -33,6 +33,7 @@ VOCAB_PARALLEL = "vocab_parallel"  # the token embedding: rows (tokens) split ov
 EMBEDDING = "model.embed_tokens"
 
 TE_TP_PLAN = {  # layer -> (style, the width it splits: a pool of _pools)
+    EMBEDDING: (VOCAB_PARALLEL, "vocab"),
     "model.layers.*.self_attn.q_proj": (COLWISE, "q"),
     "model.layers.*.self_attn.k_proj": (COLWISE, "kv"),
     "model.layers.*.self_attn.v_proj": (COLWISE, "kv"),
@@ -53,7 +54,7 @@ SUPPORTED_TE_FORMATS = ("int8_tensorwise", "float8_e4m3fn", "float8_e5m2", "nvfp
 SCALAR_SUFFIXES = ("weight_scale_2", "input_scale")
 
 
-_LINEARS = [(compile_pattern(p), style_pool) for p, style_pool in TE_TP_PLAN.items()]
+_SPLIT_RULES = [(compile_pattern(p), style_pool) for p, style_pool in TE_TP_PLAN.items()]
 _REPLICATED = [compile_pattern(p) for p in TE_REPLICATED]
 
 
@@ -107,11 +108,6 @@ def is_h3_text_encoder(layout: CheckpointLayout) -> bool:
     return all(k in layout.tensors for k in DETECT_KEYS)
 
 
-def looks_like_qwen3vl(layout: CheckpointLayout) -> bool:
-    """A Qwen3-VL (or other Qwen) language model in some form: what a user might pick by mistake for H3."""
-    return any(k.endswith("layers.0.self_attn.q_proj.weight") for k in layout.tensors)
-
-
 def resolve_te_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | None = None) -> TEPlan:
     """Resolve and validate (shares None: the even split); raises PlanError naming the first problem and what would work."""
     if not is_h3_text_encoder(layout):
@@ -125,12 +121,11 @@ def resolve_te_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | Non
 
 def _dims(layout: CheckpointLayout) -> tuple[int, int, int, int, int]:
     """(hidden, head_dim, heads, kv_heads, ffn) from norms and the first layer (quantised shapes are logical rows)."""
-    shape = layout.shape
-    p = "model.layers.0."
-    head_dim = shape(p + "self_attn.q_norm.weight")[0]
-    rows = lambda k: shape(p + k + ".weight")[0]  # noqa: E731 - output rows are stored unpacked in every format
+    shape = lambda k: layout.tensors["model.layers.0." + k][1]  # noqa: E731
+    head_dim = shape("self_attn.q_norm.weight")[0]
+    rows = lambda k: shape(k + ".weight")[0]  # noqa: E731 - output rows are stored unpacked in every format
     return (
-        shape(p + "input_layernorm.weight")[0],
+        shape("input_layernorm.weight")[0],
         head_dim,
         rows("self_attn.q_proj") // head_dim,
         rows("self_attn.k_proj") // head_dim,
@@ -148,7 +143,8 @@ def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TE
     tensors: dict[str, TensorShard] = {}
     for name, (dtype, full) in sorted(layout.tensors.items()):
         module, _, suffix = name.rpartition(".")
-        if name in TE_SKIPPED or _layer_index(name) >= H3_TE_LAYERS:
+        layer = re.match(r"^model\.layers\.(\d+)\.", name)
+        if name in TE_SKIPPED or layer and int(layer.group(1)) >= H3_TE_LAYERS:
             continue
         style, pool = _style(module)
         if style is None:
@@ -199,18 +195,11 @@ def _pools(layout: CheckpointLayout, widths, tp_size: int, shares: Shares) -> tu
     return pools, problems
 
 
-def _layer_index(name: str) -> int:
-    m = re.match(r"^model\.layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else -1
-
-
 def _style(module: str) -> tuple[str | None, str | None]:
     """A module's style (None: not in the plan) and its pool (None: replicated)."""
     if module.startswith("visual."):
         return REPLICATE, None
-    if module == EMBEDDING:
-        return VOCAB_PARALLEL, "vocab"
-    for rx, style_pool in _LINEARS:
+    for rx, style_pool in _SPLIT_RULES:
         if rx.match(module):
             return style_pool
     return REPLICATE if any(rx.match(module) for rx in _REPLICATED) else None, None
@@ -222,8 +211,7 @@ def _te_tensor_shard(name, suffix, dtype, full, style, quant, pool) -> tuple[Ten
         return whole, None
     if pool[1] is None:
         return None, None  # the width's refusal says why
-    fmt = (quant or {}).get("format")
-    if suffix == "weight_scale" and fmt != "nvfp4":  # int8 / fp8: one scalar, or one scale per output row
+    if suffix == "weight_scale" and (quant or {}).get("format") != "nvfp4":  # int8 / fp8: one scalar, or one scale per output row
         return split_shard(name, dtype, full, style, pool, 0) if style == COLWISE and math.prod(full) > 1 else (whole, None)
     if suffix == "pre_quant_scale":  # AWQ smoothing, one factor per input channel
         return split_shard(name, dtype, full, style, pool, 0) if style == ROWWISE else (whole, None)

@@ -76,8 +76,8 @@ def _run(ckpt, tp_size, reduce_dtype=torch.float32, shares=None):
     from tp2.checkpoint import CheckpointLayout
 
     layout = CheckpointLayout.from_file(ckpt)
-    hidden = layout.shape("video_patch_proj.weight")[0]
-    t_dim = layout.shape("blocks.0.adaln_proj.linear.weight")[1]
+    hidden = layout.tensors["video_patch_proj.weight"][1][0]
+    t_dim = layout.tensors["blocks.0.adaln_proj.linear.weight"][1][1]
     x, t_emb = _inputs(hidden, t_dim)
     ref = _reference(ckpt, x, t_emb)
     feed = {b: (ref[b]["att"], ref[b]["fc1"]) for b in BLOCKS}
