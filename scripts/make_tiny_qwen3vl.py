@@ -27,8 +27,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script from anywhere
-from tp2.nvfp4 import BLOCK, nvfp4_logical_shape, nvfp4_split_problem, slice_block_scales, swizzle_block_scales  # noqa: E402
+from tp2.nvfp4 import BLOCK, nvfp4_logical_shape, slice_block_scales, swizzle_block_scales  # noqa: E402
 from tp2.safetensors_io import PendingTensor, write_streaming  # noqa: E402
+from tp2.split import join_or  # noqa: E402
 
 # decoder: hidden, query heads, KV heads, head_dim, FFN; vision tower: hidden, depth, FFN, heads
 TINY = dict(hidden=128, heads=16, kv_heads=8, head_dim=32, ffn=256, vision_hidden=64, vision_depth=3, vision_ffn=128, vision_heads=4)
@@ -151,6 +152,31 @@ def _check_tensors(tensors: dict[str, torch.Tensor], n: int, k: int) -> None:
             f"uint8 {list(stored)} (two fp4 values a byte, padded to multiples of 16). Pass the module's "
             "(out_features, in_features) as shape= when they are not multiples of 16."
         )
+
+
+def _why(n: int, k: int, dim: int, tp_size: int) -> str | None:
+    if dim == 0:
+        return f"its {n} output rows are not divisible by tp_size={tp_size}." if n % tp_size else None
+    if k % tp_size:
+        return f"its input dim K={k} is not divisible by tp_size={tp_size}."
+    if (k // tp_size) % BLOCK:
+        return (
+            f"the local K ({k // tp_size}) is not a multiple of {BLOCK}, so a rank's slice would cut a {BLOCK}-column "
+            f"nvfp4 block (one fp8 block scale per {BLOCK} input columns)."
+        )
+    return None
+
+
+def nvfp4_split_problem(n: int, k: int, dim: int, tp_size: int) -> str | None:
+    """Why an nvfp4 weight of logical shape [n, k] cannot be cut along `dim` (0: output rows, 1: input columns) into
+    tp_size equal slices, and the tp_sizes that can, or None. Rows split anywhere (each row's blocks run along K); a K
+    slice must hold whole 16-column blocks, since each block scale covers 16 input columns. The swizzle imposes
+    nothing: a local scale tensor is re-swizzled (and padded to 128 x 4) for its own shape."""
+    why = _why(n, k, dim, tp_size)
+    if why is None:
+        return None
+    ok = [t for t in (2, 4, 8) if _why(n, k, dim, t) is None]
+    return f"{why} Use tp_size {join_or(ok)}." if ok else f"{why} Run this layer unsplit (tp_size 1)."
 
 
 def slice_nvfp4(

@@ -1,4 +1,4 @@
-"""nvfp4 (AWQ) linears cut for TP: split checks and a rank's block scales (scripts/make_tiny_qwen3vl.py writes such files).
+"""nvfp4 (AWQ) linears cut for TP: a rank's block scales (scripts/make_tiny_qwen3vl.py writes such files).
 
 Layout of a linear [n, k] (out, in), as comfy-kitchen 0.2.31 (tensor/nvfp4.py, float_utils.py) and comfy/ops.py have it:
   weight          uint8 [roundup(n,16), roundup(k,16)/2]: two E2M1 codes a byte, the even column in the high nibble
@@ -11,14 +11,12 @@ The text encoder runs full_precision_mm (comfy/sd1_clip.py), and ComfyUI has no 
 scaled by pre_quant_scale and the weight dequantised for F.linear, so a K slice's partial product is exactly its share
 (quantised inputs would need K / tp_size a multiple of 16 and an input_scale). A rank reads only its bytes: weight rows or byte
 columns are a narrow; weight_scale is a row range for local rows a multiple of 128, and one run of 512-byte tiles per 128-row
-band for local K / 16 a multiple of 4; else the whole (small) scale is sliced (`slice_block_scales`). Imports torch and tp2.split.
+band for local K / 16 a multiple of 4; else the whole (small) scale is sliced (`slice_block_scales`). Imports torch only.
 """
 
 from __future__ import annotations
 
 import torch
-
-from .split import join_or
 
 BLOCK = 16  # input columns per fp8 block scale
 
@@ -31,31 +29,6 @@ def nvfp4_logical_shape(stored: tuple[int, ...]) -> tuple[int, int]:
     """An nvfp4 weight's [n, k] from its stored uint8 [n, k / 2] (two codes per byte; the pack's plan takes H3's
     linears, whose n and k are multiples of 16, so nothing is padded)."""
     return stored[0], 2 * stored[1]
-
-
-def _why(n: int, k: int, dim: int, tp_size: int) -> str | None:
-    if dim == 0:
-        return f"its {n} output rows are not divisible by tp_size={tp_size}." if n % tp_size else None
-    if k % tp_size:
-        return f"its input dim K={k} is not divisible by tp_size={tp_size}."
-    if (k // tp_size) % BLOCK:
-        return (
-            f"the local K ({k // tp_size}) is not a multiple of {BLOCK}, so a rank's slice would cut a {BLOCK}-column "
-            f"nvfp4 block (one fp8 block scale per {BLOCK} input columns)."
-        )
-    return None
-
-
-def nvfp4_split_problem(n: int, k: int, dim: int, tp_size: int) -> str | None:
-    """Why an nvfp4 weight of logical shape [n, k] cannot be cut along `dim` (0: output rows, 1: input columns) into
-    tp_size equal slices, and the tp_sizes that can, or None. Rows split anywhere (each row's blocks run along K); a K
-    slice must hold whole 16-column blocks, since each block scale covers 16 input columns. The swizzle imposes
-    nothing: a local scale tensor is re-swizzled (and padded to 128 x 4) for its own shape."""
-    why = _why(n, k, dim, tp_size)
-    if why is None:
-        return None
-    ok = [t for t in (2, 4, 8) if _why(n, k, dim, t) is None]
-    return f"{why} Use tp_size {join_or(ok)}." if ok else f"{why} Run this layer unsplit (tp_size 1)."
 
 
 def swizzle_block_scales(scales: torch.Tensor) -> torch.Tensor:

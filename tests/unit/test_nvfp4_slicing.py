@@ -16,12 +16,12 @@ ck = pytest.importorskip("comfy_kitchen")
 from comfy_kitchen.float_utils import from_blocked, to_blocked  # noqa: E402
 from conftest import COMFYUI_DIR, ROOT  # noqa: E402
 
-from tp2.nvfp4 import nvfp4_split_problem, slice_block_scales, swizzle_block_scales, unswizzle_block_scales  # noqa: E402
+from tp2.nvfp4 import slice_block_scales, swizzle_block_scales, unswizzle_block_scales  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("make_tiny_qwen3vl", os.path.join(ROOT, "scripts", "make_tiny_qwen3vl.py"))
 _writer = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_writer)
-quantize_nvfp4_awq, slice_nvfp4 = _writer.quantize_nvfp4_awq, _writer.slice_nvfp4
+quantize_nvfp4_awq, slice_nvfp4, nvfp4_split_problem = _writer.quantize_nvfp4_awq, _writer.slice_nvfp4, _writer.nvfp4_split_problem
 
 # (n, k): aligned; N not a multiple of 128; N not a multiple of 16 with K/16 = 5 (not a multiple of 4); K/16 = 6
 SHAPES = [(256, 128), (200, 96), (1000, 80), (96, 192)]
