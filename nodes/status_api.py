@@ -25,8 +25,7 @@ PEER_TIMEOUT = ClientTimeout(total=2.0, sock_connect=1.0)  # a rank that cannot 
 
 
 def unique_models() -> list[tuple[object, int]]:
-    """The H3 models this rank built, each once with how often it was loaded (a cache clear or "Unload models" loads
-    the same file again), most recent load last."""
+    """The H3 models this rank built, each once with its load count (a cache clear reloads the file), latest last."""
     latest: dict[tuple, tuple] = {}
     for m in STATE.models:
         key = (m.source, m.plan_fingerprint, m.checkpoint_fingerprint, m.origin)
@@ -63,11 +62,9 @@ def status_text() -> str:
 
 
 def rank_status() -> dict:
-    """This rank's state as JSON-ready data; `{"active": False}` when the pack is inactive here."""
-    if not STATE.active:
-        return {"active": False}
+    """This rank's state as JSON-ready data (the routes exist only where the pack is active)."""
     env, session = STATE.env, STATE.session
-    group, link = getattr(session, "group", None), session.link  # the link: measured as the group formed (tp2/link.py)
+    group, link = session.group, session.link  # the link: measured as the group formed (tp2/link.py)
     link = link and {"bus_gbps": round(link.bus_gbps, 2), "kind": link.kind, "mib": link.mib, "ms": round(link.seconds * 1e3, 2),
                      "prediction": session.link_prediction}  # fmt: skip
     return {
@@ -137,8 +134,6 @@ def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[st
     """(verdict, why) for one rank: healthy, starting, stopping, silent, wrong or unreachable."""
     if status is None:
         return "unreachable", problem or "no answer"
-    if not status.get("active"):
-        return "wrong", "the pack is inactive on it (TP2_RANK / TP2_WORLD_SIZE unset)"
     if status["tp_rank"] != tp_rank or status["tp_size"] != STATE.env.tp_size:
         return "wrong", f"it says it is rank {status['tp_rank']} of {status['tp_size']}"
     if not status["registered"]:
@@ -158,10 +153,7 @@ async def get_status(request: web.Request) -> web.Response:
 
 
 async def get_cluster(request: web.Request) -> web.Response:
-    me = rank_status()
-    if not me["active"]:
-        return web.json_response({"active": False, "ranks": []})
-    mine, door = STATE.env.tp_rank, front_door.FRONT_DOOR
+    me, mine, door = rank_status(), STATE.env.tp_rank, front_door.FRONT_DOOR
     urls = door.rank_urls if door is not None else [None] * STATE.env.tp_size
     async with ClientSession(timeout=PEER_TIMEOUT) as session:
         fetched = await asyncio.gather(*(front_door.fetch_status(session, u) for r, u in enumerate(urls) if r != mine))
@@ -171,7 +163,7 @@ async def get_cluster(request: web.Request) -> web.Response:
         verdict, why = health(r, status, problem, me["heartbeats"])
         ranks.append({"tp_rank": r, "url": url, "health": verdict, "why": why, "status": status})
     healthy = sum(1 for x in ranks if x["health"] == "healthy")
-    cluster = {"active": True, "this_rank": mine, "tp_size": STATE.env.tp_size, "split": split_named(), "healthy": healthy}
+    cluster = {"active": True, "this_rank": mine, "tp_size": STATE.env.tp_size, "split": me["split"], "healthy": healthy}
     return web.json_response({**cluster, "ranks": ranks})
 
 
