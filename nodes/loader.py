@@ -69,37 +69,32 @@ def _hooked_load_diffusion_model(original):
     def load_diffusion_model(unet_path, model_options={}, disable_dynamic=False):  # noqa: B006 - ComfyUI's signature
         if not STATE.active or not is_h3_file(unet_path):
             return original(unet_path, model_options=model_options, disable_dynamic=disable_dynamic)
-        patcher = _load_h3(unet_path, model_options, disable_dynamic)
+        t0 = time.monotonic()
+        shard = open_shard(unet_path)
+        sd, metadata, plan = shard.state_dict, shard.metadata, shard.plan
+        split_input = _pop_split_input(sd, plan)
+        _PINNED.append(_compute_dtype())  # ComfyUI's manual cast while it builds the model (_pinned_manual_cast)
+        try:
+            patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options, metadata=metadata, disable_dynamic=disable_dynamic)
+        finally:
+            _PINNED.pop()
+        if patcher is None:
+            raise PlanError(
+                f"ComfyUI could not build a model from this rank's shard of '{os.path.basename(unet_path)}'. Report this with the file name."
+            )
+        dm = patcher.model.diffusion_model
+        _assign_split_input(dm, split_input)
+        patcher.model.tp2_plan = plan  # read by the LoRA hook (nodes/lora.py)
+        tag_and_verify(dm, plan)
+        if any(name.endswith(".comfy_quant") for name in plan.tensors):
+            check_int8_path(patcher.model.get_dtype_inference())  # refuses a device whose int8 path measures wrong
+        sp = STATE.sequence_parallel and sequence_parallel.install(dm)  # at tp_size 1 too: the same kernels on one GPU
+        install_model_wrappers(patcher, plan, shard.source_fingerprint, sequence_parallel=sp)
+        record_load("", unet_path, shard, t0, changes_of(dm))
         patcher.cached_patcher_init = (load_diffusion_model, (unet_path, model_options))
         return patcher
 
     return load_diffusion_model
-
-
-def _load_h3(unet_path, model_options, disable_dynamic):
-    t0 = time.monotonic()
-    shard = open_shard(unet_path)
-    sd, metadata, plan = shard.state_dict, shard.metadata, shard.plan
-    split_input = _pop_split_input(sd, plan)
-    _PINNED.append(_compute_dtype())  # ComfyUI's manual cast while it builds the model (_pinned_manual_cast)
-    try:
-        patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options, metadata=metadata, disable_dynamic=disable_dynamic)
-    finally:
-        _PINNED.pop()
-    if patcher is None:
-        raise PlanError(
-            f"ComfyUI could not build a model from this rank's shard of '{os.path.basename(unet_path)}'. Report this with the file name."
-        )
-    dm = patcher.model.diffusion_model
-    _assign_split_input(dm, split_input)
-    patcher.model.tp2_plan = plan  # read by the LoRA hook (nodes/lora.py)
-    tag_and_verify(dm, plan)
-    if any(name.endswith(".comfy_quant") for name in plan.tensors):
-        check_int8_path(patcher.model.get_dtype_inference())  # refuses a device whose int8 path measures wrong
-    sp = STATE.sequence_parallel and sequence_parallel.install(dm)  # at tp_size 1 too: the same kernels on one GPU
-    install_model_wrappers(patcher, plan, shard.source_fingerprint, sequence_parallel=sp)
-    record_load("", unet_path, shard, t0, changes_of(dm))
-    return patcher
 
 
 def record_load(kind: str, path: str, shard: RankShard, t0: float, changes) -> None:
@@ -113,14 +108,13 @@ def record_load(kind: str, path: str, shard: RankShard, t0: float, changes) -> N
 def _compute_dtype() -> torch.dtype:
     """This rank's compute dtype (TP2_COMPUTE_DTYPE; ComfyUI's --force-fp32 counts as fp32), logged with why."""
     setting = settings.value("TP2_COMPUTE_DTYPE")
-    device = STATE.device
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    capability = torch.cuda.get_device_capability(STATE.device) if STATE.device.type == "cuda" else None
     if setting == "auto" and comfy.model_management.FORCE_FP32:
         name, why = "fp32", "ComfyUI's --force-fp32"
     else:
         name, why = choose_compute_dtype(capability, setting)
     STATE.compute_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-    log.info("%s compute dtype %s on %s: %s", STATE.tag, name, device, why)
+    log.info("%s compute dtype %s on %s: %s", STATE.tag, name, STATE.device, why)
     return STATE.compute_dtype
 
 

@@ -85,8 +85,15 @@ def _is_h3_encoder(ckpt_paths, clip_type) -> bool:
 def wire_text_encoder(clip, plan: TEPlan) -> None:
     """Roles on every linear, row-parallel forwards, the width check, and the encode rendezvous."""
     encoder = getattr(clip.cond_stage_model, TE_ATTR)
-    transformer = encoder.transformer
-    _verify_widths(transformer, plan)
+    transformer, r = encoder.transformer, STATE.env.tp_rank
+    why = f"(tp_size={plan.tp_size}) ComfyUI ignored the pack's width override; report this with your ComfyUI version."
+    rows = {"vocabulary rows": transformer.model.embed_tokens.num_embeddings}
+    refuse_widths("the text encoder's embedding", rows, {"vocabulary rows": plan.local("vocab", r)}, why)
+    want = {"heads": plan.local("q", r), "KV heads": plan.local("kv", r), "head_dim": plan.head_dim, "FFN": plan.local("ffn", r)}
+    for i, layer in enumerate(transformer.model.layers):
+        attn = layer.self_attn
+        built = {"heads": attn.num_heads, "KV heads": attn.num_kv_heads, "head_dim": attn.head_dim, "FFN": layer.mlp.down_proj.in_features}
+        refuse_widths(f"text encoder layer {i}", built, want, why)
     setattr(clip.cond_stage_model, TE_PLAN_ATTR, plan)  # read by the LoRA hook (nodes/lora.py)
     changes = changes_of(clip.cond_stage_model)
     for name, module, style in planned_linears(transformer, plan.linears, "text encoder"):
@@ -96,18 +103,6 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
     changes.replace("model.embed_tokens.forward", transformer.model.embed_tokens, "forward", lambda own: _vocab_parallel_forward(own, plan))
     # SDClipModel.forward: token embedding (process_tokens), then the layers
     changes.replace("encoder.forward", encoder, "forward", lambda own: _encoding_in_step(own, plan))
-
-
-def _verify_widths(transformer, plan: TEPlan) -> None:
-    r = STATE.env.tp_rank
-    why = f"(tp_size={plan.tp_size}) ComfyUI ignored the pack's width override; report this with your ComfyUI version."
-    rows = {"vocabulary rows": transformer.model.embed_tokens.num_embeddings}
-    refuse_widths("the text encoder's embedding", rows, {"vocabulary rows": plan.local("vocab", r)}, why)
-    want = {"heads": plan.local("q", r), "KV heads": plan.local("kv", r), "head_dim": plan.head_dim, "FFN": plan.local("ffn", r)}
-    for i, layer in enumerate(transformer.model.layers):
-        attn = layer.self_attn
-        built = {"heads": attn.num_heads, "KV heads": attn.num_kv_heads, "head_dim": attn.head_dim, "FFN": layer.mlp.down_proj.in_features}
-        refuse_widths(f"text encoder layer {i}", built, want, why)
 
 
 def _require_full_precision(name: str, module) -> None:
