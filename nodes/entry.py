@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 
+import comfy.memory_management
 import comfy.model_management
 import torch
 from comfy_api.latest import ComfyExtension
@@ -14,6 +15,7 @@ from server import PromptServer
 
 from ..kernels import select_int8_gemm
 from ..tp2 import settings
+from ..tp2.capacity import allocator_of
 from ..tp2.collectives import reduce_dtype_from_env
 from ..tp2.session import TPSession
 from ..tp2.split import parse_split
@@ -80,10 +82,6 @@ def _install_hooks() -> None:
 def _warn_if_dynamic_vram_cannot_evict() -> None:
     """Dynamic VRAM frees weights when a cudaMalloc or cudaMallocAsync call finds no room; expandable segments map
     torch's memory by other calls, so under them an out-of-memory comes where weights could have made room."""
-    import comfy.memory_management
-
-    from ..tp2.capacity import allocator_of
-
     conf = settings.torch_allocator_conf()
     if comfy.memory_management.aimdo_enabled and allocator_of(torch.cuda.get_allocator_backend(), conf) == "expandable":
         log.warning(

@@ -15,7 +15,7 @@ from ..kernels import norm_modulate, qk_norm_rope
 from ..kernels.int8_gemm import quantize_int8_convrot
 from ..tp2.errors import NumericsError
 from ..tp2.numerics import AVOID, MIN_DB, BlockPath, NumericsReport, check_block
-from .h3_attention import attention_override
+from .h3_attention import attention_override, norm_rope_
 from .state import STATE, log
 
 
@@ -38,8 +38,6 @@ def _checked(device: torch.device, dtype: torch.dtype, kernel: str, shares: tupl
 
 
 def _block_path(device: torch.device, dtype: torch.dtype, fused: bool) -> BlockPath:
-    from .h3_attention import norm_rope_
-
     try:
         kitchen = metadata.version("comfy-kitchen")
     except metadata.PackageNotFoundError:
