@@ -26,16 +26,11 @@ from .shard import slice_tensor
 def slice_lora_factors(up: torch.Tensor, down: torch.Tensor, ts: TensorShard, tp_rank: int, key: str) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (up, down) for a weight sharded as `ts`; raises AdapterPlacementError on a shape mismatch."""
     full = tuple(ts.full_shape)
-    if up.ndim != 2 or down.ndim != 2 or len(full) != 2:
+    if up.ndim != 2 or down.ndim != 2 or up.shape[1] != down.shape[0] or (up.shape[0], down.shape[1]) != full:
         raise AdapterPlacementError(
-            f"{key}: LoRA factors up {list(up.shape)} / down {list(down.shape)} on weight {list(full)}: only 2-D linear "
-            "LoRAs can be sliced for tensor parallelism."
-        )
-    if up.shape[1] != down.shape[0] or (up.shape[0], down.shape[1]) != full:
-        raise AdapterPlacementError(
-            f"{key}: LoRA up {list(up.shape)} @ down {list(down.shape)} does not make the weight's full shape {list(full)}. "
-            "The LoRA was made for another model (or another H3 form); without TP ComfyUI would skip this key, "
-            "under TP it is refused so that no rank applies a wrong slice."
+            f"{key}: LoRA up {list(up.shape)} @ down {list(down.shape)} does not make the weight's full shape {list(full)}: only "
+            "2-D linear LoRAs made for this model (and H3 form) can be sliced. Without TP ComfyUI would skip this key; under TP "
+            "it is refused so that no rank applies a wrong slice."
         )
     if ts.kind != SPLIT:
         return up, down
@@ -68,8 +63,7 @@ LAYER_KEY_ENDS = (".lora_up.weight", ".lora_B.weight", "_lora.up.weight", ".lora
 
 
 def unmatched_warning(keys, matched: int) -> str | None:
-    """What to tell the user when a LoRA of `keys` patched `matched` weights: nothing (an H3 LoRA was not given),
-    or fewer than its layers; None when every layer it names found a weight."""
+    """What to tell the user when a LoRA of `keys` patched only `matched` weights; None when every layer it names did."""
     layers = sum(1 for k in keys if k.endswith(LAYER_KEY_ENDS))
     if matched == 0:
         return f"this LoRA patched nothing of the model (0 of its {layers} layers matched): it is not for MiniMax-H3, and the output equals no LoRA"
