@@ -98,22 +98,18 @@ def wire_text_encoder(clip, plan: TEPlan) -> None:
     changes = changes_of(clip.cond_stage_model)
     for name, module, style in planned_linears(transformer, plan.linears, "text encoder"):
         if style == ROWWISE:
-            _require_full_precision(name, module)
+            # the row-parallel forward is the full-precision one ComfyUI gives every quantised text encoder linear
+            # (comfy/sd1_clip.py); a layer built with a quantised GEMM would compute otherwise split than whole: refused
+            if getattr(module, "layout_type", None) is not None and not getattr(module, "_full_precision_mm", False):
+                raise PlanError(
+                    f"{STATE.tag} text encoder layer '{name}' was built with a quantised GEMM ({module.layout_type}), not the "
+                    "full-precision matmul ComfyUI gives a text encoder (custom operations from another node pack?). The pack "
+                    "splits only the latter: load the encoder without that pack, or run with --tp-size 1."
+                )
             changes.replace(f"{name}.forward", module, "forward", lambda own, m=module: functools.partial(full_precision_rowwise_call, m))
     changes.replace("model.embed_tokens.forward", transformer.model.embed_tokens, "forward", lambda own: _vocab_parallel_forward(own, plan))
     # SDClipModel.forward: token embedding (process_tokens), then the layers
     changes.replace("encoder.forward", encoder, "forward", lambda own: _encoding_in_step(own, plan))
-
-
-def _require_full_precision(name: str, module) -> None:
-    """The row-parallel forward is ComfyUI's full-precision one, which ComfyUI gives every quantised text encoder
-    linear (comfy/sd1_clip.py); a layer built with a quantised GEMM would compute otherwise split than whole: refused."""
-    if getattr(module, "layout_type", None) is not None and not getattr(module, "_full_precision_mm", False):
-        raise PlanError(
-            f"{STATE.tag} text encoder layer '{name}' was built with a quantised GEMM ({module.layout_type}), not the "
-            "full-precision matmul ComfyUI gives a text encoder (custom operations from another node pack?). The pack "
-            "splits only the latter: load the encoder without that pack, or run with --tp-size 1."
-        )
 
 
 def _vocab_parallel_forward(own, plan: TEPlan):
