@@ -38,8 +38,7 @@ REJOIN_WAIT_S = 120.0  # how long rank 0 holds a prompt for a follower its launc
 
 
 def _route(request: web.Request) -> str:
-    """The route a request reaches, without the /api prefixes: ComfyUI serves every route again under /api, its
-    /api/... routes included (so /api/api/jobs/cancel is the jobs cancel route)."""
+    """The route without /api prefixes: ComfyUI serves every route under /api too (/api/api/jobs/cancel is jobs cancel)."""
     path = request.path
     while path.startswith("/api/"):
         path = path[len("/api") :]

@@ -48,9 +48,8 @@ def is_h3_file(path: str) -> bool:
 
 
 def open_shard(path: str) -> RankShard:
-    """This rank's shard of an H3 DiT or text encoder file, through the rank cache as TP2_RANK_CACHE says. Cache files
-    are read by ComfyUI's reader (a mapping), but without dynamic VRAM by tp2's pread: a mapped file that another
-    process cuts short would end the process with SIGBUS."""
+    """This rank's shard of an H3 DiT or text encoder file, through the rank cache as TP2_RANK_CACHE says. Without dynamic
+    VRAM cache files are read by tp2's pread, not mapped: a mapped file that another process cuts short ends it (SIGBUS)."""
     mode, cache_dir = settings.value("TP2_RANK_CACHE"), settings.cache_dir()
     dynamic = comfy.memory_management.aimdo_enabled
     cached = os.path.join(cache_dir, "rank_cache", "")
