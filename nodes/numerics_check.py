@@ -31,8 +31,7 @@ def check_int8_path(dtype: torch.dtype) -> NumericsReport:
 
 @functools.cache
 def _checked(device: torch.device, dtype: torch.dtype, kernel: str, shares: tuple, fused: bool) -> NumericsReport:
-    path = _block_path(device, dtype, fused)
-    report = check_block(path, device, len(shares), _device_name(device), shares=shares)
+    report = check_block(_block_path(device, dtype, fused), device, len(shares), _device_name(device), shares=shares)
     (log.error if report.failing else log.info)("%s numerics check of the int8 path: %s", STATE.tag, report.summary())
     return report
 

@@ -56,8 +56,7 @@ def _hooked_load_clip(original):
         sd, metadata, plan = shard.state_dict, shard.metadata, shard.plan
         if model_options.get("custom_operations") is None:
             sd, metadata = comfy.utils.convert_old_quants(sd, model_prefix="", metadata=metadata)
-        mine = plan.local_config(STATE.env.tp_rank)
-        options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **mine}})
+        options = dict(model_options, **{CONFIG_KEY: {**model_options.get(CONFIG_KEY, {}), **plan.local_config(STATE.env.tp_rank)}})
         clip = comfy.sd.load_text_encoder_state_dicts([sd], embedding_directory, clip_type, options, disable_dynamic)
         clip.patcher.cached_patcher_init = (comfy.sd.load_clip_model_patcher, (ckpt_paths, embedding_directory, clip_type, model_options))
         wire_text_encoder(clip, plan)
