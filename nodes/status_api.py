@@ -131,7 +131,7 @@ def resolved_settings() -> dict[str, str]:
 
 
 def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[str, float]) -> tuple[str, str]:
-    """(verdict, why) for one rank: healthy, starting, stopping, silent, wrong or unreachable."""
+    """(verdict, why) for one rank: healthy, starting, stopping, waiting, silent, wrong or unreachable."""
     if status is None:
         return "unreachable", problem or "no answer"
     if status["tp_rank"] != tp_rank or status["tp_size"] != STATE.env.tp_size:
