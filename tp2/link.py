@@ -59,9 +59,7 @@ def measure_link(tp: TPGroup, gpu: str = "") -> Link:
 def _cell(table: str, a: str, b: str) -> str | None:
     """Row GPU`a`, column GPU`b` of an `nvidia-smi topo` matrix (None: not there)."""
     lines = [line.split() for line in table.splitlines() if line.strip()]
-    if not lines:
-        return None
-    head = lines[0]
+    head = lines[0] if lines else []
     row = next((cells for cells in lines[1:] if cells[0] == f"GPU{a}"), None)
     col = head.index(f"GPU{b}") + 1 if f"GPU{b}" in head else None
     return row[col] if row is not None and col is not None and col < len(row) else None
