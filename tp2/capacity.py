@@ -74,8 +74,7 @@ def tokens(width: int, height: int, frames: int, text_tokens: int = TEXT_TOKENS)
 
 def allocator_of(backend: str, alloc_conf: str) -> str:
     """torch's CUDA allocator as POOL_OVER_LIVE names it, from torch.cuda.get_allocator_backend() and
-    PYTORCH_CUDA_ALLOC_CONF: ComfyUI's default cudaMallocAsync, the native one (the launcher's --lean-memory), or the
-    native one with expandable segments."""
+    PYTORCH_CUDA_ALLOC_CONF (native: the launcher's --lean-memory)."""
     if backend == ASYNC:
         return backend
     return "expandable" if "expandable_segments:true" in alloc_conf.replace(" ", "").lower() else "native"

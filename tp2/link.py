@@ -107,8 +107,7 @@ def predict_speedup(block_s: list[float], shares: tuple[int, ...], bus_gbps: flo
 
 def verdict(speedup: float, shares: tuple[int, ...]) -> str:
     """The prediction in words; under MEMORY_NOT_SPEED it says plainly what TP buys here."""
-    split = ":".join(map(str, shares))
-    said = f"predicted {speedup:.2f}x the fastest card alone at {split}"
+    said = f"predicted {speedup:.2f}x the fastest card alone at {':'.join(map(str, shares))}"
     if speedup < MEMORY_NOT_SPEED:
         return f"{said}: TP buys memory here, not speed (longer or larger videos than one card holds)"
     return said
