@@ -123,14 +123,13 @@ def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], ide
     log.info("rank cache: cutting this rank's slices of %s into %s (%.1f GB, once)", os.path.basename(source), out, need / 1e9)
     t0 = time.monotonic()
     with TensorReader(source) as reader:
+        read = functools.partial(read_shard_tensor, reader, tensors, tp_rank=tp_rank)
         # nvfp4 block scales: their local shape is known once cut (swizzle padding), so they are cut first and held
-        scales = {n: read_shard_tensor(reader, tensors, n, tp_rank) for n, ts in tensors.items() if ts.kind == NVFP4_BLOCK_SCALE}
+        scales = {n: read(n) for n, ts in tensors.items() if ts.kind == NVFP4_BLOCK_SCALE}
         pending = [
             PendingTensor(n, scales[n].dtype, tuple(scales[n].shape), lambda n=n: scales.pop(n))
             if n in scales
-            else PendingTensor(
-                n, DTYPES[ts.dtype], tuple(ts.local_shape(tp_rank)), lambda n=n: read_shard_tensor(reader, tensors, n, tp_rank)
-            )
+            else PendingTensor(n, DTYPES[ts.dtype], tuple(ts.local_shape(tp_rank)), functools.partial(read, n))
             for n, ts in tensors.items()
         ]
         pending.sort(key=lambda t: math.prod(t.shape) * t.dtype.itemsize % ALIGN != 0)  # whole-ALIGN tensors first
