@@ -50,8 +50,7 @@ def measure_link(tp: TPGroup, gpu: str = "") -> Link:
     start = time.perf_counter()
     all_reduce(x, tp)
     sync()
-    seconds = time.perf_counter() - start
-    seconds = max(all_gather_object(seconds, tp))  # one figure on every rank: the slowest rank's view
+    seconds = max(all_gather_object(time.perf_counter() - start, tp))  # one figure on every rank: the slowest rank's view
     gbps = mib * 2**20 / seconds * bus_factor(tp.tp_size) / 1e9
     return Link(gbps, link_kind(tp.backend, gpus), mib, seconds)
 
