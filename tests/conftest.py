@@ -155,7 +155,8 @@ def real_layout(name: str):
     from tp2.checkpoint import CheckpointLayout
 
     with open(os.path.join(DATA, name)) as f:
-        return CheckpointLayout.from_json(json.load(f))
+        doc = json.load(f)
+    return CheckpointLayout({n: (d, tuple(s)) for n, (d, s) in doc["tensors"].items()}, doc["metadata"], doc["quant"], doc["source"])
 
 
 @pytest.fixture(scope="session")

@@ -57,8 +57,7 @@ def frames_on_grid(frames: int) -> int:
 
 def latent_frames(frames: int) -> int:
     """The video latent's frames for `frames` pixel frames (ComfyUI's H3 nodes: 5 -> 2, then 5 per 17)."""
-    frames = frames_on_grid(frames)
-    return 2 if frames <= 5 else ((frames - 5) // 17) * 5 + 2
+    return (frames_on_grid(frames) - 5) // 17 * 5 + 2
 
 
 def pixel_frames(latent_t: int) -> int:
@@ -69,15 +68,13 @@ def pixel_frames(latent_t: int) -> int:
 def tokens(width: int, height: int, frames: int, text_tokens: int = TEXT_TOKENS) -> int:
     """Rows of the packed sequence: video (latent frames x H/32 x W/32), stereo audio at 40 Hz, text."""
     frames = frames_on_grid(frames)
-    latent_t = latent_frames(frames)
     audio_t = round(frames / 24 * 40)
-    return latent_t * (height // 32) * (width // 32) + 2 * audio_t + text_tokens
+    return latent_frames(frames) * (height // 32) * (width // 32) + 2 * audio_t + text_tokens
 
 
 def allocator_of(backend: str, alloc_conf: str) -> str:
     """torch's CUDA allocator as POOL_OVER_LIVE names it, from torch.cuda.get_allocator_backend() and
-    PYTORCH_CUDA_ALLOC_CONF: ComfyUI's default cudaMallocAsync, the native one (the launcher's --lean-memory), or the
-    native one with expandable segments."""
+    PYTORCH_CUDA_ALLOC_CONF (native: the launcher's --lean-memory)."""
     if backend == ASYNC:
         return backend
     return "expandable" if "expandable_segments:true" in alloc_conf.replace(" ", "").lower() else "native"
@@ -189,8 +186,8 @@ def table(gpus: list[float], shares: Shares, dtype: str = "bf16", fast: bool = F
     for w, h in RESOLUTIONS:
         cells = []
         for (_, streamed, allocator), s in ((mode, s) for mode in MODES for s in compared):
-            f, r = longest_on_every_rank(w, h, gpus, s, streamed, allocator=allocator, dtype=dtype, fast=fast)
             how = dict(streamed=streamed, allocator=allocator, dtype=dtype, fast=fast)
+            f, r = longest_on_every_rank(w, h, gpus, s, **how)
             said = f", {predict_peak_gib(tokens(w, h, f), len(gpus), **how):.1f}" if alike and f else ""
             cells.append((f"{f} ({f / 24:.1f} s{said})" if f else "none") + ("" if alike or s != shares else f", rank {r}"))
         lines.append(f"| {w}x{h} | " + " | ".join(cells) + " |")

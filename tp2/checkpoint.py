@@ -1,10 +1,10 @@
 """What a checkpoint is made of, without its weights: tensor names, dtypes, shapes, quantisation configs; and a
 MiniMax-H3 DiT recognised from them (`H3Shape`: its key prefix, adaln form and widths).
 
-`CheckpointLayout` is all the plan needs. It comes from a file (the safetensors header plus the few bytes of
-each `.comfy_quant` marker), or from a JSON description (tests keep the real H3 layout that way). The DiT's dims are
-never hard-coded: they come from blocks.0's shapes, the way ComfyUI's own detection reads them; a file that is not an
-H3 DiT, is incomplete, or is already a rank's slice is refused. Imports torch only through `safetensors_io`; never `comfy`.
+`CheckpointLayout` is all the plan needs: a file's safetensors header plus the few bytes of each `.comfy_quant` marker
+(tests build one from the real H3 layout kept as JSON). The DiT's dims are never hard-coded: they come from blocks.0's
+shapes, the way ComfyUI's own detection reads them; a file that is not an H3 DiT, is incomplete, or is already a rank's
+slice is refused. Imports torch only through `safetensors_io`; never `comfy`.
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ class CheckpointLayout:
                     quant[name[: -len(QUANT_SUFFIX)]] = _parse_quant_json(raw, name, path)
         tensors = {n: (t.dtype, t.shape) for n, t in header.tensors.items()}
         return cls(tensors, dict(header.metadata), quant, path)
-
-    @classmethod
-    def from_json(cls, doc: dict) -> CheckpointLayout:
-        tensors = {n: (d, tuple(s)) for n, (d, s) in doc["tensors"].items()}
-        return cls(tensors, dict(doc.get("metadata", {})), dict(doc.get("quant", {})), doc.get("source", "<json>"))
 
 
 def _parse_quant_json(raw: bytes | str, where: str, path: str) -> dict:

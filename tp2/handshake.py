@@ -76,10 +76,11 @@ def prompt_details(prompt: dict) -> str:
     for `compare_fields`: every input, and every other key of a node (e.g. its `_meta` title), by name."""
     out = {}
     for node_id, node in prompt.items():
-        cls = node.get("class_type", "?") if isinstance(node, dict) else "?"
-        for name, value in (node.get("inputs") or {}).items() if isinstance(node, dict) else ():
+        node = node if isinstance(node, dict) else {}
+        cls = node.get("class_type", "?")
+        for name, value in (node.get("inputs") or {}).items():
             out[f"node {node_id} ({cls}) input '{name}'"] = short_value(value)
-        for key, value in node.items() if isinstance(node, dict) else ():
+        for key, value in node.items():
             if key not in ("inputs", "class_type"):
                 out[f"node {node_id} ({cls}) {key}"] = short_value(value)
         out.setdefault(f"node {node_id} ({cls})", "present")

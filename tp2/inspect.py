@@ -40,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.json:
         head = {k: v for k, v in vars(plan).items() if k not in ("linears", "tensors", "head_bounds", "ffn_bounds")}
-        json.dump({**head, "fingerprint": plan.fingerprint(), "tensors": rows}, sys.stdout, indent=1)
-        print()
+        print(json.dumps({**head, "fingerprint": plan.fingerprint(), "tensors": rows}, indent=1))
         return 0
     print(plan.summary())
     width = max(len(r["name"]) for r in rows)

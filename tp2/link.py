@@ -50,8 +50,7 @@ def measure_link(tp: TPGroup, gpu: str = "") -> Link:
     start = time.perf_counter()
     all_reduce(x, tp)
     sync()
-    seconds = time.perf_counter() - start
-    seconds = max(all_gather_object(seconds, tp))  # one figure on every rank: the slowest rank's view
+    seconds = max(all_gather_object(time.perf_counter() - start, tp))  # one figure on every rank: the slowest rank's view
     gbps = mib * 2**20 / seconds * bus_factor(tp.tp_size) / 1e9
     return Link(gbps, link_kind(tp.backend, gpus), mib, seconds)
 
@@ -59,9 +58,7 @@ def measure_link(tp: TPGroup, gpu: str = "") -> Link:
 def _cell(table: str, a: str, b: str) -> str | None:
     """Row GPU`a`, column GPU`b` of an `nvidia-smi topo` matrix (None: not there)."""
     lines = [line.split() for line in table.splitlines() if line.strip()]
-    if not lines:
-        return None
-    head = lines[0]
+    head = lines[0] if lines else []
     row = next((cells for cells in lines[1:] if cells[0] == f"GPU{a}"), None)
     col = head.index(f"GPU{b}") + 1 if f"GPU{b}" in head else None
     return row[col] if row is not None and col is not None and col < len(row) else None
@@ -109,8 +106,7 @@ def predict_speedup(block_s: list[float], shares: tuple[int, ...], bus_gbps: flo
 
 def verdict(speedup: float, shares: tuple[int, ...]) -> str:
     """The prediction in words; under MEMORY_NOT_SPEED it says plainly what TP buys here."""
-    split = ":".join(map(str, shares))
-    said = f"predicted {speedup:.2f}x the fastest card alone at {split}"
+    said = f"predicted {speedup:.2f}x the fastest card alone at {':'.join(map(str, shares))}"
     if speedup < MEMORY_NOT_SPEED:
         return f"{said}: TP buys memory here, not speed (longer or larger videos than one card holds)"
     return said

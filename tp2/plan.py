@@ -29,7 +29,6 @@ RANK0 = "rank0"  # a row-parallel bias: rank 0 holds it, other ranks hold zeros,
 
 # Megatron-style plan of the H3 DiT, by module-name pattern ("*" is a block index) -> (style, packed parts).
 # Attention and MLP are split column-then-row, so each block needs two all-reduces and nothing else.
-# `adaln_proj.linear` of the DiT blocks is resolved by checkpoint form (ADALN_STYLE).
 ADALN = "blocks.*.adaln_proj.linear"
 H3_TP_PLAN: dict[str, tuple[str, int]] = {
     "blocks.*.attn.qkv_proj": (COLWISE_PACKED, 3),  # [q|k|v]: each rank takes its heads from each part
@@ -40,7 +39,7 @@ H3_TP_PLAN: dict[str, tuple[str, int]] = {
     "token_refiner.blocks.*.attn.out_proj": (ROWWISE, 1),
     "token_refiner.blocks.*.mlp.fc1": (COLWISE_PACKED, 2),
     "token_refiner.blocks.*.mlp.fc2": (ROWWISE, 1),
-    ADALN: (REPLICATE, 1),  # placeholder, resolved by form
+    ADALN: (REPLICATE, 1),  # placeholder: a block's adaln is resolved by checkpoint form (ADALN_STYLE)
 }
 # the full form's adaln is ~260 M params per block at full size: halve it per rank; the curve form's is ~1 M
 ADALN_STYLE = {"curve": REPLICATE, "full": ROWWISE_SPLIT_INPUT}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -122,14 +123,13 @@ def write_cache_file(out: str, source: str, tensors: dict[str, TensorShard], ide
     log.info("rank cache: cutting this rank's slices of %s into %s (%.1f GB, once)", os.path.basename(source), out, need / 1e9)
     t0 = time.monotonic()
     with TensorReader(source) as reader:
+        read = functools.partial(read_shard_tensor, reader, tensors, tp_rank=tp_rank)
         # nvfp4 block scales: their local shape is known once cut (swizzle padding), so they are cut first and held
-        scales = {n: read_shard_tensor(reader, tensors, n, tp_rank) for n, ts in tensors.items() if ts.kind == NVFP4_BLOCK_SCALE}
+        scales = {n: read(n) for n, ts in tensors.items() if ts.kind == NVFP4_BLOCK_SCALE}
         pending = [
             PendingTensor(n, scales[n].dtype, tuple(scales[n].shape), lambda n=n: scales.pop(n))
             if n in scales
-            else PendingTensor(
-                n, DTYPES[ts.dtype], tuple(ts.local_shape(tp_rank)), lambda n=n: read_shard_tensor(reader, tensors, n, tp_rank)
-            )
+            else PendingTensor(n, DTYPES[ts.dtype], tuple(ts.local_shape(tp_rank)), functools.partial(read, n))
             for n, ts in tensors.items()
         ]
         pending.sort(key=lambda t: math.prod(t.shape) * t.dtype.itemsize % ALIGN != 0)  # whole-ALIGN tensors first
@@ -173,29 +173,6 @@ def load_cache_file(
     return {n: sd[n] for n in tensors}
 
 
-def _rank_tensors(
-    source: str, plan: Plan | TEPlan, tp_rank: int, cache_dir: str | None, read_all: ReadAll | None, cut: bool
-) -> tuple[dict[str, torch.Tensor], str]:
-    """This rank's tensors of `source` in `plan`, and where they came from in words (see open_rank_shard)."""
-    tensors = plan.tensors
-    if plan.tp_size == 1 and read_all is not None:  # nothing to cut: the file itself, mapped by the loader's reader
-        sd = read_all(source)
-        return {n: sd[n] for n in tensors}, "mapped whole"
-    if cache_dir is not None and read_all is not None:
-        path, identity = _cache_entry(cache_dir, source, plan, tp_rank)
-        for attempt in (1, 2):
-            if not os.path.exists(path) and not (cut and write_cache_file(path, source, tensors, identity, tp_rank)):
-                break
-            try:
-                return load_cache_file(path, tensors, identity, read_all, tp_rank), f"rank cache {os.path.basename(path)}"
-            except (ShardMismatchError, CheckpointFormatError, OSError) as e:  # as a digest mismatch: never the checkpoint's fault
-                then = "cutting it again" if attempt == 1 and cut else "reading from the checkpoint"
-                log.warning("rank cache file %s cannot be used (%s): deleting it and %s", path, e, then)
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-    return read_shard(source, tensors, tp_rank, plan.tp_size), "shard-on-read"
-
-
 @dataclass(frozen=True)
 class RankShard:
     """What a rank loads, and where its tensors came from in words (`origin`: for the log and the status node)."""
@@ -223,9 +200,25 @@ def open_rank_shard(
     tp_size 1 the file itself through `read_all`; else from the rank cache when `cache_dir` and `read_all` are given
     (cut first if missing or damaged, when `cut`), else read from `path` (shard-on-read)."""
     plan = _plan(path, tp_rank, tp_size, shares)
-    sd, origin = _rank_tensors(path, plan, tp_rank, cache_dir, read_all, cut)
     header = read_header(path)
-    return RankShard(sd, dict(header.metadata), plan, file_fingerprint(header), origin)
+    shard = functools.partial(RankShard, metadata=dict(header.metadata), plan=plan, source_fingerprint=file_fingerprint(header))
+    if tp_size == 1 and read_all is not None:  # nothing to cut: the file itself, mapped by the loader's reader
+        sd = read_all(path)
+        return shard({n: sd[n] for n in plan.tensors}, origin="mapped whole")
+    if cache_dir is not None and read_all is not None:
+        cache, identity = _cache_entry(cache_dir, path, plan, tp_rank)
+        for attempt in (1, 2):
+            if not os.path.exists(cache) and not (cut and write_cache_file(cache, path, plan.tensors, identity, tp_rank)):
+                break
+            try:
+                sd = load_cache_file(cache, plan.tensors, identity, read_all, tp_rank)
+                return shard(sd, origin=f"rank cache {os.path.basename(cache)}")
+            except (ShardMismatchError, CheckpointFormatError, OSError) as e:  # as a digest mismatch: never the checkpoint's fault
+                then = "cutting it again" if attempt == 1 and cut else "reading from the checkpoint"
+                log.warning("rank cache file %s cannot be used (%s): deleting it and %s", cache, e, then)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(cache)
+    return shard(read_shard(path, plan.tensors, tp_rank, tp_size), origin="shard-on-read")
 
 
 def cut_ahead(source: str, tp_size: int, tp_rank: int, cache_dir: str, progress=None, shares: Shares | None = None) -> str:

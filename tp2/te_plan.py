@@ -121,11 +121,10 @@ def resolve_te_plan(layout: CheckpointLayout, tp_size: int, shares: Shares | Non
 
 def _dims(layout: CheckpointLayout) -> tuple[int, int, int, int, int]:
     """(hidden, head_dim, heads, kv_heads, ffn) from norms and the first layer (quantised shapes are logical rows)."""
-    shape = lambda k: layout.tensors["model.layers.0." + k][1]  # noqa: E731
-    head_dim = shape("self_attn.q_norm.weight")[0]
-    rows = lambda k: shape(k + ".weight")[0]  # noqa: E731 - output rows are stored unpacked in every format
+    rows = lambda k: layout.tensors["model.layers.0." + k + ".weight"][1][0]  # noqa: E731 - output rows: unpacked in every format
+    head_dim = rows("self_attn.q_norm")
     return (
-        shape("input_layernorm.weight")[0],
+        rows("input_layernorm"),
         head_dim,
         rows("self_attn.q_proj") // head_dim,
         rows("self_attn.k_proj") // head_dim,

@@ -52,7 +52,8 @@ def main() -> None:
     ap.add_argument("--splits", default="1:1,3:2,5:3,3:1")
     a = ap.parse_args()
     with open(LAYOUT) as f:
-        layout = CheckpointLayout.from_json(json.load(f))
+        doc = json.load(f)
+    layout = CheckpointLayout({n: (d, tuple(s)) for n, (d, s) in doc["tensors"].items()}, doc["metadata"], doc["quant"], doc["source"])
     for text in a.splits.split(","):
         shares = parse_split(text, len(text.split(":")))
         plan = resolve_plan(layout, len(shares), shares)
