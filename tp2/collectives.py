@@ -20,17 +20,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import settings
 from .errors import PeerLostError, PromptAbortedError
 from .settings import TPEnv
 from .watch import Watcher
 
 log = logging.getLogger(__name__)
-
-
-def reduce_dtype_from_env() -> torch.dtype:
-    """The dtype row-parallel partial sums are reduced in: fp32 (default, no extra rounding) or bf16 (half the bytes)."""
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[settings.value("TP2_REDUCE_DTYPE")]
 
 
 @dataclass
