@@ -141,7 +141,7 @@ class Pending:
             raise _lost(tp, what() if callable(what) else what, e) from e
         finally:
             if tp.watcher is not None:
-                tp.watcher.progress.wait_end()
+                tp.watcher.progress.waiting = None
         return self._finish()
 
 
