@@ -36,7 +36,7 @@ def capacity_advice(plan: Plan, latent_shapes, device: torch.device, patcher) ->
     streams = bool(patcher.is_dynamic() and mm.vram_state != mm.VRAMState.HIGH_VRAM)
     allocator = capacity.allocator_of(torch.cuda.get_allocator_backend(), settings.torch_allocator_conf())
     dtype = "fp32" if patcher.model.get_dtype_inference() == torch.float32 else "bf16"  # activations: 4 or 2 bytes (fp16 as bf16)
-    how = dict(fraction=fraction, dtype=dtype, fast=STATE.sequence_parallel)
+    how = dict(fraction=fraction, dtype=dtype, fast=settings.value("TP2_SEQUENCE_PARALLEL"))
     resident = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, **how)
     streamed = capacity.predict_peak_gib(rows, plan.tp_size, shard, plan.hidden, streamed=True, allocator=allocator, **how)
     need = streamed if streams else resident

@@ -16,7 +16,6 @@ from server import PromptServer
 from ..kernels import select_int8_gemm
 from ..tp2 import settings
 from ..tp2.capacity import allocator_of
-from ..tp2.collectives import reduce_dtype_from_env
 from ..tp2.session import TPSession
 from ..tp2.split import parse_split
 from .front_door import install_front_door, read_secret
@@ -40,13 +39,8 @@ def activate() -> None:
     device = comfy.model_management.get_torch_device()
     STATE.env, STATE.device = env, device if device.type == "cuda" else torch.device("cpu")
     STATE.shares = parse_split(settings.value("TP2_SPLIT"), env.tp_size)
-    STATE.prompt_timeout_s = settings.value("TP2_PROMPT_TIMEOUT_S")
     STATE.int8_gemm = select_int8_gemm(settings.value("TP2_INT8_KERNEL"))
-    STATE.int8_kernel = STATE.int8_gemm.kernel_name
-    STATE.reduce_dtype = reduce_dtype_from_env()
-    STATE.sequence_parallel = settings.value("TP2_SEQUENCE_PARALLEL")
-    STATE.sp_int8_gather = settings.value("TP2_SP_INT8_GATHER")
-    STATE.sp_fused_norm = settings.value("TP2_SP_FUSED_NORM")
+    STATE.reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[settings.value("TP2_REDUCE_DTYPE")]  # bf16: half the bytes
     STATE.session = TPSession(env, STATE.device, boot_id=uuid.uuid4().hex, secret=read_secret(), peer_urls=settings.value("TP2_RANK_URLS"))
     _install_hooks()
     threading.Thread(target=_register_boot, name="tp2-boot", daemon=True).start()

@@ -14,6 +14,7 @@ import functools
 import comfy.model_management as mm
 import comfy.patcher_extension as pe
 
+from ..tp2 import settings
 from ..tp2.collectives import broadcast_tree, carries_tensors
 from ..tp2.handshake import detail_key, model_fingerprint
 from ..tp2.plan import Plan
@@ -37,7 +38,7 @@ def install_model_wrappers(patcher, plan: Plan, checkpoint_fp: str, sequence_par
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
         "compute_dtype": str(STATE.compute_dtype),  # the replicated stream too: a 2080 Ti beside a 3090 needs fp32 on both
         "sequence_parallel": (  # the collectives (and the norm kernels) differ
-            f"{sequence_parallel}, int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm}"
+            f"{sequence_parallel}, int8 gathers {settings.value('TP2_SP_INT8_GATHER')}, fused norm {settings.value('TP2_SP_FUSED_NORM')}"
         ),
     }
     patcher.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, KEY, functools.partial(_outer_sample, plan, model_fields))

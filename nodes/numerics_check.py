@@ -13,6 +13,7 @@ import torch
 
 from ..kernels import norm_modulate, qk_norm_rope
 from ..kernels.int8_gemm import quantize_int8_convrot
+from ..tp2 import settings
 from ..tp2.errors import NumericsError
 from ..tp2.numerics import AVOID, MIN_DB, BlockPath, NumericsReport, check_block
 from .h3_attention import attention_override, norm_rope_
@@ -21,8 +22,8 @@ from .state import STATE, log
 
 def check_int8_path(dtype: torch.dtype) -> NumericsReport:
     """Run (or recall) the check for activations of `dtype` on this rank's device; refuse a wrong path."""
-    fused = STATE.sequence_parallel and STATE.sp_fused_norm
-    report = _checked(STATE.device, dtype, STATE.int8_kernel, STATE.shares or (1,) * STATE.env.tp_size, fused)
+    fused = settings.value("TP2_SEQUENCE_PARALLEL") and settings.value("TP2_SP_FUSED_NORM")
+    report = _checked(STATE.device, dtype, STATE.int8_gemm.kernel_name, STATE.shares or (1,) * STATE.env.tp_size, fused)
     STATE.numerics = report.summary()
     if report.failing:
         raise NumericsError(_refusal(report))
@@ -44,7 +45,7 @@ def _block_path(device: torch.device, dtype: torch.dtype, fused: bool) -> BlockP
     attention = functools.partial(attention_override(device, dtype), None, skip_reshape=True)  # (q, k, v, heads)
     rope = functools.partial(norm_rope_, fused=fused)
     rope_name = "pack Triton" if fused and qk_norm_rope.triton is not None and device.type == "cuda" else "comfy-kitchen"
-    names = {"int8 GEMM": STATE.int8_kernel, "attention": STATE.attention, "q/k norm + rope": rope_name, "comfy-kitchen": kitchen}
+    names = {"int8 GEMM": STATE.int8_gemm.kernel_name, "attention": STATE.attention, "q/k norm + rope": rope_name, "comfy-kitchen": kitchen}
     norm = None
     if fused and norm_modulate.available(device, dtype):
         names["norm + modulation"] = "pack Triton"

@@ -18,7 +18,7 @@ import comfy.model_management as mm
 import comfy.ops
 import comfy.utils
 
-from ..tp2 import __version__
+from ..tp2 import __version__, settings
 from ..tp2.errors import PeerLostError, PromptAbortedError
 from ..tp2.watch import describe_failure, with_advice
 from .patches import PATCHES
@@ -69,7 +69,7 @@ def agree_step(key: str, fields: dict[str, str]):
     session = STATE.session
     fields = {"pack_version": __version__, "prompt": STATE.prompt.fingerprint, **fields}
     try:
-        group = session.agree(key, fields, STATE.prompt_timeout_s, abort=rank0_abort if STATE.env.tp_rank == 0 else None)
+        group = session.agree(key, fields, settings.value("TP2_PROMPT_TIMEOUT_S"), abort=rank0_abort if STATE.env.tp_rank == 0 else None)
     except PeerLostError:
         session.cache_epoch(bump=True)
         raise

@@ -82,7 +82,7 @@ def gather(sp, local: torch.Tensor, linear=None):
 def fused_norm_ok(block, x: torch.Tensor, segments) -> bool:
     """Whether this block's norms can run fused here: CUDA with Triton, plain norm weights (no weight function, e.g.
     a LoRA patch applied on the fly), and segments that tile this rank's rows from the first one on."""
-    if not (STATE.sp_fused_norm and norm_modulate.available(x.device, x.dtype)):
+    if not (settings.value("TP2_SP_FUSED_NORM") and norm_modulate.available(x.device, x.dtype)):
         return False
     if any(n.weight is None or n.weight_function or n.bias_function for n in (block.norm1, block.norm2)):
         return False
@@ -115,7 +115,7 @@ def _split(sp: SequenceParallelForward, x: torch.Tensor, mod_segments, block) ->
     layout = RowLayout.plan(x.shape[0], STATE.env.tp_size, STATE.env.tp_rank)
     sp.layout, sp.segments = layout, layout.local_segments(mod_segments)
     local = layout.take(x)
-    sp.int8 = STATE.sp_int8_gather and vote_int8_gathers(block, local)
+    sp.int8 = settings.value("TP2_SP_INT8_GATHER") and vote_int8_gathers(block, local)
     fused = fused_norm_ok(block, local, sp.segments)
     if _logged != (layout, sp.int8, fused):
         log.info(

@@ -48,17 +48,12 @@ class RankState:
     env: settings.TPEnv | None = None
     session: object | None = None  # tp2.session.TPSession, created at activation
     device: object | None = None
-    int8_kernel: str = "auto"
     int8_gemm: object | None = None  # kernels.select_int8_gemm() result
     reduce_dtype: object = None  # torch dtype of the row-parallel all-reduce (TP2_REDUCE_DTYPE)
     shares: tuple[int, ...] | None = None  # TP2_SPLIT: each rank's share of the split layers (tp2/split.py)
-    sequence_parallel: bool = False  # TP2_SEQUENCE_PARALLEL: DiT blocks keep S/tp_size rows of the stream
-    sp_int8_gather: bool = True  # TP2_SP_INT8_GATHER: int8 linears' inputs are gathered quantised
-    sp_fused_norm: bool = False  # TP2_SP_FUSED_NORM: norm + modulation (+ gated residual) fused on CUDA
     sampling_key: str = ""  # the sampling run every rank agreed on last (prompt id / sampler number)
     attention: str = "comfyui"  # resolved backend name, "comfyui" = ComfyUI's own choice
     compute_dtype: object = None  # torch dtype the DiT computes in (TP2_COMPUTE_DTYPE, set at load; nodes/loader.py)
-    prompt_timeout_s: float = float(settings.SETTINGS["TP2_PROMPT_TIMEOUT_S"].default)
     models: list[LoadedModel] = field(default_factory=list)
     prompt: Prompt = field(default_factory=Prompt)
     last_agreement: str = "none yet"

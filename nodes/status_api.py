@@ -15,6 +15,7 @@ import asyncio
 from aiohttp import ClientSession, ClientTimeout, web
 from comfy_execution.progress import get_progress_state
 
+from ..tp2 import settings
 from ..tp2.session import is_loopback
 from ..tp2.split import even, is_even, named
 from . import front_door
@@ -114,16 +115,17 @@ def prompt_progress() -> dict | None:
 
 def resolved_settings() -> dict[str, str]:
     """The pack's settings as this rank resolved them at start (the env was read once, by activation)."""
-    sp = f"on (int8 gathers {STATE.sp_int8_gather}, fused norm {STATE.sp_fused_norm})" if STATE.sequence_parallel else "off"
+    v = settings.value  # frozen at activation
+    sp = f"on (int8 gathers {v('TP2_SP_INT8_GATHER')}, fused norm {v('TP2_SP_FUSED_NORM')})" if v("TP2_SEQUENCE_PARALLEL") else "off"
     return {
         "device": str(STATE.device),
         "rank store": "on loopback" if is_loopback(STATE.env.master_addr) else "on the network",
-        "int8 GEMM": STATE.int8_kernel,
+        "int8 GEMM": STATE.int8_gemm.kernel_name,
         "attention": STATE.attention,
         "all-reduce dtype": str(STATE.reduce_dtype).replace("torch.", ""),
         "sequence parallel": sp,
         "collective timeout": f"{STATE.env.timeout_s:.0f} s",
-        "prompt rendezvous timeout": f"{STATE.prompt_timeout_s:.0f} s",
+        "prompt rendezvous timeout": f"{v('TP2_PROMPT_TIMEOUT_S'):.0f} s",
         "front door": "on" if front_door.FRONT_DOOR is not None else "off",
         "numerics check": STATE.numerics,
         "ComfyUI functions patched": ", ".join(PATCHES.names()) or "none",

@@ -20,17 +20,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import settings
 from .errors import PeerLostError, PromptAbortedError
 from .settings import TPEnv
 from .watch import Watcher
 
 log = logging.getLogger(__name__)
-
-
-def reduce_dtype_from_env() -> torch.dtype:
-    """The dtype row-parallel partial sums are reduced in: fp32 (default, no extra rounding) or bf16 (half the bytes)."""
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[settings.value("TP2_REDUCE_DTYPE")]
 
 
 @dataclass
@@ -103,31 +97,6 @@ def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbort
     return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {told}")
 
 
-def wait(work, tp: TPGroup, what: str | Callable[[], str], host_side: bool) -> None:
-    """Wait for `work`; a host-side (gloo) wait polls the group's watcher so a peer's stop ends it at once (a
-    GPU one only makes the current stream wait). `what` names the collective in an error (a callable is called only
-    then: the hot path formats nothing)."""
-    try:
-        if not host_side or tp.watcher is None:
-            work.wait()
-            return
-        pause = 0.0002
-        while not work.is_completed():
-            why = tp.watcher.stop_reason
-            if why:
-                raise PromptAbortedError(why)
-            if pause > 0.01 and tp.watcher.progress.waiting is None:  # waiting for a peer, not a copy
-                tp.watcher.progress.wait_begin(what() if callable(what) else what)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        work.wait()  # raises if the collective failed
-    except (RuntimeError, dist.DistError) as e:
-        raise _lost(tp, what() if callable(what) else what, e) from e
-    finally:
-        if tp.watcher is not None:
-            tp.watcher.progress.wait_end()
-
-
 def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Forward: all-reduce(sum) in place over the TP group; identity at tp_size 1."""
     if tp.tp_size == 1:
@@ -141,7 +110,9 @@ def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 class Pending:
     """A collective in flight, started by `start()` (None: nothing to wait for; one that cannot even start is the loss
-    of a peer): `result()` makes the current stream wait for it (`wait`; host-side by default on a gloo group) and returns `finish()`."""
+    of a peer): `result()` waits for it and returns `finish()`. A host-side wait (by default on a gloo group) polls the
+    group's watcher so a peer's stop ends it at once; a GPU one only makes the current stream wait. `what` names the
+    collective in an error (a callable is called only then: the hot path formats nothing)."""
 
     def __init__(self, tp: TPGroup, what: str | Callable[[], str], start: Callable | None, finish=lambda: None, host_side=None):
         self._tp, self._what, self._finish, self._host_side = tp, what, finish, host_side
@@ -151,8 +122,26 @@ class Pending:
             raise _lost(tp, what() if callable(what) else what, e) from e
 
     def result(self) -> torch.Tensor:
-        if self._work is not None:
-            wait(self._work, self._tp, self._what, self._tp.backend == "gloo" if self._host_side is None else self._host_side)
+        tp, work, what = self._tp, self._work, self._what
+        if work is None:
+            return self._finish()
+        try:
+            if tp.watcher is not None and (tp.backend == "gloo" if self._host_side is None else self._host_side):
+                pause = 0.0002
+                while not work.is_completed():
+                    why = tp.watcher.stop_reason
+                    if why:
+                        raise PromptAbortedError(why)
+                    if pause > 0.01 and tp.watcher.progress.waiting is None:  # waiting for a peer, not a copy
+                        tp.watcher.progress.wait_begin(what() if callable(what) else what)
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.02)
+            work.wait()  # raises if the collective failed
+        except (RuntimeError, dist.DistError) as e:
+            raise _lost(tp, what() if callable(what) else what, e) from e
+        finally:
+            if tp.watcher is not None:
+                tp.watcher.progress.waiting = None
         return self._finish()
 
 

@@ -49,9 +49,6 @@ class Progress:
     def wait_begin(self, what: str) -> None:
         self.waiting = (what, time.monotonic())
 
-    def wait_end(self) -> None:
-        self.waiting = None
-
     def token(self) -> str:
         step, marks, _, _ = self._at
         return f"{step}#{marks}.{TICKS[0]}" + (WAITING if self.waiting else "")

@@ -35,7 +35,6 @@ class Rendezvous:
         base = f"tp2/rv/{key}"
         keys = [f"{base}/rank{r}" for r in range(self.env.tp_size)]
         mine = signed(self.watcher.secret, keys[self.env.tp_rank], json.dumps(fields, sort_keys=True))
-        self._store_op(timeout_s, lambda s: s.set(keys[self.env.tp_rank], mine))
         everyone = self._records(key, keys, timeout_s, abort, mine)
         own = abort() if abort is not None else None
         verdict = self._verdict(base, own or self.watcher.stop_reason or "go", timeout_s)
@@ -77,7 +76,7 @@ class Rendezvous:
     def _wait_for_all(self, key: str, keys: list[str], timeout_s: float, abort, mine: str) -> None:
         """Until every rank's record is in the store, or raise: a stop (the verdict, unless some rank already took
         "go"), a peer that finished the run without this step, or one that never started it. This rank's own record
-        (`mine`) is written again when it is gone (set into a store that a restarted rank 0 replaced) or replaced."""
+        (`mine`) is written at the first poll, and again when it is gone (a restarted rank 0's new store) or replaced."""
         deadline, polls, me, run, base = time.monotonic() + timeout_s, 0, keys[self.env.tp_rank], self.watcher.run, f"tp2/rv/{key}"
         self.watcher.progress.wait_begin(f"the rendezvous '{key.rsplit('/', 1)[-1]}'")  # told in the heartbeat
         try:
@@ -106,7 +105,7 @@ class Rendezvous:
                     self._give_up(key, run, finished, missing, timeout_s)
                 time.sleep(POLL_S)
         finally:
-            self.watcher.progress.wait_end()
+            self.watcher.progress.waiting = None
 
     def _verdict(self, base: str, proposal: str | None, timeout_s: float) -> str | None:
         """The rendezvous' one verdict, "go" or why the run stops: `proposal` if this rank decides first, else the one

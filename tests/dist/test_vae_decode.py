@@ -58,7 +58,7 @@ def _rank(tp_rank, tp_size, lengths, extra_cases, shares=None):
     from tp2pack.tp2.session import TPSession
 
     STATE.env, STATE.shares = read_tp_env(), shares
-    STATE.session, STATE.prompt_timeout_s = TPSession(STATE.env), 30.0
+    STATE.session, os.environ["TP2_PROMPT_TIMEOUT_S"] = TPSession(STATE.env), "30"  # settings read unfrozen here
     STATE.prompt = Prompt("prompt-1", "prompt-1", "graph")
     messages = []
     handler = logging.Handler()
@@ -105,7 +105,7 @@ def _extra_case(case, tp_rank, vae, vd, latent, refs, messages, STATE, Prompt):
             return case, "decoded different latents?!"
         except vd.TP2Error as e:
             return case, type(e).__name__, str(e)
-    STATE.prompt_timeout_s = 3.0
+    os.environ["TP2_PROMPT_TIMEOUT_S"] = "3"
     if tp_rank != 0:
         return case, "skipped"
     import torch

@@ -41,8 +41,9 @@ def _configure(pack, tp_size, kernel, attention, fused, broken=False, monkeypatc
     gemm = pack.kernels.select_int8_gemm(kernel)
     if broken:  # as tests/comfy/fixtures/tp2_seams breaks it
         gemm = broken_int8(gemm)
-    s.int8_gemm, s.int8_kernel, s.reduce_dtype = gemm, gemm.kernel_name, torch.float32
-    s.sequence_parallel = s.sp_fused_norm = fused
+    s.int8_gemm, s.reduce_dtype = gemm, torch.float32
+    for name in ("TP2_SEQUENCE_PARALLEL", "TP2_SP_FUSED_NORM"):
+        monkeypatch.setenv(name, "1" if fused else "0")
     monkeypatch.setenv("TP2_ATTN_BACKEND", attention)
     pack.attention._chosen.clear()
     pack.check.attention_override.cache_clear()

@@ -18,7 +18,7 @@ def test_a_waiting_rank_reports_then_names_a_peer_that_does_not_move():
     text, stop = p.stalled(1, "run/sampler1#5.3", 41.0, since + 41)
     assert stop and text.startswith("rank 1 is stuck in sampler1 at unit 5: it is alive") and "stall limit 40 s" in text
     assert p.stalled(1, "run/sampler1#5.3!w", 100.0, since + 100) is None  # the peer waits too: not its fault
-    p.wait_end()
+    p.waiting = None  # the wait is over
     assert p.stalled(1, "run/sampler1#5.3", 100.0, since + 100) is None  # this rank is not waiting
 
 
