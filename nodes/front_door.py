@@ -77,11 +77,12 @@ class FrontDoor:
         """Send the prompt rank 0 is starting to every follower: (the run id, whether every rank clears its node cache
         first, why a follower could not take it)."""
         reset = await self._wait_for_restarts(prompt_id) or reset  # a restarted rank's cache is empty: every rank clears
+        boot = STATE.session.watcher.boot_id
         if mm.processing_interrupted():  # interrupted while it waited: it reaches no follower
-            return f"{prompt_id}.{STATE.session.watcher.boot_id[:8]}.interrupted", reset, None
+            return f"{prompt_id}.{boot[:8]}.interrupted", reset, None
         self.seq += 1
-        run = f"{prompt_id}.{STATE.session.watcher.boot_id[:8]}.{self.seq}"
-        order = {"run": run, "seq": self.seq, "boot": STATE.session.watcher.boot_id, "reset": reset}
+        run = f"{prompt_id}.{boot[:8]}.{self.seq}"
+        order = {"run": run, "seq": self.seq, "boot": boot, "reset": reset}
         extra = {k: v for k, v in extra_data.items() if k not in SENSITIVE_EXTRA_DATA_KEYS}  # API keys stay on rank 0
         body = {"prompt": prompt, "prompt_id": prompt_id, "extra_data": extra, "number": self.seq, "tp2": order,
                 "partial_execution_targets": list(outputs)}  # fmt: skip
