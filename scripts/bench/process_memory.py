@@ -3,6 +3,7 @@
 sampler = ProcessSampler(); sampler.pids.add(pid)   every 0.5 s: GPU MiB per process, host RSS of the pids added
 sampler.peak(pid, "gpu_mib", t0, t1)                 the peak between two times (None: never seen)
 held = hold_all_but(gib, servers_per_gpu(tp, one_gpu))   each GPU made a card of `gib` per process on it
+held.append(hold_host(63))                           63 GiB of the host held (a 128 GiB machine made a 64 GB one)
 stop_all(held)
 """
 
@@ -77,6 +78,18 @@ def hold_all_but(gib_per_process: float, processes_per_gpu: dict[int, int]) -> l
         print(f"GPU {gpu}: {line}", flush=True)
         held.append(p)
     return held
+
+
+def hold_host(gib: float) -> subprocess.Popen:
+    """A scripts/bench/host_ballast.py process holding `gib` of the host's memory, started and holding."""
+    ballast = os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_ballast.py")
+    p = subprocess.Popen([sys.executable, ballast, "--hold-gib", str(gib)], stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline().strip()
+    if not line.startswith("held"):
+        stop_all([p])
+        raise RuntimeError(f"host_ballast: {line or 'exited'}")
+    print(f"host: {line}", flush=True)
+    return p
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:

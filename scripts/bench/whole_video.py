@@ -3,12 +3,15 @@
 
     python scripts/bench/whole_video.py --comfyui DIR --base DIR --front-end DIR --out DIR [--configs tp1,tp2] [--one-gpu]
         [--workflow h3_tp2_t2v_832x480] [--fast] [--steps N] [--frames N] [--size WxH] [--prompts cold,warm] [--tiny]
+        [--host-hold-gib G]
 
 BASE's models/ holds the bundled workflows' four files (scripts/bench/make_models.py). Configs, side by side, each on its
 own servers: `tp1` stock ComfyUI, `tp1pack` the pack at tp_size 1, `tpN` N ranks (--one-gpu: all on GPU 0 over gloo;
-memory real, speed not); `@G` (tp2@22) caps each process at G GiB (gpu_ballast.py). Prompts: cold (as shipped), warm (new
-text and seed). Per prompt and process: wall time per phase (spans between `executing` events), nvidia-smi peak, the
-pack's capacity lines, peak host RSS, models (re)loaded, the MP4's size and sha256. Writes OUT/whole_video.jsonl and
+memory real, speed not); `@G` (tp2@22) caps each process at G GiB (gpu_ballast.py); `+FLAG` (tp2@22+fast-disk) adds ComfyUI's
+--FLAG to that config's servers. --host-hold-gib: G GiB of the host held by another process (host_ballast.py; 63 of a
+128 GiB machine leave what a 64 GB machine has). Prompts: cold (as shipped), warm (new text and seed), any other name: as warm. Per prompt and process: wall time per phase (spans between `executing` events), nvidia-smi peak, the
+pack's capacity lines, peak host RSS (and anonymous memory per phase), the host memory as each node starts (the profiler
+node's `tp2-bench host` lines: ComfyUI's pinned copies per model), models (re)loaded, the MP4's size and sha256. Writes OUT/whole_video.jsonl and
 OUT/whole_video_table.md (each phase's ratio to stock TP1). --tiny: CPU stand-ins, 64x64, 5 frames, 2 steps.
 """
 
@@ -33,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from bench_comfy import BENCH_NODE, free_port, pack_lines, stop_servers, wait_ready  # noqa: E402
 from make_models import FIXTURES, TINY_ENV  # noqa: E402
-from process_memory import ProcessSampler, hold_all_but, servers_per_gpu, stop_all  # noqa: E402
+from process_memory import ProcessSampler, hold_all_but, hold_host, servers_per_gpu, stop_all  # noqa: E402
 
 PHASES = {
     "UNETLoader": "load", "CLIPLoader": "load", "VAELoader": "load", "MiniMaxH3ImageToVideo": "text encode",
@@ -48,24 +51,30 @@ WARM_TEXT = " The camera slowly pans left as the fox stops and looks back."
 
 def parse_config(config: str) -> tuple[int, bool, float | None]:
     """'tp2@22' -> (2, True, 22.0): tp_size, the pack active, the cap; 'tp1' -> (1, False, None): stock ComfyUI;
-    'tp1pack' -> (1, True, None): the pack at tp_size 1 (its kernels, no collectives)."""
-    m = re.fullmatch(r"tp(\d+)(pack)?(?:@(\d+(?:\.\d+)?))?", config)
+    'tp1pack' -> (1, True, None): the pack at tp_size 1 (its kernels, no collectives). `+FLAG`s: config_flags."""
+    m = re.fullmatch(r"tp(\d+)(pack)?(?:@(\d+(?:\.\d+)?))?((?:\+[a-z][a-z0-9-]*)*)", config)
     if not m or int(m.group(1)) < 1:
-        raise SystemExit(f"unknown config {config!r}: use tpN, tp1pack or either with @GIB (e.g. tp1,tp1pack,tp2,tp2@22)")
+        raise SystemExit(f"unknown config {config!r}: use tpN, tp1pack or either with @GIB and +FLAGs (e.g. tp1,tp2@22+fast-disk)")
     tp = int(m.group(1))
     return tp, tp > 1 or bool(m.group(2)), float(m.group(3)) if m.group(3) else None
+
+
+def config_flags(config: str) -> list[str]:
+    """'tp2@22+fast-disk+cache-none' -> ['--fast-disk', '--cache-none']: ComfyUI arguments of that config's servers."""
+    return ["--" + f for f in config.split("+")[1:]]
 
 
 def start_servers(args, config: str) -> list[dict]:
     tp, pack, cap = parse_config(config)
     master, servers = free_port(), []
     for r in reversed(range(tp)):
-        name = f"{config.replace('@', '_cap')}_rank{r}" if tp > 1 else config.replace("@", "_cap")
+        tag = config.replace("@", "_cap").replace("+", "_")
+        name = f"{tag}_rank{r}" if tp > 1 else tag
         d = os.path.join(args.out, "run", name)
         for sub in ("output", "temp", "user"):
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
-        env.update(TINY_ENV if args.tiny else {}, CUDA_VISIBLE_DEVICES="0" if args.one_gpu else str(r))
+        env.update(TINY_ENV if args.tiny else {}, CUDA_VISIBLE_DEVICES="0" if args.one_gpu else str(r), TP2_BENCH_HOST_LOG="1")
         if pack:
             env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
                        TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900", **(FAST if args.fast else {}))  # fmt: skip
@@ -74,7 +83,7 @@ def start_servers(args, config: str) -> list[dict]:
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(free_port()), "--base-directory", args.base,
                "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
                "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
-               "--front-end-root", args.front_end, *(["--cpu"] if args.tiny else []), *args.comfy_args.split()]  # fmt: skip
+               "--front-end-root", args.front_end, *(["--cpu"] if args.tiny else []), *args.comfy_args.split(), *config_flags(config)]  # fmt: skip
         log = os.path.join(d, "comfyui.log")
         proc = subprocess.Popen(cmd, cwd=args.comfyui, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
         servers.insert(0, {"name": name, "rank": r, "proc": proc, "port": int(cmd[cmd.index("--port") + 1]), "dir": d, "log": log})
@@ -88,8 +97,8 @@ def bundled_workflow(args, tag: str, config: str) -> dict:
     for node in wf.values():
         inputs, kind = node["inputs"], node["class_type"]
         if kind == "MiniMaxH3ImageToVideo":
-            if tag == "warm":
-                inputs["prompt"] += WARM_TEXT
+            if tag != "cold":
+                inputs["prompt"] += WARM_TEXT + (f" ({tag})" if tag != "warm" else "")
             if args.tiny:
                 inputs.update(width=64, height=64, length=5)
             if args.frames:
@@ -97,12 +106,12 @@ def bundled_workflow(args, tag: str, config: str) -> dict:
             if args.size:
                 inputs["width"], inputs["height"] = (int(x) for x in args.size.split("x"))
         elif kind == "KSampler":
-            if tag == "warm":
-                inputs["seed"] += 1
+            if tag != "cold":
+                inputs["seed"] += 1 + args.prompts.index(tag)
             if args.steps or args.tiny:
                 inputs["steps"] = args.steps or 2
         elif kind == "SaveVideo":
-            inputs["filename_prefix"] = f"video/{config.replace('@', '_cap')}_{tag}"
+            inputs["filename_prefix"] = f"video/{config.replace('@', '_cap').replace('+', '_')}_{tag}"
     return wf
 
 
@@ -180,20 +189,31 @@ async def run_prompt(session, servers, wf, sampler: ProcessSampler) -> list[dict
         mp4 = os.path.join(s["dir"], "output", videos[0]["subfolder"], videos[0]["filename"]) if videos else None
         pid_ = s["proc"].pid
         gib = lambda what, scale: None if (v := sampler.peak(pid_, what, t0, t1 + 0.6)) is None else round(v / scale, 2)  # noqa: E731
-        by_phase = {}
+        by_phase, anon_by_phase = {}, {}
         for phase, a, b in phase_spans(ev, classes):
-            v = sampler.peak(pid_, "gpu_mib", a, b + 0.6)
-            if v is not None:
-                by_phase[phase] = max(by_phase.get(phase, 0.0), round(v / 1024, 2))
+            for what, into, scale in (("gpu_mib", by_phase, 1024), ("RssAnon", anon_by_phase, 2**20)):
+                v = sampler.peak(pid_, what, a, b + 0.6)
+                if v is not None:
+                    into[phase] = max(into.get(phase, 0.0), round(v / scale, 2))
         results.append({
             "server": s["name"], "ok": not errors, "error": errors[0] if errors else None, **phases(ev, classes),
             "gpu_peak_gib": gib("gpu_mib", 1024), "gpu_peak_gib_by_phase": by_phase, "host_peak_rss_gib": gib("VmRSS", 2**20),
             "host_peak_anon_gib": gib("RssAnon", 2**20), "host_peak_file_gib": gib("RssFile", 2**20),
+            "host_peak_shmem_gib": gib("RssShmem", 2**20), "host_anon_gib_by_phase": anon_by_phase,
+            "host_at_node_start": host_lines(s["log"], at, classes),
             "loaded": loaded, "mp4_bytes": os.path.getsize(mp4) if mp4 else None,
             "mp4_sha256": hashlib.sha256(open(mp4, "rb").read()).hexdigest()[:16] if mp4 else None,
             "pack_log": pack_lines(s["log"], at),
         })  # fmt: skip
     return results
+
+
+def host_lines(log: str, start: int, classes: dict[str, str]) -> list[dict]:
+    """The profiler node's `tp2-bench host node=ID {...}` lines since `start`: [{"before": class or "end", ...}]."""
+    with open(log, errors="replace") as f:
+        f.seek(start)
+        found = re.findall(r"tp2-bench host node=(\S+) (\{.*\})", f.read())
+    return [{"before": classes.get(node, "end" if node == "None" else node), **json.loads(js)} for node, js in found]
 
 
 def environment(args) -> dict:
@@ -221,6 +241,8 @@ async def main_async(args) -> list[dict]:
             for config in args.configs:
                 tp, _, cap = parse_config(config)
                 ballast = hold_all_but(cap, servers_per_gpu(tp, args.one_gpu)) if cap and not args.tiny else []
+                if args.host_hold_gib:
+                    ballast.append(hold_host(args.host_hold_gib))
                 servers = start_servers(args, config)
                 sampler.pids.update(s["proc"].pid for s in servers)
                 try:
@@ -229,6 +251,7 @@ async def main_async(args) -> list[dict]:
                         results = await run_prompt(session, servers, bundled_workflow(args, tag, config), sampler)
                         shas = {r["mp4_sha256"] for r in results}
                         row = {"config": config, "prompt": tag, "workflow": args.workflow, "one_gpu": args.one_gpu, "fast": args.fast,
+                               "host_hold_gib": args.host_hold_gib, "size": args.size, "frames": args.frames, "steps": args.steps,
                                "ranks_identical": len(shas) == 1 and None not in shas, "results": results, "environment": env}  # fmt: skip
                         rows.append(row)
                         out.write(json.dumps(row) + "\n")
@@ -292,7 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, help="override the workflow's steps")
     ap.add_argument("--frames", type=int, help="override the workflow's length")
     ap.add_argument("--size", help="override the workflow's WIDTHxHEIGHT (e.g. 1920x1088)")
-    ap.add_argument("--prompts", default="cold,warm", type=lambda s: s.split(","), help="cold, warm or both, in order")
+    ap.add_argument("--prompts", default="cold,warm", type=lambda s: s.split(","), help="cold, warm (or any other name: a new text and seed), in order")
+    ap.add_argument("--host-hold-gib", type=float, help="GiB of host memory another process holds (63 of 128: a 64 GB machine)")
     ap.add_argument("--comfy-args", help="ComfyUI arguments for every server (default --use-ck-attention; none with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="CPU, the tests' stand-in models, 64x64x5, 2 steps")
     ap.add_argument("--commit", default=_commit(), help="the pack's commit, recorded in every row")

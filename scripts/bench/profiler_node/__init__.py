@@ -4,7 +4,9 @@ and the one-GPU mode's process group.
 The benchmarks link it into custom_nodes. TP2_BENCH_GLOO_ON_CUDA=1 (ranks sharing one GPU, which NCCL refuses): the
 pack's tp2.collectives.group_backend answers gloo. TP2_BENCH_PROFILE_DIR=DIR: the TP2_BENCH_PROFILE_CALL-th call
 (default 3) of MiniMaxH3Model.forward runs under torch.profiler and DIR/<tag>.json and .txt get every GPU kernel's time
-and count, the time per category, and the NCCL time no compute kernel overlapped. Nothing here changes what is computed.
+and count, the time per category, and the NCCL time no compute kernel overlapped. TP2_BENCH_HOST_LOG=1: at each node's
+start (ComfyUI's `executing` event) a `tp2-bench host` log line: this process's /proc status (anonymous, file, shmem,
+locked) and ComfyUI's page-locked host copies, in all and per loaded model. Nothing here changes what is computed.
 """
 
 from __future__ import annotations
@@ -181,6 +183,41 @@ def _gloo_on_cuda() -> None:
     PromptServer.instance.app.on_startup.append(replace)
 
 
+def _host_memory_log() -> None:
+    """One `tp2-bench host node=ID {...}` line per `executing` event: the host memory as that node starts (the previous ends)."""
+    import comfy.model_management as mm
+    from server import PromptServer
+
+    server, gib = PromptServer.instance, lambda b: round(b / 2**30, 3)
+    original = server.send_sync
+
+    def snapshot() -> dict:
+        with open("/proc/self/status") as f:
+            st = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f if ":" in line) if v.strip().endswith("kB")}
+        out = {k: gib(st.get(k, 0)) for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmLck", "VmPin")}
+        out["pinned"] = gib(mm.TOTAL_PINNED_MEMORY)
+        models = {}
+        for lm in mm.current_loaded_models:
+            m = lm.model
+            if m is not None and m.is_dynamic():
+                name = type(m.model).__name__
+                models[name] = [gib(m.pinned_memory_size()), gib(m.loaded_ram_size())]  # registered pins, host buffers
+        out["models"] = models
+        return out
+
+    def send_sync(event, data, sid=None):
+        if event == "executing":
+            try:
+                log.info("tp2-bench host node=%s %s", (data or {}).get("node"), json.dumps(snapshot()))
+            except Exception as e:  # noqa: BLE001 - a benchmark readout never fails the prompt
+                log.info("tp2-bench host node=? error %s", e)
+        return original(event, data, sid)
+
+    server.send_sync = send_sync
+
+
+if os.environ.get("TP2_BENCH_HOST_LOG") == "1":
+    _host_memory_log()
 if os.environ.get("TP2_BENCH_GLOO_ON_CUDA") == "1":
     _gloo_on_cuda()
 if os.environ.get("TP2_BENCH_PROFILE_DIR"):
