@@ -186,6 +186,7 @@ def _gloo_on_cuda() -> None:
 def _host_memory_log() -> None:
     """One `tp2-bench host node=ID {...}` line per `executing` event: the host memory as that node starts (the previous ends)."""
     import comfy.model_management as mm
+    import torch
     from server import PromptServer
 
     server, gib = PromptServer.instance, lambda b: round(b / 2**30, 3)
@@ -196,6 +197,8 @@ def _host_memory_log() -> None:
             st = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f if ":" in line) if v.strip().endswith("kB")}
         out = {k: gib(st.get(k, 0)) for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmLck", "VmPin")}
         out["pinned"] = gib(mm.TOTAL_PINNED_MEMORY)
+        if torch.cuda.is_available():  # torch's own pinned blocks (gloo's staging of CUDA tensors, pin_memory()), cached
+            out["torch_host_alloc"] = gib(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
         models = {}
         for lm in mm.current_loaded_models:
             m = lm.model
