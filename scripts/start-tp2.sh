@@ -257,13 +257,15 @@ status_ranks() {
   return $bad
 }
 
+oom_kills() { awk '$1 == "oom_kill" { n = $2 } END { print n + 0 }' /proc/vmstat 2>/dev/null || echo 0; }  # the kernel's, since boot
+
 supervise() {  # rank port cmd...: run one rank's ComfyUI, start it again when it exits (bounded)
   local rank=$1 port=$2; shift 2
   local log="$RUN_DIR/rank$rank.log" notes="$RUN_DIR/rank$rank.restarts" tries=0
   trap '' HUP
   trap 'exit 0' TERM
   while :; do
-    local started; started=$(date +%s)
+    local started ooms; started=$(date +%s) ooms=$(oom_kills)
     ( cd "$COMFYUI"; exec setsid "$@" >> "$log" 2>&1 < /dev/null ) &
     local child=$!
     set_pid "$rank" "$child" "$port"
@@ -275,6 +277,7 @@ supervise() {  # rank port cmd...: run one rank's ComfyUI, start it again when i
       continue
     fi
     local why="with status $rc"; (( rc > 128 )) && why="killed by signal $((rc - 128)) ($(kill -l $((rc - 128)) 2>/dev/null || echo ?))"
+    (( rc == 137 && $(oom_kills) > ooms )) && why="killed by the kernel's out-of-memory killer: the host ran out of RAM ($0 check shows what the ranks need)"
     (( $(date +%s) - started > 300 )) && tries=0  # a crash after a long healthy run is a new problem
     tries=$((tries + 1))
     if (( tries > TP2_MAX_RESTARTS )); then

@@ -87,7 +87,8 @@ def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbort
     who = f"rank {1 - tp.tp_rank}" if tp.tp_size == 2 else "a peer rank"
     text = str(e).lower()
     if any(word in text for word in ENDED):
-        happened = f"{who} ended: it closed its connection (killed, crashed or out of host memory); the launcher restarts it, read its log"
+        why = tp.watcher.why_ended() if tp.watcher is not None else "killed, crashed or out of host memory"
+        happened = f"{who} ended: it closed its connection ({why}); the launcher restarts it, read its log"
     elif "timeout" in text or "timed out" in text:
         happened = f"{who} did not answer within {tp.timeout_s:.0f} s: it is frozen or stuck; read its log (scripts/start-tp2.sh status)"
     else:

@@ -65,6 +65,15 @@ def _is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def oom_kills() -> int:
+    """How many processes the kernel's out-of-memory killer has ended on this machine since boot (0 where not told)."""
+    try:
+        with open("/proc/vmstat") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), 0)
+    except OSError:
+        return 0
+
+
 def _connect_error(host: str, port: int, timeout_s: float) -> OSError | None:
     """Why a TCP connection to `host`:`port` fails now (ConnectionRefusedError: nothing listens), else None."""
     try:
@@ -89,6 +98,7 @@ class Watcher:
         self._beats = 0
         self._seen: dict[int, tuple[str, float]] = {}  # peer -> (last heartbeat value, when it last changed)
         self._boots: dict[int, str] = {}  # peer -> boot id when the run began
+        self._ooms = oom_kills()  # the kernel's OOM kills when the run began: more since then name a peer's end
         self._store_failures = 0
         self._clients = threading.local()  # one store connection per thread (the watcher's, the prompt worker's)
         self._thread: threading.Thread | None = None
@@ -110,7 +120,7 @@ class Watcher:
         Other peers' are taken from their first heartbeat read during the run: a change after that is a restart."""
         with self._lock:
             self.run, self.stop_reason = run, None
-            self._boots = dict(boots or {})
+            self._boots, self._ooms = dict(boots or {}), oom_kills()
         self.progress.end()
         self.store_call(lambda s: s.set(f"tp2/run/{run}/state/rank{self.rank}", "started"), "rank store unreachable")
         self._runs.append(run)
@@ -230,8 +240,7 @@ class Watcher:
         quiet = now - self._seen[r][1]
         if quiet > PROBE_AFTER_S and self._process_gone(r):
             self._decide(f"rank {r} ended: its heartbeat stopped {quiet:.0f} s ago and its HTTP port refuses connections "
-                         "(killed, crashed or out of host memory; its log says which); scripts/start-tp2.sh starts it again",
-                         publish=True)  # fmt: skip
+                         f"({self.why_ended()}); scripts/start-tp2.sh starts it again", publish=True)  # fmt: skip
         if quiet > self.heartbeat_timeout_s:
             self._decide(f"rank {r} is not responding (no heartbeat for {quiet:.0f} s): it is frozen, stopped or overloaded; "
                          "check its log, or restart it with scripts/start-tp2.sh restart --rank " + str(r), publish=True)  # fmt: skip
@@ -249,6 +258,13 @@ class Watcher:
             if now - self._said >= self.progress.report_s():
                 self._said = now
                 log.warning("[tp2 r%d/%d] %s", self.rank, self.size, stalled[0])
+
+    def why_ended(self) -> str:
+        """Why a peer's process ended, as far as this machine tells: the OOM killer acted during the run, or unknown."""
+        if oom_kills() > self._ooms:
+            return ("the kernel's out-of-memory killer ended a process on this machine during this prompt: the host ran out "
+                    "of RAM; scripts/start-tp2.sh check shows the host memory the ranks need")  # fmt: skip
+        return "killed, crashed or out of host memory; its log says which"
 
     def _process_gone(self, rank: int) -> bool:
         """Whether rank `rank`'s HTTP port refuses connections: its process ended. A frozen or busy process's port
