@@ -6,8 +6,8 @@ Per GPU: its name, compute capability, the compute dtype the pack will use, free
 time at its share (scripts/lib/balance.py's block; on the CPU its narrow stand-in); the link between the ranks (one
 process per rank, the all-reduce every rank times as its group forms: tp2/link.py); the longest video per resolution,
 weights resident and streamed (tp2/capacity.py at each GPU's free memory; 22 GiB per rank on the CPU); the predicted
-speed-up against the fastest card alone (tp2/link.py's model of a pair). Exit 1 with a one-line reason when it cannot
-measure. Run with the pack's folder on PYTHONPATH.
+speed-up against the fastest card alone (tp2/link.py's model of a pair); the host memory the ranks need beside what
+this machine has available (host_lines). Exit 1 with a one-line reason when it cannot measure. Run with the pack's folder on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ from tp2.errors import PlanError
 from tp2.split import even, parse_split
 
 CPU_STAND_IN_GIB = 22.0  # the capacity table without a GPU: a 2080 Ti 22 GB per rank
+# A rank's private host memory, the bundled T2V+audio workflow (docs/PERFORMANCE.md, host memory): measured peak at
+# 832x480x124 with ComfyUI's pinned copies of the weights, and the part that is not a pinned copy; other sizes add
+# their decoded video (float32 frames, every rank). Per-rank figures of tp_size 2; pins scale with the share.
+RANK_PEAK_GIB, RANK_PINNED_GIB, MEASURED_AT = 34.0, 22.6, (832, 480, 124)
+HOST_SIZES = ((832, 480, 124), (1920, 1088, 124))
+HEADROOM_GIB = 2.0  # per process: what ComfyUI keeps free before it gives up pinned copies (model_management.py)
 
 
 def gpu_lines(gpus: list[str], block_s: list[float], free: list[float | None], shares) -> tuple[list[str], str]:
@@ -68,6 +74,40 @@ def capacity_lines(free_gib: list[float], shares, cpu: bool, dtype: str) -> list
     return lines
 
 
+def meminfo_gib() -> tuple[float, float]:
+    """(available, total) host memory in GiB, as the kernel tells it (/proc/meminfo)."""
+    with open("/proc/meminfo") as f:
+        kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)}
+    return kib["MemAvailable"] / 2**20, kib["MemTotal"] / 2**20
+
+
+def rank_host_gib(w: int, h: int, t: int, tp_size: int) -> tuple[float, float]:
+    """(peak, without pinned copies) private host GiB of one rank for the bundled workflow at w x h x t."""
+    frames = lambda w, h, t: w * h * t * 3 * 4 / 2**30  # noqa: E731 - the decoded video, float32
+    extra = frames(w, h, t) - frames(*MEASURED_AT)
+    pinned = RANK_PINNED_GIB * 2 / tp_size
+    return RANK_PEAK_GIB - RANK_PINNED_GIB + pinned + extra, RANK_PEAK_GIB - RANK_PINNED_GIB + extra
+
+
+def host_lines(tp_size: int, available: float, total: float) -> list[str]:
+    """What the ranks hold in host memory per size beside what is available here, and what that means."""
+    lines = [f"host memory: {available:.1f} GiB available of {total:.1f}; the ranks hold, each its own (measured at 832x480x124):"]
+    for w, h, t in HOST_SIZES:
+        peak, floor = rank_host_gib(w, h, t, tp_size)
+        need = tp_size * (peak + HEADROOM_GIB)
+        if available >= need:
+            verdict = "fits"
+        elif available >= tp_size * (floor + HEADROOM_GIB):
+            verdict = ("runs, slower: ComfyUI gives up pinned weight copies for lack of RAM and reads them again each prompt "
+                       "(measured +32% a warm prompt at 832x480x124 with 60.4 GiB available)")  # fmt: skip
+        else:
+            verdict = ("will not fit: the kernel's out-of-memory killer would end a rank; use fewer frames or a smaller size, "
+                       "or more RAM")  # fmt: skip
+        lines.append(f"  {w}x{h}x{t}: {tp_size} x {peak:.1f} = {tp_size * peak:.1f} GiB ({tp_size} x {floor:.1f} without ComfyUI's "
+                     f"pinned weight copies): {verdict}")  # fmt: skip
+    return lines
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="start-tp2.sh check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp-size", type=int, default=2)
@@ -98,6 +138,7 @@ def main(argv: list[str]) -> int:
     free_gib = [CPU_STAND_IN_GIB if f is None else f for f in free]
     lines, dtype = gpu_lines(gpus, block_s, free, shares)
     print("\n".join([*lines, f"link: {link.text()}", *capacity_lines(free_gib, shares, a.cpu, dtype), *balance.speed_lines(block_s, auto, link, chosen, a.cpu),
+                     *host_lines(a.tp_size, *meminfo_gib()),
                      f"for the ranks' log: TP2_BLOCK_MS={','.join(f'{s * 1e3:.3f}' for s in block_s)}"]))  # fmt: skip
     return 0
 

@@ -351,6 +351,12 @@ def test_check_on_the_cpu_answers_in_seconds_without_comfyui_or_model_files(tmp_
     a, b = map(int, re.search(r" at (\d+):(\d+)", auto).groups())
     assert 2 <= a / b <= 4.5 and float(auto.split()[3].rstrip("x")) > float(even.split()[2].rstrip("x")), auto  # ~3:1 on a busy CPU
     assert "TP2_BLOCK_MS=" in out and not (tmp_path / "run").exists() and "starting" not in out
+    host = next(ln for ln in out.splitlines() if ln.startswith("host memory: "))
+    available = float(host.split()[2])
+    assert 0 < available <= float(host.split()[6].rstrip(";")), host  # this machine's, as /proc/meminfo has it
+    for size in ("832x480x124: 2 x 34.0 = 68.0 GiB", "1920x1088x124: 2 x "):
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(size))
+        assert line.endswith(("fits", "will not fit: the kernel's out-of-memory killer would end a rank; use fewer frames or a smaller size, or more RAM")) or "runs, slower" in line, line
 
 
 def test_gpus_given_where_there_is_no_gpu_names_that_cause(tmp_path):
@@ -362,3 +368,17 @@ def test_gpus_given_where_there_is_no_gpu_names_that_cause(tmp_path):
     assert res.returncode == 1, res.stdout + res.stderr
     assert "--gpus 0,1: there is no GPU here (no nvidia-smi: no NVIDIA driver); use --cpu" in res.stderr, res.stderr
     assert "pip install" not in res.stderr
+
+
+def test_check_host_memory_verdicts_follow_the_measured_figures():
+    """check's host memory lines: a 125 GiB host fits the pair; what a 64 GB machine leaves runs it slower (the
+    measured 60.4 GiB case); 20 GiB cannot hold even the ranks' memory that is not a pinned copy."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "lib"))
+    import check
+
+    verdicts = {a: [ln.split("): ", 1)[1] for ln in check.host_lines(2, a, 125.0)[1:]] for a in (125.0, 60.4, 20.0)}
+    assert verdicts[125.0] == ["fits", "fits"], verdicts
+    assert all(v.startswith("runs, slower") for v in verdicts[60.4]) and all(v.startswith("will not fit") for v in verdicts[20.0]), verdicts
+    peak, floor = check.rank_host_gib(1920, 1088, 124, 2)
+    assert round(peak - 34.0, 2) == round((1920 * 1088 - 832 * 480) * 124 * 12 / 2**30, 2) and floor < peak  # + its decoded video
+    assert check.rank_host_gib(832, 480, 124, 4)[0] < check.rank_host_gib(832, 480, 124, 2)[0]  # pins scale with the share
