@@ -168,18 +168,19 @@ def _python_without_aiohttp() -> str | None:
 
 def test_printed_submit_hint_works_as_printed(ranks, tmp_path):
     """The launcher's hint, run by a shell whose `python3` has no aiohttp (what the README's users have): tp2-submit
-    runs itself again under the pack's .venv, and both ranks agree. Then the printed `status` line."""
+    runs itself again under the Python of the scripts' rule ($PYTHON where set, else ComfyUI's venv/ in the Manager
+    layout, else the pack's .venv: never skipped for want of a .venv), and both ranks agree. Then the printed `status` line."""
     base = _python_without_aiohttp()
     if base is None:
         pytest.skip(f"{sys.base_prefix}/bin/python3 has aiohttp: nothing would need the venv")
-    if not os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")):
-        pytest.skip("no .venv in the pack (scripts/install.sh makes it)")
+    env = {k: v for k, v in os.environ.items() if k not in ("TP2_VENV", "TP2_SUBMIT_IN_VENV")}
+    rule = subprocess.run(["bash", os.path.join(SCRIPTS, "lib", "comfyui_dir.sh"), "--print"], env=env, capture_output=True, text=True)
+    assert rule.stdout.splitlines()[3] != "python3 on PATH", f"the rule finds no Python with the pack's requirements: {rule.stdout}"
     hint = next(ln.strip() for ln in ranks["stdout"].splitlines() if "tp2-submit WORKFLOW.json --run-dir" in ln)
     status = next(ln.split(":", 1)[1].strip() for ln in ranks["stdout"].splitlines() if ln.startswith("status:"))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     os.symlink(base, bin_dir / "python3")
-    env = {k: v for k, v in os.environ.items() if k not in ("TP2_VENV", "TP2_SUBMIT_IN_VENV")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     cmd = hint.replace("WORKFLOW.json", TINY) + f" --out {tmp_path / 'out'} --quiet"
     res = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
