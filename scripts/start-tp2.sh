@@ -12,7 +12,8 @@
 # Each rank r gets CUDA_VISIBLE_DEVICES=<its GPU>, HTTP port base-port + r, and its own output, temp, user
 # directories and sqlite database under the run dir (default ./tp2-run); logs are RUN_DIR/rank<r>.log and the
 # pids RUN_DIR/pids, the per-run secret RUN_DIR/secret (rank 0 hands every prompt it starts to the followers,
-# authenticated with it). Followers start first; the command returns once every rank answers its HTTP API.
+# authenticated with it). Followers start first; the command returns once every rank answers its HTTP API; Ctrl-C (or
+# TERM) before that stops the ranks it started, naming each.
 # A rank whose process exits is started again (at most TP2_MAX_RESTARTS times in a row; RUN_DIR/rank<r>.restarts
 # says when and why, and `status` shows it); the ranks form a new group at the next prompt. `restart --rank N`
 # restarts one rank by hand.
