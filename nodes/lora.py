@@ -157,7 +157,8 @@ def _wrap_load_lora(original):
 
 
 def tell_node(text: str) -> None:
-    """A warning in the log and on the executing node in the web UI (ComfyUI's progress text)."""
+    """A warning in the log, on the executing node in the web UI (ComfyUI's progress text) and, at the prompt's end, in
+    its history and to its client (nodes/prompt_lifecycle.py: the web UI toasts it, tp2-submit prints it)."""
     from comfy_execution.utils import get_executing_context
     from server import PromptServer
 
@@ -165,6 +166,7 @@ def tell_node(text: str) -> None:
     context = get_executing_context()
     if context is not None and PromptServer.instance is not None:
         PromptServer.instance.send_progress_text(text, context.node_id)
+    STATE.prompt.warnings.append({"node_id": getattr(context, "node_id", None), "text": text})
 
 
 def _wrap_bypass(original):

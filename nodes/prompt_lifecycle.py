@@ -26,7 +26,7 @@ from . import front_door
 from .patches import PATCHES
 from .state import STATE, Prompt, log
 
-SEEN = SimpleNamespace(cache_epoch=0, boots={})  # what this rank saw at its last prompt: the cache epoch, each rank's boot id
+SEEN = SimpleNamespace(cache_epoch=0, boots={}, warnings={})  # at its last prompt: the cache epoch, each rank's boot id; nodes' warnings
 
 
 def track_prompts() -> None:
@@ -81,6 +81,7 @@ def _tracking_execute_async(original):
             else:
                 await original(self, prompt, prompt_id, extra_data, execute_outputs)
         finally:
+            _tell_warnings(self, prompt, prompt_id)
             failure = _failure(self)
             if failure is not None:
                 if session.watcher.stop_reason is None:  # this rank stopped the run: every rank is told why
@@ -92,6 +93,22 @@ def _tracking_execute_async(original):
             STATE.prompt = Prompt(fingerprint=STATE.prompt.fingerprint, model_calls=STATE.prompt.model_calls)
 
     return execute_async
+
+
+def _tell_warnings(executor, prompt: dict, prompt_id: str) -> None:
+    """The nodes' warnings (nodes/lora.py tell_node) where the user looks: in the prompt's history and to its client (the
+    web UI toasts them, tp2-submit prints them). A node ComfyUI's cache served warns again, as its output still holds."""
+    cached = {n for kind, d in executor.status_messages if kind == "execution_cached" for n in d.get("nodes", [])}
+    for node_id, node in prompt.items():
+        key = (node_id, json.dumps(node, sort_keys=True, default=str))
+        if node_id in cached:
+            STATE.prompt.warnings += SEEN.warnings.get(key, [])
+        elif mine := [w for w in STATE.prompt.warnings if w["node_id"] == node_id]:
+            SEEN.warnings[key] = mine
+        else:
+            SEEN.warnings.pop(key, None)
+    if STATE.prompt.warnings:
+        executor.add_message("tp2_warnings", {"prompt_id": prompt_id, "warnings": STATE.prompt.warnings}, broadcast=False)
 
 
 def _failure(executor) -> str | None:

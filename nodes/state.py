@@ -41,6 +41,7 @@ class Prompt:
     steps: dict[str, int] = field(default_factory=dict)  # steps of each kind so far (nodes/run.py step_key)
     split_decodes: int = 0  # video decodes split over the ranks so far (identical by construction)
     alone: bool = False  # a peer missed a step of this prompt: later decodes are not compared
+    warnings: list[dict] = field(default_factory=list)  # nodes' warnings to the user, put in its history at the end
 
 
 @dataclass

@@ -133,8 +133,11 @@ def resolved_settings() -> dict[str, str]:
 
 
 def health(tp_rank: int, status: dict | None, problem: str | None, ages: dict[str, float]) -> tuple[str, str]:
-    """(verdict, why) for one rank: healthy, starting, stopping, waiting, silent, wrong or unreachable."""
+    """(verdict, why) for one rank: healthy, starting, stopping, waiting, silent, wrong, restarting or unreachable."""
     if status is None:
+        door = front_door.FRONT_DOOR
+        if door is not None and door.restarting(tp_rank):
+            return "restarting", "its process ended; the launcher is starting it again (start-tp2.sh status says why)"
         return "unreachable", problem or "no answer"
     if status["tp_rank"] != tp_rank or status["tp_size"] != STATE.env.tp_size:
         return "wrong", f"it says it is rank {status['tp_rank']} of {status['tp_size']}"

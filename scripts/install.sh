@@ -13,7 +13,8 @@
 #                  torch, else <pack>/.venv)
 #   --own-venv     the pack's own <pack>/.venv even when ComfyUI has a virtualenv (a second torch, ~6.9 GB)
 #   --no-link      do not link the pack into DIR/custom_nodes
-#   --dev          also install the test tools (pytest, ruff, psutil; Debian's chromium for the browser test)
+#   --dev          also install the test tools (pytest, ruff, psutil) and, run as root where apt-get is, Debian's
+#                  chromium system-wide for the browser test (apt-get install chromium)
 #
 # What is already there (torch, each requirement at a version that satisfies it, the link) is said so and left.
 #
@@ -177,7 +178,7 @@ if [[ $DEV -eq 1 ]]; then
     say "chromium (the browser test): already there"
   else  # the headless-browser test of the web UI path
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-      say "installing Debian's chromium for the browser test"
+      say "installing Debian's chromium system-wide (apt-get install chromium) for the browser test"
       (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
         || say "could not install chromium: the browser test will be skipped"
     else
@@ -188,7 +189,9 @@ fi
 
 if [[ $LINK -eq 1 && -d "$COMFYUI/custom_nodes" ]]; then
   target="$COMFYUI/custom_nodes/minimax-h3-tp2"
-  if [[ -L "$target" && "$(readlink -f "$target")" == "$PACK_DIR" ]]; then
+  if [[ "$(dirname "$PACK_DIR")" -ef "$COMFYUI/custom_nodes" ]]; then  # cloned there (the ComfyUI-Manager way)
+    say "the pack sits in $COMFYUI/custom_nodes itself: nothing to link"
+  elif [[ -L "$target" && "$(readlink -f "$target")" == "$PACK_DIR" ]]; then
     say "pack already linked at $target"
   elif [[ -e "$target" ]]; then
     say "WARNING: $target exists and is not a link to this pack; left as is"

@@ -12,7 +12,8 @@
 # Each rank r gets CUDA_VISIBLE_DEVICES=<its GPU>, HTTP port base-port + r, and its own output, temp, user
 # directories and sqlite database under the run dir (default ./tp2-run); logs are RUN_DIR/rank<r>.log and the
 # pids RUN_DIR/pids, the per-run secret RUN_DIR/secret (rank 0 hands every prompt it starts to the followers,
-# authenticated with it). Followers start first; the command returns once every rank answers its HTTP API.
+# authenticated with it). Followers start first; the command returns once every rank answers its HTTP API; Ctrl-C (or
+# TERM) before that stops the ranks it started, naming each.
 # A rank whose process exits is started again (at most TP2_MAX_RESTARTS times in a row; RUN_DIR/rank<r>.restarts
 # says when and why, and `status` shows it); the ranks form a new group at the next prompt. `restart --rank N`
 # restarts one rank by hand.
@@ -101,9 +102,9 @@ PIDS="$RUN_DIR/pids"
 # a pack script as a command that works from here
 pack_cmd() { if [[ "$PWD" == "$PACK_DIR" ]]; then echo "scripts/$1"; else echo "$PACK_DIR/scripts/$1"; fi; }
 
-alive() {  # running, and not a zombie waiting for a parent that is gone
-  local st; st="$(ps -o stat= -p "$1" 2>/dev/null || true)"
-  [[ -n "$st" && "$st" != Z* ]]
+alive() {  # running, and not a zombie waiting for a parent that is gone (no fork: a Ctrl-C would end the child)
+  local st; { read -r st < "/proc/$1/stat"; } 2>/dev/null || return 1
+  st="${st##*) }"; [[ "${st:0:1}" != Z ]]
 }
 answers() { "$PY" - "$1" <<'EOF' 2>/dev/null
 import sys, urllib.request
@@ -262,12 +263,13 @@ oom_kills() { awk '$1 == "oom_kill" { n = $2 } END { print n + 0 }' /proc/vmstat
 supervise() {  # rank port cmd...: run one rank's ComfyUI, start it again when it exits (bounded)
   local rank=$1 port=$2; shift 2
   local log="$RUN_DIR/rank$rank.log" notes="$RUN_DIR/rank$rank.restarts" tries=0
+  local child=""
   trap '' HUP
-  trap 'exit 0' TERM
+  trap '[[ -n "$child" ]] && { kill -TERM -- "-$child" 2>/dev/null || kill -TERM "$child" 2>/dev/null; }; exit 0' TERM  # its rank too
   while :; do
     local started ooms; started=$(date +%s) ooms=$(oom_kills)
     ( cd "$COMFYUI"; exec setsid "$@" >> "$log" 2>&1 < /dev/null ) &
-    local child=$!
+    child=$!
     set_pid "$rank" "$child" "$port"
     local rc=0; wait "$child" || rc=$?
     [[ -f "$RUN_DIR/stopping" ]] && exit 0
@@ -363,6 +365,11 @@ fi
 echo "minimax-h3-tp2 settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S"
 echo "minimax-h3-tp2 CUDA allocator: $ALLOCATOR"
 [[ "$TP_SIZE" =~ ^[1-9][0-9]*$ ]] || die "--tp-size must be a positive integer, got '$TP_SIZE'"
+if [[ -n "$SPLIT" && "$SPLIT" != auto ]]; then  # a typo is told at once: tp2.split imports no torch
+  why="$(PYTHONPATH="$PACK_DIR" "$PY" -c 'import sys; from tp2.errors import TP2Error; from tp2.split import parse_split
+try: parse_split(sys.argv[1], int(sys.argv[2]))
+except TP2Error as e: sys.exit(str(e))' "$SPLIT" "$TP_SIZE" 2>&1)" || die "$why"
+fi
 if [[ -f "$PIDS" ]]; then
   while read -r rank pid port; do alive "$pid" && die "ranks of $RUN_DIR are already running (rank $rank pid $pid); run: $(pack_cmd start-tp2.sh) stop --run-dir $RUN_DIR"; done < "$PIDS"
   rm -f "$PIDS"
@@ -430,8 +437,21 @@ HOST="$LISTEN"; [[ "$HOST" == 0.0.0.0 ]] && HOST=127.0.0.1
 RANK_URLS="$(for (( r = 0; r < TP_SIZE; r++ )); do printf 'http://%s:%d,' "$HOST" $((BASE_PORT + r)); done)"
 RANK_URLS="${RANK_URLS%,}"
 
+interrupted() {  # Ctrl-C (or TERM) while the ranks start: stop what this start began, and say what that was
+  trap '' INT TERM
+  local what pids left="" p
+  what="$(awk '{ printf "%srank %s (pid %s, port %s)", (NR > 1 ? ", " : ""), $1, $2, $3 }' "$PIDS" 2>/dev/null)"
+  pids="$(awk '{ print $2 }' "$PIDS" 2>/dev/null) $(cat "$RUN_DIR"/rank*.supervisor 2>/dev/null)"
+  echo "start-tp2: interrupted while the ranks started: stopping ${what:-their supervisors (no rank process yet)}" >&2
+  stop_ranks >&2
+  for p in $pids; do alive "$p" && left+=" $p"; done
+  [[ -z "$left" ]] || echo "start-tp2: could not stop pid(s)$left: end them with kill -KILL$left" >&2
+  exit 130
+}
+
 check_python
 echo "minimax-h3-tp2: starting $TP_SIZE ranks of $COMFYUI under $PY (MASTER_PORT=$MASTER_PORT)"
+trap interrupted INT TERM
 : > "$PIDS"; rm -f "$RUN_DIR"/rank*.restarts "$RUN_DIR/stopping" "$RUN_DIR/rank0.queue.json"  # a fresh start: an empty queue
 for (( r = 0; r < TP_SIZE; r++ )); do : > "$RUN_DIR/rank$r.log"; done
 # what `restart` needs to start a rank again the same way
@@ -442,20 +462,21 @@ for (( r = TP_SIZE - 1; r >= 0; r-- )); do
 done
 for _ in $(seq 1 100); do [[ $(wc -l < "$PIDS") -ge $TP_SIZE ]] && break; sleep 0.1; done
 
-deadline=$(( $(date +%s) + TP2_START_TIMEOUT_S ))
+deadline=$(( SECONDS + TP2_START_TIMEOUT_S ))  # SECONDS: no fork, which a Ctrl-C would end mid-test
 while read -r rank pid port; do
   until answers "$port"; do
     if ! alive "$pid"; then
       echo "start-tp2: rank $rank (GPU ${GPU_LIST[$rank]}, port $port) exited during start-up" >&2
       tail_log "$RUN_DIR/rank$rank.log" 30; stop_ranks >/dev/null; exit 1
     fi
-    if [[ $(date +%s) -gt $deadline ]]; then
+    if (( SECONDS > deadline )); then
       echo "start-tp2: rank $rank (port $port) did not answer within ${TP2_START_TIMEOUT_S} s" >&2
       tail_log "$RUN_DIR/rank$rank.log" 30; stop_ranks >/dev/null; exit 1
     fi
     sleep 0.5
   done
 done < "$PIDS"
+trap - INT TERM
 sort -n "$PIDS" -o "$PIDS"
 while read -r rank pid port; do
   echo "  rank $rank: http://$LISTEN:$port  $([[ $CPU -eq 1 ]] && echo cpu || echo "GPU ${GPU_LIST[$rank]}")  log $RUN_DIR/rank$rank.log"

@@ -1,4 +1,4 @@
-// minimax-h3-tp2: the TP panel (a sidebar tab on rank 0) and the TP2 Status node's text on the canvas.
+// minimax-h3-tp2: the TP panel (a sidebar tab on rank 0), the TP2 Status node's text on the canvas, nodes' warnings as toasts.
 //
 // The panel polls rank 0's GET /tp2/cluster (nodes/status_api.py: every rank's /tp2/status, fetched by rank 0,
 // with a health verdict): the ranks, their health, the process group, the last agreement, each rank's progress
@@ -45,7 +45,7 @@ function linkText(status) {
   return l ? `${l.bus_gbps} GB/s (${l.kind}); ${l.prediction}` : "not measured yet (at the first sampler, as the group forms)";
 }
 
-const HEALTH_COLOURS = { healthy: "#2e7d32", starting: "#9a7d0a", waiting: "#9a7d0a", stopping: "#b35900", silent: "#b71c1c", wrong: "#b71c1c", unreachable: "#b71c1c" };
+const HEALTH_COLOURS = { healthy: "#2e7d32", starting: "#9a7d0a", waiting: "#9a7d0a", stopping: "#b35900", silent: "#b71c1c", wrong: "#b71c1c", restarting: "#b35900", unreachable: "#b71c1c" };
 
 function line(label, value, className) {
   return el("div", { className, style: { margin: "1px 0" } }, el("span", { style: { opacity: 0.7 } }, `${label}: `), value);
@@ -163,9 +163,19 @@ function showStatus(node, output) {
   if (node?.tp2StatusText && value !== undefined) node.tp2StatusText.textContent = Array.isArray(value) ? value.join("\n") : String(value);
 }
 
+// a node's warning to the user (nodes/lora.py tell_node), sent to this tab as its prompt ends: a toast, kept until
+// closed, so a run that "succeeded" without doing what was asked does not pass unseen
+function toastWarnings(event) {
+  for (const w of event.detail?.warnings ?? []) {
+    const node = app.graph?.getNodeById?.(w.node_id) ?? app.graph?.getNodeById?.(Number(w.node_id));
+    app.extensionManager?.toast?.add({ severity: "warn", summary: `minimax-h3-tp2: ${node?.title ?? "node " + w.node_id}`, detail: w.text });
+  }
+}
+
 app.registerExtension({
   name: "minimax-h3-tp2.panel",
   async setup() {
+    api.addEventListener("tp2_warnings", toastWarnings);
     let info;
     try {
       const response = await api.fetchApi("/tp2/ranks");

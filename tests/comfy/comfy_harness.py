@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 import uuid
 
-from conftest import COMFYUI_DIR, free_port  # noqa: F401 - the tests import free_port from here
+from conftest import COMFYUI_DIR, free_port, have_comfyui  # noqa: F401 - the tests import these from here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEAMS = os.path.join(ROOT, "tests", "comfy", "fixtures", "tp2_seams")
@@ -33,12 +33,6 @@ def link_pack(custom_nodes: str) -> None:
     for name, target in (("minimax-h3-tp2", ROOT), ("tp2_seams", SEAMS)):
         if not os.path.lexists(os.path.join(custom_nodes, name)):
             os.symlink(target, os.path.join(custom_nodes, name))
-
-
-def have_comfyui() -> bool:
-    return os.path.isfile(os.path.join(COMFYUI_DIR, "main.py")) and os.path.isfile(
-        os.path.join(COMFYUI_DIR, "comfy", "ldm", "minimax", "model.py")
-    )
 
 
 class Server:
@@ -354,3 +348,17 @@ def cleanup(path: str) -> None:
     """Remove a test's server directories (kept, logs and all, when TP2_KEEP_TEST_DIRS=1)."""
     if os.environ.get("TP2_KEEP_TEST_DIRS") != "1":
         shutil.rmtree(path, ignore_errors=True)
+
+
+def venv_with_the_suites_packages(path: str) -> str:
+    """A real virtualenv at `path` that sees this suite's packages (torch, ComfyUI's requirements, the pack's) through a
+    .pth file, as a ComfyUI's own venv/ holds them, with nothing downloaded or copied; its python's path."""
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", path], check=True, timeout=120)
+    py = os.path.join(path, "bin", "python")
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+    with open(os.path.join(site, "suite_packages.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    return py

@@ -345,3 +345,42 @@ def test_template_cards_have_their_thumbnails(ranks):
         assert image.format == "JPEG" and image.size == (400, 300), (name, image.format, image.size)
     check = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "make_thumbnails.py"), "--check"], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
+
+
+TOASTS = "[...document.querySelectorAll('.p-toast-message')].map(e => e.innerText)"
+
+
+def test_a_nodes_warning_is_a_toast_that_stays_on_rank0s_page(ranks):
+    """A LoRA of another model (SD-style keys) through LoraLoaderModelOnly warned only in the rank's log while the web UI
+    said success (issue 49). Queued from rank 0's page (its own client id), the run ends with the node's warning in a
+    toast (web/tp2_panel.js), still shown seconds later; the run itself succeeds on every rank."""
+    import torch
+    from comfy_harness import wait_done
+    from safetensors.torch import save_file
+
+    loras = ranks["tmp"] / "base" / "models" / "loras"
+    loras.mkdir(parents=True, exist_ok=True)
+    keys = [f"lora_unet_down_blocks_{i}_attn1_to_q.{f}.weight" for i in range(3) for f in ("lora_up", "lora_down")]
+    save_file({k: torch.zeros(4, 4) for k in keys}, str(loras / "not_h3_in_browser.safetensors"))
+    api = json.load(open(os.path.join(ROOT, "workflows", "api", "h3_tp2_tiny_demo.json")))
+    api["20"] = {
+        "class_type": "LoraLoaderModelOnly",
+        "inputs": {"model": ["1", 0], "lora_name": "not_h3_in_browser.safetensors", "strength_model": 1.0},
+    }
+    api["5"]["inputs"]["model"] = ["20", 0]
+    api["5"]["inputs"]["seed"] = 4049  # not a prompt the cache holds the outputs of
+
+    async def queue(page):
+        queued = await page.eval(f"window.app.api.queuePrompt(0, {{output: {json.dumps(api)}}})")
+        for _ in range(900):
+            if any("patched nothing of the model" in t for t in await page.eval(TOASTS)):
+                await asyncio.sleep(3.0)
+                return queued, await page.eval(TOASTS)
+            await asyncio.sleep(0.2)
+        return queued, await page.eval(TOASTS)
+
+    queued, toasts = asyncio.run(_in_browser(ranks["urls"][0], str(ranks["tmp"] / "chromium-toast"), queue))
+    warned = [t for t in toasts if "patched nothing of the model (0 of its 3 layers matched)" in t]
+    assert len(warned) == 1 and "minimax-h3-tp2: " in warned[0], toasts  # every rank runs the node; the page's rank 0 tells it
+    for url in ranks["urls"]:
+        assert wait_done(url, queued["prompt_id"])["status"]["status_str"] == "success"

@@ -27,6 +27,7 @@ from comfy_harness import (
     wait_done,
 )  # fmt: skip
 from comfy_harness import demo_workflow as workflow
+from conftest import assert_within
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -105,9 +106,9 @@ def test_interrupt_on_rank0_stops_every_rank_then_next_prompt_works(front):
     call(front["urls"][0], "/interrupt", {})
     hs = []
     for u in front["urls"]:
-        hs.append(wait_done(u, pid, timeout=30))
+        hs.append(wait_done(u, pid, timeout=180))
         print(f"{u} done after {time.monotonic() - t0:.1f} s: {hs[-1]['status']['messages'][-1][0]}")
-    assert time.monotonic() - t0 < 10
+    assert_within(time.monotonic() - t0, 10, "the interrupt reaching every rank")
     for h in hs:
         assert h["status"]["status_str"] == "error" and any(k == "execution_interrupted" for k, _ in h["status"]["messages"]), h["status"]
     status, body = call(front["urls"][0], "/prompt", {"prompt": workflow("after_interrupt")})
@@ -138,8 +139,9 @@ def test_a_prompt_waits_for_a_follower_the_launcher_restarts_and_fails_fast_when
     t0 = time.monotonic()
     status, body = call(front["urls"][0], "/prompt", {"prompt": workflow("none_restarts")})
     assert status == 200, body  # queued on rank 0; it fails when it starts, at once, naming the rank
-    h = wait_done(front["urls"][0], body["prompt_id"], timeout=60)
-    assert h["status"]["status_str"] == "error" and time.monotonic() - t0 < 30, h["status"]
+    h = wait_done(front["urls"][0], body["prompt_id"], timeout=180)
+    assert h["status"]["status_str"] == "error", h["status"]
+    assert_within(time.monotonic() - t0, 30, "the prompt failing for a follower nobody restarts")  # not the 120 s wait for one
     message = error_text(h)
     assert "rank 1 (http://127.0.0.1:" in message and "is not reachable" in message, message
     res = subprocess.run(

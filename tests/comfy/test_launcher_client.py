@@ -73,17 +73,28 @@ def ranks(tmp_path_factory):
 
 def test_a_lora_that_patches_nothing_is_a_warning_at_the_client(ranks, tmp_path):
     """A LoRA of another model (SD-style keys) in LoraLoaderModelOnly patches nothing of H3: tp2-submit prints the
-    node's warning, with how many layers matched, and the run still succeeds identically."""
+    node's warning, with how many layers matched, and its closing line counts it; the run still succeeds identically.
+    The warning is in the prompt's history on every rank (what tp2-submit reads when its websocket missed it; issue 49),
+    and a second run, whose LoRA node ComfyUI's cache serves, warns again."""
     wf = json.load(open(TINY))
     wf["20"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": NOT_H3_LORA, "strength_model": 1.0}}
     wf["5"]["inputs"]["model"] = ["20", 0]
     path = tmp_path / "with_lora.json"
     path.write_text(json.dumps(wf))
-    res = submit(ranks, str(path), "--out", str(tmp_path))
-    assert res.returncode == 0, res.stdout + res.stderr
     warning = "WARNING from LoraLoaderModelOnly (node 20): LoRA "
-    assert warning in res.stderr and "patched nothing of the model (0 of its 3 layers matched)" in res.stderr, res.stderr
-    assert res.stderr.count(warning) == 1, res.stderr  # every rank sends it; said once
+    for run in ("first", "cached"):
+        res = submit(ranks, str(path), "--out", str(tmp_path / run))
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert warning in res.stderr and "patched nothing of the model (0 of its 3 layers matched)" in res.stderr, res.stderr
+        assert res.stderr.count(warning) == 1, res.stderr  # every rank sends it; said once
+        assert ", with 1 warning(s) (above: check them)" in res.stdout.splitlines()[0], res.stdout
+        prompt_id = res.stdout.split("finished prompt ", 1)[1].split()[0]
+        for url in ranks["urls"]:
+            messages = call(url, f"/history/{prompt_id}")[1][prompt_id]["status"]["messages"]
+            told = [w for kind, d in messages if kind == "tp2_warnings" for w in d["warnings"]]
+            assert [w["node_id"] for w in told] == ["20"] and "patched nothing" in told[0]["text"], (url, run, messages)
+            if run == "cached":
+                assert any(kind == "execution_cached" and "20" in d["nodes"] for kind, d in messages), messages
 
 
 def test_tp_size_the_checkpoint_cannot_split_is_refused_before_any_rank(tmp_path):
@@ -168,18 +179,19 @@ def _python_without_aiohttp() -> str | None:
 
 def test_printed_submit_hint_works_as_printed(ranks, tmp_path):
     """The launcher's hint, run by a shell whose `python3` has no aiohttp (what the README's users have): tp2-submit
-    runs itself again under the pack's .venv, and both ranks agree. Then the printed `status` line."""
+    runs itself again under the Python of the scripts' rule ($PYTHON where set, else ComfyUI's venv/ in the Manager
+    layout, else the pack's .venv: never skipped for want of a .venv), and both ranks agree. Then the printed `status` line."""
     base = _python_without_aiohttp()
     if base is None:
         pytest.skip(f"{sys.base_prefix}/bin/python3 has aiohttp: nothing would need the venv")
-    if not os.path.exists(os.path.join(ROOT, ".venv", "bin", "python")):
-        pytest.skip("no .venv in the pack (scripts/install.sh makes it)")
+    env = {k: v for k, v in os.environ.items() if k not in ("TP2_VENV", "TP2_SUBMIT_IN_VENV")}
+    rule = subprocess.run(["bash", os.path.join(SCRIPTS, "lib", "comfyui_dir.sh"), "--print"], env=env, capture_output=True, text=True)
+    assert rule.stdout.splitlines()[3] != "python3 on PATH", f"the rule finds no Python with the pack's requirements: {rule.stdout}"
     hint = next(ln.strip() for ln in ranks["stdout"].splitlines() if "tp2-submit WORKFLOW.json --run-dir" in ln)
     status = next(ln.split(":", 1)[1].strip() for ln in ranks["stdout"].splitlines() if ln.startswith("status:"))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     os.symlink(base, bin_dir / "python3")
-    env = {k: v for k, v in os.environ.items() if k not in ("TP2_VENV", "TP2_SUBMIT_IN_VENV")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     cmd = hint.replace("WORKFLOW.json", TINY) + f" --out {tmp_path / 'out'} --quiet"
     res = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
@@ -291,6 +303,26 @@ def _validate(api: dict, info: dict) -> list[str]:
             elif kind in ("INT", "FLOAT") and not (opts.get("min", -1e30) <= value <= opts.get("max", 1e30)):
                 problems.append(f"{nid} {cls}.{name}: {value} outside [{opts.get('min')}, {opts.get('max')}]")
     return problems
+
+
+def test_a_rank_the_launcher_restarts_is_waited_for_and_said_so(ranks, tmp_path):
+    """A killed rank that the launcher starts again (issue 49: tp2-submit said 'not reachable ... is the rank running?'
+    while `status` knew better): rank 0's /tp2/cluster calls the follower "restarting"; tp2-submit --run-dir says the
+    rank is restarting, waits for it, and the run succeeds identically. Then the same with rank 0 killed."""
+    run_dir = ranks["run"] / "ranks"
+    for victim in (1, 0):
+        pid = int(open(run_dir / "pids").read().split("\n")[victim].split()[1])
+        os.killpg(pid, signal.SIGKILL)
+        if victim == 1:  # the launcher starts it again after a second, and ComfyUI takes longer than that to answer
+            _, cluster = call(ranks["urls"][0], "/tp2/cluster")
+            assert cluster["ranks"][1]["health"] == "restarting", cluster["ranks"][1]
+        cmd = [sys.executable, os.path.join(SCRIPTS, "tp2-submit"), TINY, "--run-dir", str(run_dir), "--out", str(tmp_path / str(victim)),
+               "--quiet", "--set", f"KSampler.seed={300 + victim}"]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+        assert res.returncode == 0, res.stdout + res.stderr
+        said = f"tp2-submit: rank {victim} ({ranks['urls'][victim]}) is restarting: its process ended and the launcher is starting it"
+        assert said in res.stderr, res.stderr
+        assert "not reachable" not in res.stderr and res.stdout.count(": identical") == 3, res.stdout + res.stderr
 
 
 def test_rank_killed_mid_run_fails_fast_naming_the_rank(ranks, tmp_path):

@@ -28,6 +28,7 @@ from comfy_harness import (
     wait_done,
 )  # fmt: skip
 from comfy_harness import demo_workflow as workflow
+from conftest import assert_within
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -91,7 +92,7 @@ def assert_all_identical(ranks, prompts: dict[str, str], timeout: float = 180) -
         assert len(a) == 2 and a == b, prefix
 
 
-def running_on(url: str, prompt_id: str, timeout: float = 30) -> None:
+def running_on(url: str, prompt_id: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(item[1] == prompt_id for item in call(url, "/queue")[1]["queue_running"]):
@@ -205,10 +206,10 @@ def test_two_clients_posting_large_bodies_at_once_run_in_one_order_everywhere(ra
 def test_exception_on_rank1_mid_sampling_fails_rank0_within_seconds_with_its_reason(ranks, fault, expect):
     ranks["fault"].write_text(fault)
     pid = queue(ranks, "fault_" + fault.split(":")[2], steps=20)
-    h1 = wait_done(ranks["urls"][1], pid, timeout=60)
+    h1 = wait_done(ranks["urls"][1], pid, timeout=180)
     t1 = time.monotonic()
-    h0 = wait_done(ranks["urls"][0], pid, timeout=30)
-    assert time.monotonic() - t1 < 10
+    h0 = wait_done(ranks["urls"][0], pid, timeout=180)  # else the 120 s collective timeout (TP2_TIMEOUT_S)
+    assert_within(time.monotonic() - t1, 10, "rank 0's failure after rank 1's")
     assert h0["status"]["status_str"] == "error" and h1["status"]["status_str"] == "error"
     message = error_text(h0)
     for text in expect:
@@ -221,10 +222,10 @@ def test_exception_on_rank1_mid_sampling_fails_rank0_within_seconds_with_its_rea
 def test_failure_on_rank0_before_the_sampler_releases_the_follower_within_seconds(ranks):
     ranks["fault"].write_text("0:0:error")
     pid = queue(ranks, "rank0_early")
-    h0 = wait_done(ranks["urls"][0], pid, timeout=60)
+    h0 = wait_done(ranks["urls"][0], pid, timeout=180)
     t0 = time.monotonic()
-    h1 = wait_done(ranks["urls"][1], pid, timeout=30)
-    assert time.monotonic() - t0 < 10
+    h1 = wait_done(ranks["urls"][1], pid, timeout=180)
+    assert_within(time.monotonic() - t0, 10, "the follower's release after rank 0's failure")
     assert h0["status"]["status_str"] == "error" and h1["status"]["status_str"] == "error"
     assert "rank 0" in error_text(h1) and "injected fault" in error_text(h1), error_text(h1)
     assert_next_prompt_identical(ranks, "after_rank0_early")
@@ -239,17 +240,18 @@ def test_interrupt_while_a_follower_is_late_at_the_rendezvous_and_a_reused_promp
     call(ranks["urls"][0], "/interrupt", {})
     waits = []
     for u in ranks["urls"]:
-        h = wait_done(u, pid, timeout=30)
+        h = wait_done(u, pid, timeout=180)
         waits.append(time.monotonic() - t0)
         assert h["status"]["status_str"] == "error", h["status"]
-    assert max(waits) < 10, waits
+        assert "did not reach" not in error_text(h), error_text(h)  # stopped by the interrupt, not by the rendezvous timeout
+    assert_within(max(waits), 10, f"the interrupt reaching every rank ({waits})")
     status, answer = call(ranks["urls"][0], "/prompt", {"prompt": workflow("reused"), "prompt_id": pid})
     assert status == 409 and "used once" in answer["error"]["message"], answer
     assert_next_prompt_identical(ranks, "after_late")
 
 
 def test_frozen_follower_is_named_within_20_s_and_recovers_after_sigcont(ranks):
-    """15 s of silence, then the next poll: 15.7-17.1 s measured on the CPU machine; 20 leaves room for its load."""
+    """15 s of silence, then the next poll: 15.7-17.1 s measured on an idle CPU machine; 20, scaled by the load."""
     follower = rank_pids(ranks)[1]
     pid = queue(ranks, "frozen", steps=400)
     running_on(ranks["urls"][1], pid)
@@ -257,11 +259,11 @@ def test_frozen_follower_is_named_within_20_s_and_recovers_after_sigcont(ranks):
     os.killpg(follower, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
-        h0 = wait_done(ranks["urls"][0], pid, timeout=60)
+        h0 = wait_done(ranks["urls"][0], pid, timeout=180)
         waited = time.monotonic() - t0
     finally:
         os.killpg(follower, signal.SIGCONT)
-    assert waited < 20, waited
+    assert_within(waited, 20, "naming the frozen follower")  # else the 120 s collective timeout; the message says which
     assert h0["status"]["status_str"] == "error" and "rank 1 is not responding" in error_text(h0), error_text(h0)
     assert wait_done(ranks["urls"][1], pid, timeout=30)["status"]["status_str"] == "error"
     assert_next_prompt_identical(ranks, "after_frozen")
@@ -272,8 +274,8 @@ def test_rank0_killed_mid_sampling_follower_reports_within_10_s_then_rank0_resta
     which records the prompt that was running as failed with the reason and runs the 5, identical on both ranks."""
     pid0 = rank_pids(ranks)[0]
     pid, pending, t0 = kill_mid_prompt(ranks, 0, "kill0", 5, seed=100)
-    h1 = wait_done(ranks["urls"][1], pid, timeout=60)
-    assert time.monotonic() - t0 < 10
+    h1 = wait_done(ranks["urls"][1], pid, timeout=180)
+    assert_within(time.monotonic() - t0, 10, "the follower naming rank 0's death")
     assert h1["status"]["status_str"] == "error" and "rank 0 died" in error_text(h1), error_text(h1)
     deadline = time.monotonic() + 90  # the launcher starts rank 0 again
     while rank_pids(ranks)[0] == pid0 and time.monotonic() < deadline:
@@ -289,8 +291,8 @@ def test_a_killed_follower_costs_only_the_running_prompt(ranks):
     """A follower killed with 10 prompts pending: the running prompt fails on rank 0 within 5 s naming rank 1; rank 0
     holds the queue while the launcher starts the follower again, then runs the 10, identical on both ranks."""
     pid, pending, t0 = kill_mid_prompt(ranks, 1, "kill1", 10, seed=200)
-    h0 = wait_done(ranks["urls"][0], pid, timeout=60)
-    assert time.monotonic() - t0 < 5, (time.monotonic() - t0, error_text(h0))
+    h0 = wait_done(ranks["urls"][0], pid, timeout=180)
+    assert_within(time.monotonic() - t0, 5, f"rank 0 naming the killed follower ({error_text(h0)})")
     assert h0["status"]["status_str"] == "error" and "rank 1 ended" in error_text(h0), error_text(h0)
     wait_answers(ranks["urls"][1])
     assert_all_identical(ranks, pending)

@@ -12,11 +12,9 @@ from __future__ import annotations
 import glob
 import os
 import subprocess
-import sys
-import sysconfig
 
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui
+from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui, venv_with_the_suites_packages
 from conftest import free_port, make_checkpoint, make_tiny_h3
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
@@ -31,13 +29,7 @@ def _comfyui_with_its_own_venv(comfy: str) -> str:
             os.symlink(os.path.join(COMFYUI_DIR, entry), os.path.join(comfy, entry))
     for sub in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning", "input", "output"):
         os.makedirs(os.path.join(comfy, sub))
-    subprocess.run([sys.executable, "-m", "venv", os.path.join(comfy, "venv")], check=True, timeout=120)
-    venv_py = os.path.join(comfy, "venv", "bin", "python")
-    site = subprocess.run([venv_py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True,
-                          check=True).stdout.strip()  # fmt: skip
-    with open(os.path.join(site, "suite_packages.pth"), "w") as f:
-        f.write(sysconfig.get_paths()["purelib"] + "\n")  # torch and ComfyUI's requirements, as that venv would hold them
-    return venv_py
+    return venv_with_the_suites_packages(os.path.join(comfy, "venv"))  # torch and ComfyUI's requirements, as its venv holds them
 
 
 def test_the_manager_way_runs_under_comfyuis_own_virtualenv(tmp_path):

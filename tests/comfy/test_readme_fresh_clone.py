@@ -5,17 +5,23 @@ From a `git clone` of HEAD, with HOME fresh and empty, each command as the READM
 2. `scripts/demo.sh --base-port N` (free ports), no --comfyui: it must use DIR, remembered by the set-up;
 3. `scripts/start-tp2.sh --tp-size 2 --cpu --base-port M` (its `--gpus 0,1` without GPUs, per the troubleshooting table);
 4. `scripts/tp2-submit workflows/api/h3_tp2_tiny_demo.json --run-dir tp2-run --set KSampler.seed=7` (the tiny workflow the demo
-   left in DIR, for the 832x480 one) from a shell whose `python3` is PATH's, without aiohttp: tp2-submit must find .venv;
+   left in DIR, for the 832x480 one) from a shell whose `python3` is PATH's, without aiohttp: tp2-submit must find the set-up's Python;
 5. `scripts/start-tp2.sh status`; 6. `scripts/start-tp2.sh stop`.
 Each must exit 0; set-up, demo and launcher must name DIR; the ranks tp2-submit, status and stop reach must be DIR's (their
-working folder) under the clone's new .venv; tp2-submit exits 0 only when every rank wrote identical files, checked again here.
-The set-up makes a real virtualenv (torch with CUDA, ComfyUI's and the pack's requirements) with the real user's pip config and
-cache (PIP_CONFIG_FILE, PIP_CACHE_DIR; scripts/install.sh has no wheel reuse of its own): it needs the package registry, as a
-user's does, and fails without it (not skipped). Clone, venv and DIR are removed afterwards (kept with TP2_KEEP_TEST_DIRS=1).
+working folder) under the set-up's Python; tp2-submit exits 0 only when every rank wrote identical files, checked again here.
+
+DIR has the layout of the suite's ComfyUI (issue 49). Where that ComfyUI has its own virtualenv (venv/ or .venv/, as ComfyUI's
+README and the ComfyUI-Manager way set it up), DIR gets a virtualenv of its own at venv/ that sees the suite's packages through a
+.pth file (a 7 GB copy would prove nothing more): the set-up must use it, make no .venv in the clone, and install no second
+torch. Where it has none, the set-up makes the clone's .venv: a real virtualenv (torch, ComfyUI's and the pack's requirements)
+with the real user's pip config and cache (PIP_CONFIG_FILE, PIP_CACHE_DIR; scripts/install.sh has no wheel reuse of its own): it
+needs the package registry, as a user's does, and fails without it (not skipped). Clone, venvs and DIR are removed afterwards
+(kept with TP2_KEEP_TEST_DIRS=1).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import pwd
@@ -26,7 +32,7 @@ import sys
 import time
 
 import pytest
-from comfy_harness import COMFYUI_DIR, ROOT, cleanup, free_port, have_comfyui
+from comfy_harness import COMFYUI_DIR, ROOT, cleanup, free_port, have_comfyui, venv_with_the_suites_packages
 
 pytestmark = [
     pytest.mark.comfy,
@@ -35,7 +41,9 @@ pytestmark = [
 ]
 
 SETUP_TIMEOUT_S = 1800  # a cold pip cache fetching torch and the NVIDIA wheels from the network can take this long
-TOP_LEVEL_NOT_COPIED = {".git", "models", "custom_nodes", "output", "temp", "user", "__pycache__"}
+TOP_LEVEL_NOT_COPIED = {".git", "models", "custom_nodes", "output", "temp", "user", "__pycache__", "venv", ".venv"}
+# the suite's ComfyUI runs with a virtualenv of its own (the ComfyUI-Manager way): DIR then gets one too
+COMFYUI_HAS_VENV = any(os.path.isfile(os.path.join(COMFYUI_DIR, v, "bin", "python")) for v in ("venv", ".venv"))
 
 
 def _two_free_ports() -> int:
@@ -54,8 +62,9 @@ def _two_free_ports() -> int:
 
 
 def _copy_comfyui(dest: str) -> str:
-    """DIR: the suite's ComfyUI code copied (no .git); models/ as its folder tree without files (a user's real models
-    could be tens of GB, and the demo writes its tiny files there); custom_nodes/, output/, temp/, user/ empty."""
+    """DIR: the suite's ComfyUI code copied (no .git, no virtualenv); models/ as its folder tree without files (a user's
+    real models could be tens of GB, and the demo writes its tiny files there); custom_nodes/, output/, temp/, user/ empty;
+    a venv/ of its own when the suite's ComfyUI has one."""
     shutil.copytree(
         COMFYUI_DIR, dest, symlinks=True,
         ignore=lambda d, names: [n for n in names if n == "__pycache__" or (d == COMFYUI_DIR and n in TOP_LEVEL_NOT_COPIED)],
@@ -65,6 +74,8 @@ def _copy_comfyui(dest: str) -> str:
         os.makedirs(os.path.join(dest, "models", os.path.relpath(d, models)), exist_ok=True)
     for sub in ("custom_nodes", "output", "temp", "user"):
         os.makedirs(os.path.join(dest, sub), exist_ok=True)
+    if COMFYUI_HAS_VENV:
+        venv_with_the_suites_packages(os.path.join(dest, "venv"))
     return os.path.realpath(dest)
 
 
@@ -114,7 +125,7 @@ def _alive(pid: int) -> bool:
 
 def _assert_ranks_run(run_dir: str, comfy: str, venv_python: str, ports: list[int]) -> None:
     """The launcher's ranks are ComfyUI processes of `comfy` (their working folder, where the launcher cds to run
-    main.py) under the clone's venv, on `ports`."""
+    main.py) under the set-up's Python, on `ports`."""
     ranks = _ranks(run_dir)
     assert [port for _, _, port in ranks] == ports, ranks
     for rank, pid, _port in ranks:
@@ -146,7 +157,9 @@ def fresh(tmp_path_factory):
     setup = _run(f"scripts/install.sh --comfyui {comfy}", pack, env, SETUP_TIMEOUT_S)
     setup.took = time.monotonic() - t0
     print(f"\n[readme fresh clone] set-up took {setup.took:.0f} s")
-    yield {"root": root, "home": home, "pack": pack, "comfy": comfy, "env": env, "setup": setup, "shared_models": shared_models}
+    python = f"{comfy}/venv/bin/python" if COMFYUI_HAS_VENV else f"{pack}/.venv/bin/python"  # what the set-up must use
+    yield {"root": root, "home": home, "pack": pack, "comfy": comfy, "env": env, "setup": setup, "shared_models": shared_models,
+           "python": python}  # fmt: skip
     for run_dir in ("tp2-run", os.path.join("tp2-demo", "ranks")):  # whatever a failed step left running
         if os.path.exists(os.path.join(pack, run_dir, "pids")):
             subprocess.run([os.path.join(pack, "scripts", "start-tp2.sh"), "stop", "--run-dir", os.path.join(pack, run_dir)],
@@ -155,27 +168,33 @@ def fresh(tmp_path_factory):
 
 
 def test_setup_with_comfyui_dir(fresh):
-    """`scripts/install.sh --comfyui DIR` in a fresh clone: a new .venv, DIR said first and last, remembered in the
-    clone's .comfyui-dir, the clone linked into DIR/custom_nodes."""
-    setup, pack, comfy = fresh["setup"], fresh["pack"], fresh["comfy"]
+    """`scripts/install.sh --comfyui DIR` in a fresh clone: DIR said first and last, remembered in the clone's .comfyui-dir,
+    the clone linked into DIR/custom_nodes; the Python: DIR's own venv/ where it has one (no .venv, no second torch), else
+    a new .venv of the clone's."""
+    setup, pack, comfy, python = fresh["setup"], fresh["pack"], fresh["comfy"], fresh["python"]
     assert setup.returncode == 0, setup.cmd_text
     lines = setup.stdout.splitlines()
     assert lines[0] == f"[install] ComfyUI: {comfy} (--comfyui)", setup.cmd_text
-    assert f"[install] creating virtualenv {pack}/.venv" in lines, setup.cmd_text
+    if COMFYUI_HAS_VENV:
+        assert f"[install] using the Python your ComfyUI runs with ({comfy}/venv): no second torch" in setup.stdout, setup.cmd_text
+        assert "creating virtualenv" not in setup.stdout and not os.path.exists(os.path.join(pack, ".venv")), setup.cmd_text
+        assert not glob.glob(os.path.join(comfy, "venv", "lib", "python*", "site-packages", "torch")), "torch was installed again"
+    else:
+        assert f"[install] creating virtualenv {pack}/.venv" in lines, setup.cmd_text
     assert f"[install] remembered {comfy} in {pack}/.comfyui-dir" in setup.stdout, setup.cmd_text
     assert f"[install] linked the pack into {comfy}/custom_nodes/minimax-h3-tp2" in lines, setup.cmd_text
     assert any(ln.startswith("[install] ready: torch ") for ln in lines), setup.cmd_text
-    assert lines[-2:] == [f"[install] ComfyUI: {comfy}", f"[install] python: {pack}/.venv/bin/python"], setup.cmd_text
+    assert lines[-2:] == [f"[install] ComfyUI: {comfy}", f"[install] python: {python}"], setup.cmd_text
     assert open(os.path.join(pack, ".comfyui-dir")).read().splitlines()[0] == comfy
     assert os.path.realpath(os.path.join(comfy, "custom_nodes", "minimax-h3-tp2")) == pack
-    assert os.path.isfile(os.path.join(pack, ".venv", "bin", "python")) and os.path.realpath(pack) != os.path.realpath(ROOT)
+    assert os.path.isfile(python) and os.path.realpath(pack) != os.path.realpath(ROOT)
 
 
 def test_demo_launcher_submit_status_stop(fresh):
     """Demo, launcher, tp2-submit, status and stop, as the README writes them, on the clone after its set-up."""
     setup, pack, comfy, env = fresh["setup"], fresh["pack"], fresh["comfy"], fresh["env"]
     assert setup.returncode == 0, "the set-up failed (test_setup_with_comfyui_dir says how)"
-    venv_python = f"{pack}/.venv/bin/python"
+    venv_python = fresh["python"]
     remembered = f"ComfyUI: {comfy} (remembered by scripts/install.sh in {pack}/.comfyui-dir)"
 
     # the demo, given no --comfyui: DIR, as the set-up remembered it

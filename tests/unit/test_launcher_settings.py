@@ -382,3 +382,19 @@ def test_check_host_memory_verdicts_follow_the_measured_figures():
     peak, floor = check.rank_host_gib(1920, 1088, 124, 2)
     assert round(peak - 34.0, 2) == round((1920 * 1088 - 832 * 480) * 124 * 12 / 2**30, 2) and floor < peak  # + its decoded video
     assert check.rank_host_gib(832, 480, 124, 4)[0] < check.rank_host_gib(832, 480, 124, 2)[0]  # pins scale with the share
+
+
+@pytest.mark.parametrize("split", ["3", "3;2", "3:0", "3:2:1"])
+def test_a_split_that_is_no_split_is_refused_before_torch_loads_and_blames_no_model(tmp_path, split):
+    """A --split typo (issue 49: '3' cost a torch import, 7-9 s, then a line saying the model cannot be split that
+    way): one line saying the form, and sooner than Python imports torch alone (timed now, so load slows both)."""
+    comfy = _comfyui_with_pack(tmp_path, [("h3_tiny_int8.safetensors", ("--int8",))])
+    res, took = _launch(tmp_path, comfy, "--cpu", "--split", split)
+    assert res.returncode == 1 and res.stderr == (
+        f"start-tp2: split '{split}' is not 2 positive whole numbers joined by ':' (one per rank, rank 0 first), e.g. 3:2; "
+        "leave it out for an even split.\n"
+    ), res.stderr
+    assert "tp_size" not in res.stdout and not (tmp_path / "run" / "pids").exists(), res.stdout
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120)
+    assert took < time.monotonic() - t0, took

@@ -222,3 +222,25 @@ def test_install_reuses_the_virtualenv_comfyui_runs_with(pack, tmp_path):
     assert f"python: {comfy}/venv/bin/python" in res.stdout and not (pack / ".venv").exists()
     print(f"set-up reusing ComfyUI's virtualenv: {took:.1f} s")
     assert took < 60, took
+
+
+def test_install_in_the_manager_layout_links_nothing_and_warns_of_nothing(tmp_path):
+    """The pack cloned into ComfyUI's custom_nodes (the README's ComfyUI-Manager way), under any folder name, ComfyUI
+    with its own venv/: install.sh, run from the pack with no --comfyui, finds that ComfyUI, says the pack sits there
+    itself, and neither warns that its own folder "is not a link to this pack" nor links a second copy."""
+    comfy = tmp_path / "ComfyUI"
+    stand_in_comfyui(comfy)
+    os.symlink(VENV, comfy / "venv")
+    for name in ("minimax-h3-tp2", "minimax-h3-tp2-main"):
+        pack = comfy / "custom_nodes" / name
+        shutil.copytree(os.path.join(ROOT, "scripts"), pack / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(os.path.join(ROOT, "requirements.txt"), pack / "requirements.txt")
+        res = run(["bash", str(pack / "scripts" / "install.sh")], tmp_path, pack)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.splitlines()[0] == f"[install] ComfyUI: {comfy} (the ComfyUI whose custom_nodes holds the pack)", res.stdout
+        assert f"[install] the pack sits in {comfy}/custom_nodes itself: nothing to link" in res.stdout, res.stdout
+        assert "WARNING" not in res.stdout + res.stderr and "linked the pack" not in res.stdout, res.stdout + res.stderr
+        assert sorted(os.listdir(comfy / "custom_nodes"))[-1] == name and not any(
+            os.path.islink(comfy / "custom_nodes" / n) for n in os.listdir(comfy / "custom_nodes")
+        ), os.listdir(comfy / "custom_nodes")
+        shutil.rmtree(pack)
