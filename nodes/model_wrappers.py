@@ -69,7 +69,7 @@ def _outer_sample(
 
 def _refine_text(original, text_states):
     """The token refiner is sharded: every rank must refine rank 0's text states, in step."""
-    text_states = broadcast_tree(text_states if STATE.env.tp_rank == 0 else None, STATE.session.group)
+    text_states = broadcast_tree(text_states, STATE.session.group)
     with role_guard():
         return original(text_states)
 
@@ -81,15 +81,13 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     prompt.transformer_options = transformer_options  # the step is worked out from it only when a failure names it
     mark_progress()  # before rank 0's inputs are shared: a peer behind this rank from here on is waited for
     payload = kwargs.get("minimax_payload") or {}
-    shared = None
-    if STATE.env.tp_rank == 0:
-        if mm.processing_interrupted():  # every rank stops here, at the same model evaluation
-            shared = {"stop": True}
-        else:
-            # every tensor input (e.g. denoise_mask, audio_denoise_mask, a list of reference latents) is rank 0's
-            extra = {k: v for k, v in kwargs.items() if k != "minimax_payload" and carries_tensors(v)}
-            layoutless = {k: v for k, v in payload.items() if k != "layout"}
-            shared = {"x": list(x), "t": timestep, "context": context, "payload": layoutless, "extra": extra}
+    # every tensor input (e.g. denoise_mask, audio_denoise_mask, a list of reference latents) is rank 0's, received
+    # into this rank's own tensors where rank 0 passes its own on (a wrapper inside may change them in place)
+    extra = {k: v for k, v in kwargs.items() if k != "minimax_payload" and carries_tensors(v)}
+    layoutless = {k: v for k, v in payload.items() if k != "layout"}
+    shared = {"x": list(x), "t": timestep, "context": context, "payload": layoutless, "extra": extra}
+    if STATE.env.tp_rank == 0 and mm.processing_interrupted():  # every rank stops here, at the same model evaluation
+        shared = {"stop": True}
     shared = broadcast_tree(shared, group)
     if shared.get("stop"):
         prompt.coordinated_stop = True
