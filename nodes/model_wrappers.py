@@ -13,6 +13,7 @@ import functools
 
 import comfy.model_management as mm
 import comfy.patcher_extension as pe
+import torch
 
 from ..tp2 import settings
 from ..tp2.collectives import broadcast_tree, carries_tensors
@@ -25,7 +26,7 @@ from .lora import lora_patch_report
 from .parallel import role_guard
 from .patches import changes_of
 from .run import agree_step, in_step, mark_progress, step_key
-from .sequence_parallel import SP_FORWARD, SequenceParallelForward
+from .sequence_parallel import SP_FORWARD, SequenceParallelForward, with_last_block_gathered
 from .state import STATE, log
 
 KEY = "minimax_h3_tp2"
@@ -75,6 +76,14 @@ def _refine_text(original, text_states):
 
 
 def _diffusion_model(executor, x, timestep, context, transformer_options, **kwargs):
+    args, kwargs = _rank0_inputs(executor.class_obj, x, timestep, context, transformer_options, kwargs)
+    with role_guard():
+        return executor(*args, **kwargs)
+
+
+@torch.compiler.disable  # TorchCompileModel compiles the forward around this: the store, pickles and interrupt flag stay eager
+def _rank0_inputs(dm, x, timestep, context, transformer_options, kwargs) -> tuple[tuple, dict]:
+    """This model evaluation's arguments, rank 0's on every rank; raises the interrupt when rank 0 stops here."""
     group = STATE.session.group
     prompt = STATE.prompt
     prompt.model_calls += 1
@@ -97,11 +106,13 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     kwargs = dict(kwargs, **shared["extra"])
     if "minimax_payload" in kwargs:  # rank 0's tensors and values; this rank's own (identical, rebuildable) layout
         kwargs["minimax_payload"] = dict(shared["payload"], **({"layout": payload["layout"]} if "layout" in payload else {}))
-    # this evaluation's own options: the attention backend, and a fresh sequence-parallel state for its blocks
-    transformer_options = dict(transformer_options, optimized_attention_override=attention_override(group.device, STATE.compute_dtype))
+    # this evaluation's own options: the attention backend (a node's own, e.g. ModelAttentionBackend's, stands: each
+    # rank runs attention on its own heads), and a fresh sequence-parallel state for its blocks
+    override = transformer_options.get("optimized_attention_override") or attention_override(group.device, STATE.compute_dtype)
+    transformer_options = dict(transformer_options, optimized_attention_override=override)
     transformer_options[SP_FORWARD] = SequenceParallelForward()
-    with role_guard():
-        return executor(shared["x"], shared["t"], shared["context"], transformer_options, **kwargs)
+    transformer_options = with_last_block_gathered(dm, transformer_options)
+    return (shared["x"], shared["t"], shared["context"], transformer_options), kwargs
 
 
 def _step_of(transformer_options) -> tuple[int | None, int | None]:
