@@ -14,9 +14,11 @@ import functools
 import comfy.model_management as mm
 import comfy.patcher_extension as pe
 import torch
+from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
 from ..tp2 import settings
 from ..tp2.collectives import broadcast_tree, carries_tensors
+from ..tp2.errors import TP2Error
 from ..tp2.handshake import detail_key, model_fingerprint
 from ..tp2.plan import Plan
 from ..tp2.same_bytes import bytes_digest
@@ -59,12 +61,24 @@ def _outer_sample(
         patches=lora_patch_report(executor.class_obj.model_patcher, plan),  # LoRA identities, strengths
     )  # fmt: skip
     fields[detail_key("prompt")] = STATE.prompt.details  # names the node and input when the prompts differ
+    _refuse_before_sampling(executor.class_obj)
     advice = capacity_advice(plan, latent_shapes, STATE.device, executor.class_obj.model_patcher)  # before the ranks meet
     agree_step(key, fields)
     STATE.sampling_key = key
     with in_step(advice, lambda: _step_of(STATE.prompt.transformer_options)), sampling_peak(STATE.device):
         return executor(
             noise, latent_image, sampler, sigmas, denoise_mask, callback, disable_pbar, seed, latent_shapes=latent_shapes, **kwargs
+        )
+
+
+def _refuse_before_sampling(guider) -> None:
+    """What cannot run here under TP, refused on every rank before the ranks meet (never a failure mid-run)."""
+    sequence_parallel = getattr(guider.model_patcher.model.diffusion_model.blocks[-1], "tp2_sp_last", False)
+    if guider.model_options.get(TORCH_COMPILE_KWARGS) and sequence_parallel and STATE.device.type == "cpu":
+        raise TP2Error(
+            f"{STATE.tag} TorchCompileModel cannot run with sequence parallelism on the CPU: torch {torch.__version__}'s "
+            "inductor fails generating C++ for the sequence-parallel DiT blocks (KeyError in its CPU code generator). "
+            "Start the ranks without --fast (TP2_SEQUENCE_PARALLEL=0), or remove TorchCompileModel."
         )
 
 
