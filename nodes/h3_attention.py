@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import comfy.cli_args as cli_args
 import comfy.ldm.modules.attention as comfy_attention
 import comfy.model_management
 import comfy.quant_ops
@@ -22,7 +23,7 @@ from ..kernels.attention import select_attention
 from ..tp2 import settings
 from ..tp2.layers import Reduction
 from .parallel import rowwise_call
-from .state import STATE
+from .state import STATE, log
 
 
 def _quantises_views(h3, transformer_options) -> bool:
@@ -72,7 +73,14 @@ def attention_forward(h3, attn, x, rope_freqs, transformer_options: dict, fused=
 
 @functools.cache
 def attention_override(device: torch.device, dtype: torch.dtype = torch.bfloat16):
-    """ComfyUI's attention function for the backend TP2_ATTN_BACKEND resolves to on this device in `dtype`."""
+    """ComfyUI's attention function for the backend TP2_ATTN_BACKEND resolves to on this device in `dtype`; at auto,
+    ComfyUI's own where it was started with --use-sage-attention or --use-flash-attention (each rank runs attention
+    on its own heads, so any kernel does)."""
+    flag = next((f"--use-{n}-attention" for n in ("sage", "flash") if getattr(cli_args.args, f"use_{n}_attention")), None)
+    if flag and settings.value("TP2_ATTN_BACKEND") == "auto":
+        STATE.attention = f"ComfyUI's ({flag})"
+        log.info("%s attention: ComfyUI's own, as %s asks (TP2_ATTN_BACKEND=auto)", STATE.tag, flag)
+        return lambda func, *args, **kwargs: comfy_attention.optimized_attention(*args, **kwargs)
 
     def sdpa(func, *args, **kwargs):
         return comfy_attention.attention_pytorch(*args, **kwargs)

@@ -13,9 +13,12 @@ import functools
 
 import comfy.model_management as mm
 import comfy.patcher_extension as pe
+import torch
+from comfy_api.torch_helpers.torch_compile import TORCH_COMPILE_KWARGS
 
 from ..tp2 import settings
 from ..tp2.collectives import broadcast_tree, carries_tensors
+from ..tp2.errors import TP2Error
 from ..tp2.handshake import detail_key, model_fingerprint
 from ..tp2.plan import Plan
 from ..tp2.same_bytes import bytes_digest
@@ -25,7 +28,7 @@ from .lora import lora_patch_report
 from .parallel import role_guard
 from .patches import changes_of
 from .run import agree_step, in_step, mark_progress, step_key
-from .sequence_parallel import SP_FORWARD, SequenceParallelForward
+from .sequence_parallel import SP_FORWARD, SequenceParallelForward, with_last_block_gathered
 from .state import STATE, log
 
 KEY = "minimax_h3_tp2"
@@ -58,6 +61,7 @@ def _outer_sample(
         patches=lora_patch_report(executor.class_obj.model_patcher, plan),  # LoRA identities, strengths
     )  # fmt: skip
     fields[detail_key("prompt")] = STATE.prompt.details  # names the node and input when the prompts differ
+    _refuse_before_sampling(executor.class_obj)
     advice = capacity_advice(plan, latent_shapes, STATE.device, executor.class_obj.model_patcher)  # before the ranks meet
     agree_step(key, fields)
     STATE.sampling_key = key
@@ -67,29 +71,46 @@ def _outer_sample(
         )
 
 
+def _refuse_before_sampling(guider) -> None:
+    """What cannot run here under TP, refused on every rank before the ranks meet (never a failure mid-run)."""
+    sequence_parallel = getattr(guider.model_patcher.model.diffusion_model.blocks[-1], "tp2_sp_last", False)
+    if guider.model_options.get(TORCH_COMPILE_KWARGS) and sequence_parallel and STATE.device.type == "cpu":
+        raise TP2Error(
+            f"{STATE.tag} TorchCompileModel cannot run with sequence parallelism on the CPU: torch {torch.__version__}'s "
+            "inductor fails generating C++ for the sequence-parallel DiT blocks (KeyError in its CPU code generator). "
+            "Start the ranks without --fast (TP2_SEQUENCE_PARALLEL=0), or remove TorchCompileModel."
+        )
+
+
 def _refine_text(original, text_states):
     """The token refiner is sharded: every rank must refine rank 0's text states, in step."""
-    text_states = broadcast_tree(text_states if STATE.env.tp_rank == 0 else None, STATE.session.group)
+    text_states = broadcast_tree(text_states, STATE.session.group)
     with role_guard():
         return original(text_states)
 
 
 def _diffusion_model(executor, x, timestep, context, transformer_options, **kwargs):
+    args, kwargs = _rank0_inputs(executor.class_obj, x, timestep, context, transformer_options, kwargs)
+    with role_guard():
+        return executor(*args, **kwargs)
+
+
+@torch.compiler.disable  # TorchCompileModel compiles the forward around this: the store, pickles and interrupt flag stay eager
+def _rank0_inputs(dm, x, timestep, context, transformer_options, kwargs) -> tuple[tuple, dict]:
+    """This model evaluation's arguments, rank 0's on every rank; raises the interrupt when rank 0 stops here."""
     group = STATE.session.group
     prompt = STATE.prompt
     prompt.model_calls += 1
     prompt.transformer_options = transformer_options  # the step is worked out from it only when a failure names it
     mark_progress()  # before rank 0's inputs are shared: a peer behind this rank from here on is waited for
     payload = kwargs.get("minimax_payload") or {}
-    shared = None
-    if STATE.env.tp_rank == 0:
-        if mm.processing_interrupted():  # every rank stops here, at the same model evaluation
-            shared = {"stop": True}
-        else:
-            # every tensor input (e.g. denoise_mask, audio_denoise_mask, a list of reference latents) is rank 0's
-            extra = {k: v for k, v in kwargs.items() if k != "minimax_payload" and carries_tensors(v)}
-            layoutless = {k: v for k, v in payload.items() if k != "layout"}
-            shared = {"x": list(x), "t": timestep, "context": context, "payload": layoutless, "extra": extra}
+    # every tensor input (e.g. denoise_mask, audio_denoise_mask, a list of reference latents) is rank 0's, received
+    # into this rank's own tensors where rank 0 passes its own on (a wrapper inside may change them in place)
+    extra = {k: v for k, v in kwargs.items() if k != "minimax_payload" and carries_tensors(v)}
+    layoutless = {k: v for k, v in payload.items() if k != "layout"}
+    shared = {"x": list(x), "t": timestep, "context": context, "payload": layoutless, "extra": extra}
+    if STATE.env.tp_rank == 0 and mm.processing_interrupted():  # every rank stops here, at the same model evaluation
+        shared = {"stop": True}
     shared = broadcast_tree(shared, group)
     if shared.get("stop"):
         prompt.coordinated_stop = True
@@ -99,11 +120,13 @@ def _diffusion_model(executor, x, timestep, context, transformer_options, **kwar
     kwargs = dict(kwargs, **shared["extra"])
     if "minimax_payload" in kwargs:  # rank 0's tensors and values; this rank's own (identical, rebuildable) layout
         kwargs["minimax_payload"] = dict(shared["payload"], **({"layout": payload["layout"]} if "layout" in payload else {}))
-    # this evaluation's own options: the attention backend, and a fresh sequence-parallel state for its blocks
-    transformer_options = dict(transformer_options, optimized_attention_override=attention_override(group.device, STATE.compute_dtype))
+    # this evaluation's own options: the attention backend (a node's own, e.g. ModelAttentionBackend's, stands: each
+    # rank runs attention on its own heads), and a fresh sequence-parallel state for its blocks
+    override = transformer_options.get("optimized_attention_override") or attention_override(group.device, STATE.compute_dtype)
+    transformer_options = dict(transformer_options, optimized_attention_override=override)
     transformer_options[SP_FORWARD] = SequenceParallelForward()
-    with role_guard():
-        return executor(shared["x"], shared["t"], shared["context"], transformer_options, **kwargs)
+    transformer_options = with_last_block_gathered(dm, transformer_options)
+    return (shared["x"], shared["t"], shared["context"], transformer_options), kwargs
 
 
 def _step_of(transformer_options) -> tuple[int | None, int | None]:

@@ -48,6 +48,7 @@ class SequenceParallelForward:
     segments: list | None = None
     int8: bool = False
     pending: tuple | None = None
+    gathered: bool = False  # the last block ran and gathered the rows back
 
 
 def vote_int8_gathers(block, local: torch.Tensor) -> bool:
@@ -161,8 +162,7 @@ def _entered(self, x, mod_segments, transformer_options):
             f"{STATE.tag} a sequence-parallel DiT block ran outside the pack's model call (no {SP_FORWARD} in its "
             "transformer_options): another node pack calls the blocks itself. Unset TP2_SEQUENCE_PARALLEL on every rank."
         )
-    if self.tp2_sp_first:
-        sp.pending = None
+    if sp.layout is None:  # the first block that runs (SkipLayerGuidanceDiT may skip block 0)
         x = _split(sp, x, mod_segments, self)
     pending_x, gate, mlp = sp.pending or (x, None, None)  # (x, None, None): no residual left to add
     sp.pending = None
@@ -202,7 +202,23 @@ def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_opt
         sp.pending = (x, gate_mlp, mlp)
         return x
     x = h3._mod_gate(x, gate_mlp, mlp, segments)
+    sp.gathered = self.tp2_sp_last
     return gather(sp, x) if self.tp2_sp_last else x
+
+
+def with_last_block_gathered(dm, transformer_options: dict) -> dict:
+    """`transformer_options` in which a replacement of the last DiT block (SkipLayerGuidanceDiT's skip) still hands the
+    final layer every rank's rows: where the block it stands for (which gathers them) did not run, its output is."""
+    key, replace = ("double_block", len(dm.blocks) - 1), transformer_options.get("patches_replace", {})
+    patch, sp = replace.get("dit", {}).get(key), transformer_options[SP_FORWARD]
+    if patch is None or not getattr(dm.blocks[-1], "tp2_sp_last", False):
+        return transformer_options
+
+    def last_block(args, extra):
+        out = patch(args, extra)
+        return out if sp.gathered or sp.layout is None else dict(out, img=gather(sp, out["img"]))
+
+    return dict(transformer_options, patches_replace=dict(replace, dit={**replace["dit"], key: last_block}))
 
 
 # The ComfyUI code the sequence-parallel path stands in for or leans on: sha256 of the dedented source, 16 hex digits.
@@ -245,7 +261,7 @@ def install(diffusion_model: torch.nn.Module) -> bool:
         return False
     blocks, changes = list(diffusion_model.blocks), changes_of(diffusion_model)
     for i, block in enumerate(blocks):
-        block.tp2_sp_first, block.tp2_sp_last = i == 0, i == len(blocks) - 1
+        block.tp2_sp_last = i == len(blocks) - 1
         for name in ("attn.qkv_proj", "mlp.fc1"):  # the linears the gathers feed: they take Int8Rows too
             lin = block.get_submodule(name)
             changes.replace(f"blocks.{i}.{name}.forward", lin, "forward", lambda own, m=lin: functools.partial(int8_rows_or_own, m, own))

@@ -214,15 +214,16 @@ def carries_tensors(value: object) -> bool:
 
 
 def broadcast_tree(obj: object, tp: TPGroup, src: int = 0) -> object:
-    """Rank `src`'s nested dict/list/tuple of tensors and plain values on every rank (the others pass None): the
-    structure, shapes and dtypes go over the CPU group, the tensors over the tensor group on `tp.device`."""
+    """Rank `src`'s nested dict/list/tuple of tensors and plain values on every rank: the structure, shapes and dtypes
+    go over the CPU group, the tensors over the tensor group on `tp.device`. The other ranks pass None, or their own
+    tree: see _receive_into."""
     if tp.tp_size == 1:
         return obj
     if tp.tp_rank == src:
         broadcast_object(_map_tensors(obj, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")), tp, src)
         tree = _map_tensors(obj, lambda t: t.to(tp.device).contiguous())
     else:
-        tree = _map_tensors(broadcast_object(None, tp, src), lambda m: torch.empty(m.shape, dtype=m.dtype, device=tp.device))
+        tree = _receive_into(broadcast_object(None, tp, src), obj, tp.device)
     tensors: list[torch.Tensor] = []
     _map_tensors(tree, tensors.append)  # in the order both sides walk it
     what = f"broadcast of {len(tensors)} tensors"
@@ -230,3 +231,19 @@ def broadcast_tree(obj: object, tp: TPGroup, src: int = 0) -> object:
     for p in pending:
         p.result()
     return tree
+
+
+def _receive_into(meta, own, device: torch.device):
+    """Rank src's tree (its tensors on the meta device) with a tensor to receive each one into: this rank's own at the
+    same place wherever rank src sends its own (same shape and dtype, contiguous on `device`), else a new one. So what
+    rank src hands on by reference every rank hands on by reference, and an in-place change downstream (EasyCache adds
+    to its model input in place, which ComfyUI's denoise then reads) lands alike on every rank."""
+    if isinstance(meta, torch.Tensor):
+        mine = isinstance(own, torch.Tensor) and (own.shape, own.dtype, own.device) == (meta.shape, meta.dtype, device)
+        return own if mine and own.is_contiguous() else torch.empty(meta.shape, dtype=meta.dtype, device=device)
+    if isinstance(meta, dict):
+        return {k: _receive_into(v, own.get(k) if isinstance(own, dict) else None, device) for k, v in meta.items()}
+    if isinstance(meta, (list, tuple)):
+        same = isinstance(own, (list, tuple)) and len(own) == len(meta)
+        return type(meta)(_receive_into(v, own[i] if same else None, device) for i, v in enumerate(meta))
+    return meta

@@ -6,6 +6,7 @@ Imports nothing from `comfy`.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -16,37 +17,39 @@ DIGEST_PIECE_BYTES = 64 << 20
 
 
 def bytes_digest(t: torch.Tensor) -> str:
-    """SHA-256 of the SHA-256s of a tensor's bytes in memory order, 64 MiB a piece, the pieces hashed on threads
-    (hashlib lets go of the GIL); no copy when the tensor's memory is dense in some dim order."""
-    data = memoryview(_dense(t.detach())[0].cpu().reshape(-1).view(torch.uint8).numpy())
-    pieces = [data[i : i + DIGEST_PIECE_BYTES] for i in range(0, len(data), DIGEST_PIECE_BYTES)]
-    parts = ordered_map(lambda piece: hashlib.sha256(piece).digest(), pieces)
+    """SHA-256 of the SHA-256s of a tensor's bytes in row-major order, so equal tensors digest alike whatever their
+    strides; in pieces of at most 64 MiB (_pieces), hashed on threads (hashlib lets go of the GIL), each copied only
+    where it is not contiguous."""
+    parts = ordered_map(lambda p: hashlib.sha256(_bytes(p)).digest(), _pieces(t.detach().cpu(), DIGEST_PIECE_BYTES))
     return hashlib.sha256(b"".join(parts)).hexdigest()
 
 
-def _dense(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(`t` with its dims in the order its memory holds them, whether that is a view of `t`'s own memory): a
-    contiguous view where there is one (e.g. a movedim of a contiguous tensor), else a contiguous copy."""
-    view = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    return (view, True) if view.is_contiguous() else (t.contiguous(), False)
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _pieces(t: torch.Tensor, piece_bytes: int) -> list[torch.Tensor]:
+    """Views of `t` that, one after another, are `t` in row-major order, each at most `piece_bytes` (or one element):
+    cut by the shape alone, so two ranks cut equal tensors alike whatever their strides."""
+    if t.dim() == 0:
+        return [t.reshape(1)]
+    row = math.prod(t.shape[1:]) * t.element_size()
+    if t.dim() == 1 or row <= piece_bytes:
+        return list(t.split(max(1, piece_bytes // max(row, 1)), dim=0))
+    return [p for sub in t.unbind(0) for p in _pieces(sub, piece_bytes)]
 
 
 def same_everywhere(t: torch.Tensor, tp: TPGroup, src: int = 0, piece_bytes: int = 256 << 20) -> list[int]:
     """Make `t` equal on every rank to rank `src`'s, bit for bit, in place; the ranks whose tensor differed from src's.
-    Only the digests travel, unless one differs: then src's tensor, broadcast in pieces of at most `piece_bytes`."""
+    Only the digests travel, unless one differs: then src's tensor, broadcast in row-major pieces of at most
+    `piece_bytes` (received in place where a piece is contiguous), whatever each rank's strides."""
     differ = _differing(bytes_digest(t), tp, src)
     if not differ:
         return []
-    dense, own_memory = _dense(t)
-    flat = dense.reshape(-1)
-    step = max(1, piece_bytes // t.element_size())
-    for start in range(0, flat.numel(), step):
-        piece = flat[start : start + step]
-        got = broadcast_tree(piece if tp.tp_rank == src else None, tp, src)
-        if tp.tp_rank != src:
+    for piece in _pieces(t, piece_bytes):
+        got = broadcast_tree(piece, tp, src)
+        if tp.tp_rank != src and got is not piece:
             piece.copy_(got)
-    if not own_memory:
-        t.copy_(dense)
     return differ
 
 

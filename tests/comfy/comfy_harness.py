@@ -207,13 +207,13 @@ def tiny_base(root) -> str:
     return base
 
 
-def launch(root, base: str, env: dict[str, str] | None = None, args=()) -> dict:
-    """Two CPU ranks started by scripts/start-tp2.sh (the product's launcher, given `args` too, e.g. --split 3:1);
-    stop with stop_launched()."""
+def launch(root, base: str, env: dict[str, str] | None = None, args=(), comfy_args=()) -> dict:
+    """Two CPU ranks started by scripts/start-tp2.sh (the product's launcher, given `args` too, e.g. --split 3:1, and
+    ComfyUI's `comfy_args` after its `--`); stop with stop_launched()."""
     run_dir, port = os.path.join(str(root), "ranks"), free_port()
     full_env = dict(os.environ, PYTHON=sys.executable, **(env or {}))
     cmd = [os.path.join(ROOT, "scripts", "start-tp2.sh"), "--comfyui", COMFYUI_DIR, "--tp-size", "2", "--cpu", "--run-dir", run_dir,
-           "--base-dir", base, "--base-port", str(port), *args, "--", "--disable-api-nodes"]  # fmt: skip
+           "--base-dir", base, "--base-port", str(port), *args, "--", "--disable-api-nodes", *comfy_args]  # fmt: skip
     res = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
     return {

@@ -178,3 +178,65 @@ def test_same_everywhere_makes_every_rank_take_rank0s_bytes_only_where_they_diff
         differ = [o[i][1] for o in outs]
         assert differ == ([[]] * 3 if case == "equal" else [[2]] * 3), (case, differ)
         assert len({o[i][2] for o in outs}) == 1, f"{case}: the ranks' bytes differ after same_everywhere"
+
+
+def _model_input_worker(tp_rank, tp_size):
+    """The pack's DIFFUSION_MODEL pattern: every rank hands its own inputs to broadcast_tree and runs on what comes
+    back; then a wrapper inside changes the model input in place, as EasyCache's skipped step does (`x += diff`)."""
+    from tp2.collectives import broadcast_tree
+
+    tp = _join()
+    packed = torch.randn(1, 1, 40, generator=torch.Generator().manual_seed(0))  # the sampler's model input, alike everywhere
+    x = [packed[..., :24].reshape(1, 24, 1), packed[..., 24:].reshape(1, 16, 1)]  # ComfyUI's unpack_latents: views of it
+    transposed = torch.arange(24.0).reshape(4, 6).t()  # not contiguous: rank 0 sends a copy, so nobody keeps their own
+    got = broadcast_tree({"x": list(x), "t": torch.tensor([0.5 + tp_rank]), "transposed": transposed, "n": tp_rank}, tp)
+    got["x"][0] += 1.0
+    return packed, got["t"], got["x"][0] is x[0], got["transposed"] is transposed, got["n"]
+
+
+def test_broadcast_tree_hands_on_by_reference_alike_on_every_rank():
+    """Rank 0 passes its contiguous inputs on by reference, so an in-place change downstream reaches its own tensors
+    (ComfyUI's denoise reads that model input): every rank receives rank 0's values into its own tensors, and the
+    change lands alike. Before, the others received copies and rank 1's latent left rank 0's (issue 50)."""
+    outs = values(run_ranks(_model_input_worker, 3))
+    want = torch.randn(1, 1, 40, generator=torch.Generator().manual_seed(0))
+    want[..., :24] += 1.0
+    for packed, t, x_is_own, transposed_is_own, n in outs:
+        assert torch.equal(packed, want) and torch.equal(t, torch.tensor([0.5])) and n == 0
+        assert x_is_own and not transposed_is_own
+
+
+def _layouts_worker(tp_rank, tp_size):
+    from tp2.same_bytes import bytes_digest, same_everywhere
+
+    tp = _join()
+    values_ = torch.randn(2, 5, 6, 3, generator=torch.Generator().manual_seed(1))
+    # the same values, each rank in its own memory layout: row-major, channels first then moved last, a strided view
+    t = [values_.clone(), values_.movedim(-1, 1).contiguous().movedim(1, -1), torch.zeros(2, 5, 12, 3)[:, :, ::2]][tp_rank]
+    if tp_rank == 2:
+        t.copy_(values_)
+    digest = bytes_digest(t)
+    if tp_rank > 0:  # ranks 1 and 2 round one value differently
+        t[1, 2, 3, 1] = torch.nextafter(t[1, 2, 3, 1], torch.tensor(float("inf")))
+    differ = same_everywhere(t, tp, piece_bytes=40)  # many pieces, each fewer bytes than one row
+    return digest, differ, t.clone()
+
+
+def test_equal_values_digest_alike_and_are_made_same_whatever_the_strides():
+    """bytes_digest hashes the values in row-major order, not the memory: equal tensors in three layouts digest alike
+    (memory order gave three digests); same_everywhere then copies rank 0's values into every layout, element for
+    element (a copy in memory order would scramble a rank whose layout differs)."""
+    outs = values(run_ranks(_layouts_worker, 3))
+    assert len({digest for digest, _, _ in outs}) == 1
+    want = torch.randn(2, 5, 6, 3, generator=torch.Generator().manual_seed(1))
+    for _, differ, t in outs:
+        assert differ == [1, 2] and torch.equal(t, want)
+
+
+def test_bytes_digest_tells_bit_patterns_apart():
+    """Equal values, other bits: -0.0 and 0.0 (and a dtype) digest differently, since the files they make differ."""
+    from tp2.same_bytes import bytes_digest
+
+    zeros = torch.zeros(3, 4)
+    assert bytes_digest(zeros) == bytes_digest(torch.zeros(4, 3).t().contiguous().t())
+    assert bytes_digest(zeros) != bytes_digest(-zeros) and bytes_digest(zeros) != bytes_digest(zeros.double())
