@@ -116,6 +116,14 @@ class Int8Rows:
     def shape(self) -> torch.Size:
         return self.qdata.shape
 
+    def __getitem__(self, rows: slice) -> Int8Rows:
+        return Int8Rows(self.qdata[rows], self.scale[rows], self.dtype, self.split)
+
+
+def int8_weighted(linear: torch.nn.Module) -> bool:
+    """Whether ComfyUI holds `linear`'s weight as int8 (whose GEMM sums are exact integers row by row)."""
+    return isinstance(linear.weight, QuantizedTensor) and linear.weight._layout_cls == "TensorWiseINT8Layout"
+
 
 def int8_input_split(linear: torch.nn.Module, x: torch.Tensor) -> SplitInt8Linear | None:
     """The split int8 linear that gives ComfyUI's own forward of `linear` on rows like `x` bit for bit, or None where
@@ -123,7 +131,7 @@ def int8_input_split(linear: torch.nn.Module, x: torch.Tensor) -> SplitInt8Linea
     LoRA, full-precision matmuls) or comfy-kitchen's halves cannot be matched here."""
     w = linear.weight
     on_int8_path = (
-        isinstance(w, QuantizedTensor) and w._layout_cls == "TensorWiseINT8Layout" and getattr(w._params, "convrot", False)
+        int8_weighted(linear) and getattr(w._params, "convrot", False)
         and getattr(linear, "layout_type", None) is not None and not getattr(linear, "_full_precision_mm", False)
         and not getattr(linear, "comfy_force_cast_weights", False)
         and not linear.weight_function and not linear.bias_function and x.shape[0] >= 2

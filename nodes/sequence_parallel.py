@@ -24,12 +24,12 @@ import torch
 
 from ..kernels import norm_modulate
 from ..tp2 import settings
-from ..tp2.collectives import all_reduce, start_all_gather_rows, start_reduce_scatter_rows
+from ..tp2.collectives import all_reduce, start_all_gather_rows
 from ..tp2.errors import PlanError
-from ..tp2.layers import PARTIAL
+from ..tp2.layers import PARTIAL, reduced
 from ..tp2.sequence_layout import RowLayout, chunk_bounds
 from .h3_attention import attention_forward
-from .parallel import Int8Rows, held_weight, int8_input_split, int8_rows_call, int8_rows_or_own, rowwise_call, tp_group
+from .parallel import Int8Rows, held_weight, int8_input_split, int8_rows_call, int8_rows_or_own, int8_weighted, rowwise_call, tp_group
 from .patches import changes_of
 from .state import STATE, log
 
@@ -138,9 +138,8 @@ def _mlp_rows(mlp, rows) -> torch.Tensor:
     with contextlib.ExitStack() as hold:
         for a, b in chunks:
             if isinstance(rows, Int8Rows):
-                part = Int8Rows(rows.qdata[a:b], rows.scale[a:b], rows.dtype, rows.split)
-                fc1 = fc1 or hold.enter_context(held_weight(mlp.fc1, part))
-                up = int8_rows_call(mlp.fc1, part, fc1)
+                fc1 = fc1 or hold.enter_context(held_weight(mlp.fc1, rows[a:b]))
+                up = int8_rows_call(mlp.fc1, rows[a:b], fc1)
             else:
                 up = mlp.fc1(rows[a:b])
             fc2 = fc2 or hold.enter_context(held_weight(mlp.fc2, up))
@@ -194,8 +193,9 @@ def _block_forward(h3, self, x, t_emb, mod_segments, rope_freqs, transformer_opt
     gathered = gather(sp, h, self.mlp.fc1)
     del attn, h
     # ComfyUI's MLP.forward (fc2(swiglu(fc1(x))), fc2 row-parallel) on every rank's rows: this rank's rows of its output
-    mlp = start_reduce_scatter_rows(layout.pad(_mlp_rows(self.mlp, gathered)), tp_group()).result().to(gathered.dtype)
-    del gathered
+    mlp_rows = functools.partial(lambda rows, a, b: _mlp_rows(self.mlp, rows[a:b]), gathered)
+    mlp = reduced(mlp_rows, layout.full, tp_group(), layout, int8_weighted(self.mlp.fc2), gathered.dtype)
+    del gathered, mlp_rows
     # the MLP residual is left to the next block only where ComfyUI's loop hands each block's output straight to the
     # next one (no block replacement patches)
     if fused and not self.tp2_sp_last and not transformer_options.get("patches_replace", {}).get("dit"):

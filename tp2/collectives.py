@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import settings
 from .errors import PeerLostError, PromptAbortedError
 from .settings import TPEnv
 from .watch import Watcher
@@ -40,6 +41,11 @@ class TPGroup:
     @functools.cached_property
     def backend(self) -> str:  # fixed for the group's life; read per collective
         return dist.get_backend(self.group)
+
+    @functools.cached_property
+    def overlap(self) -> int:  # TP2_OVERLAP's chunks of rows (1: off), at 2 ranks; unset: 4 where NCCL reduces
+        chunks = settings.value("TP2_OVERLAP")
+        return 1 if self.tp_size != 2 else max(1, chunks) if chunks is not None else 4 if self.backend == "nccl" else 1
 
 
 def group_backend(device: torch.device) -> str:
@@ -98,15 +104,15 @@ def _lost(tp: TPGroup, op: str, e: BaseException) -> PeerLostError | PromptAbort
     return PeerLostError(f"[tp2 r{tp.tp_rank}/{tp.tp_size}] {op} failed: {told}")
 
 
-def all_reduce(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Forward: all-reduce(sum) in place over the TP group; identity at tp_size 1."""
-    if tp.tp_size == 1:
-        return t
+def all_reduce(t: torch.Tensor, tp: TPGroup, wait: bool = True):
+    """Forward: all-reduce(sum) in place over the TP group; identity at tp_size 1. `wait=False`: the Pending, started."""
 
     def what() -> str:
         return f"all_reduce of {tuple(t.shape)} {t.dtype}"
 
-    return Pending(tp, what, lambda: dist.all_reduce(t, group=tp.group, async_op=True), lambda: t).result()
+    start = (lambda: dist.all_reduce(t, group=tp.group, async_op=True)) if tp.tp_size > 1 else None
+    pending = Pending(tp, what, start, lambda: t)
+    return pending.result() if wait else pending
 
 
 class Pending:

@@ -21,7 +21,7 @@ from torch import nn
 
 from .collectives import TPGroup, all_reduce, start_reduce_scatter_rows
 from .errors import MissingRoleError
-from .sequence_layout import RowLayout
+from .sequence_layout import RowLayout, chunk_bounds
 
 ROLE_ATTR = "tp_role"
 ROLES = ("colwise", "rowwise", "replicate")
@@ -85,11 +85,45 @@ def row_parallel(
     def partial(rows: torch.Tensor) -> torch.Tensor:
         return local_linear(rows, weight, bias, reduce_dtype, gemm, input_act)
 
-    if isinstance(reduce, RowLayout):  # the unpadded partial sum is freed before the collective
-        return start_reduce_scatter_rows(reduce.pad(partial(x[: reduce.full])), tp).result().to(x.dtype)
     if reduce == PARTIAL:
         return partial(x)
-    return all_reduce(partial(x), tp).to(x.dtype)
+    int8 = isinstance(weight, Int8Weight)
+    if isinstance(reduce, RowLayout):
+        return reduced(lambda a, b: partial(x[a:b]), x.shape[0], tp, reduce, int8, x.dtype)
+    rows = x.reshape(-1, x.shape[-1]) if int8 and tp.overlap > 1 else x  # all-reduced in chunks of tokens
+    return reduced(lambda a, b: partial(rows[a:b]), rows.shape[0], tp, reduce, int8, x.dtype).view(*x.shape[:-1], -1)
+
+
+def reduced(partial: Callable[[int, int], torch.Tensor], rows: int, tp: TPGroup, reduce: Reduction, overlap: bool, dtype) -> torch.Tensor:
+    """The sum over the ranks of `partial(a, b)` (this rank's partial sums for input rows [a, b) of `rows`) in
+    `dtype`, as `reduce` asks: ALL_REDUCE, or a RowLayout (this rank's rows). With `overlap` (int8 layers: a row's
+    sums are exact integers whatever rows share its GEMM), in TP2_OVERLAP's chunks: each chunk's collective runs while
+    the next chunk computes, and as two ranks' sum is a + b either way, the bytes are those of one collective."""
+    chunks, lay = tp.overlap if overlap else 1, reduce if isinstance(reduce, RowLayout) else None
+    if chunks == 1:  # the unpadded partial sum is freed before the collective
+        return (
+            all_reduce(partial(0, rows), tp) if lay is None else start_reduce_scatter_rows(lay.pad(partial(0, lay.full)), tp).result()
+        ).to(dtype)
+
+    n, pending = lay.m if lay else rows, []
+    for a, b in chunk_bounds(n, -(-n // chunks)):
+        if lay is None:
+            pending.append((a, b, all_reduce(partial(a, b), tp, wait=False)))
+            continue
+        both = None  # sub-block [a, b) of every rank's rows, reduce-scattered: each rank gets its own
+        for r in range(lay.size):
+            lo, hi = r * lay.m + a, min(r * lay.m + b, lay.full)
+            if hi > lo:  # (rows past `full` are pad rows: zero sums)
+                y = partial(min(lo, max(0, hi - 2)), hi)[lo - hi :]  # a 1-row GEMM would take another kernel path
+                both = y.new_zeros((lay.size * (b - a), y.shape[1])) if both is None else both
+                both[r * (b - a) : r * (b - a) + hi - lo] = y
+        pending.append((a, b, start_reduce_scatter_rows(both, tp)))
+    out = None
+    for a, b, p in pending:
+        y = p.result()
+        out = y.new_empty((lay.m if lay else rows, *y.shape[1:]), dtype=dtype) if out is None else out
+        out[a:b] = y
+    return out
 
 
 def require_role(module: nn.Module, name: str) -> str:

@@ -54,6 +54,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
     Setting("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),
     Setting("TP2_SP_FUSED_NORM", "bool", "0", "norm + modulation (+ gated residual) as one kernel on CUDA", launcher=True),
+    Setting("TP2_OVERLAP", "int", None, "chunks of rows whose row-parallel reduce runs while the next chunk computes (0 or 1: off; "
+            "int8 layers, 2 ranks)", low=0, shown="4 where the ranks reduce through NCCL, else off"),
     Setting("TP2_SP_CHUNK_ROWS", "int", "16384", "rows per chunk of the MLP at long sequences", low=2),
     Setting("TP2_PARALLEL_VAE", "bool", "1", "the H3 video VAE decode is split over the ranks", launcher=True),
     Setting("TP2_SECRET_FILE", "path", None, "the per-run secret of the front door", shown="RUN_DIR/secret"),
