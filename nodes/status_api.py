@@ -16,6 +16,7 @@ from aiohttp import ClientSession, ClientTimeout, web
 from comfy_execution.progress import get_progress_state
 
 from ..tp2 import settings
+from ..tp2.collectives import group_backend, overlap_chunks
 from ..tp2.session import is_loopback
 from ..tp2.split import even, is_even, named
 from . import front_door
@@ -116,6 +117,7 @@ def prompt_progress() -> dict | None:
 def resolved_settings() -> dict[str, str]:
     """The pack's settings as this rank resolved them at start (the env was read once, by activation)."""
     v = settings.value  # frozen at activation
+    n = overlap_chunks(STATE.env.tp_size, group_backend(STATE.device))  # TP2_OVERLAP
     sp = f"on (int8 gathers {v('TP2_SP_INT8_GATHER')}, fused norm {v('TP2_SP_FUSED_NORM')})" if v("TP2_SEQUENCE_PARALLEL") else "off"
     return {
         "device": str(STATE.device),
@@ -123,6 +125,7 @@ def resolved_settings() -> dict[str, str]:
         "int8 GEMM": STATE.int8_gemm.kernel_name,
         "attention": STATE.attention,
         "all-reduce dtype": str(STATE.reduce_dtype).replace("torch.", ""),
+        "row-parallel reduce": f"in {n} chunks, each overlapping the next one's GEMM" if n > 1 else "one collective per layer",
         "sequence parallel": sp,
         "collective timeout": f"{STATE.env.timeout_s:.0f} s",
         "prompt rendezvous timeout": f"{v('TP2_PROMPT_TIMEOUT_S'):.0f} s",

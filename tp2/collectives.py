@@ -43,9 +43,14 @@ class TPGroup:
         return dist.get_backend(self.group)
 
     @functools.cached_property
-    def overlap(self) -> int:  # TP2_OVERLAP's chunks of rows (1: off), at 2 ranks; unset: 4 where NCCL reduces
-        chunks = settings.value("TP2_OVERLAP")
-        return 1 if self.tp_size != 2 else max(1, chunks) if chunks is not None else 4 if self.backend == "nccl" else 1
+    def overlap(self) -> int:  # chunks of the row-parallel reduce, as overlap_chunks says for this group
+        return overlap_chunks(self.tp_size, self.backend)
+
+
+def overlap_chunks(tp_size: int, backend: str) -> int:
+    """TP2_OVERLAP's chunks of rows (1: off), at 2 ranks only; unset: 4 where NCCL reduces, else off."""
+    chunks = settings.value("TP2_OVERLAP")
+    return 1 if tp_size != 2 else max(1, chunks) if chunks is not None else 4 if backend == "nccl" else 1
 
 
 def group_backend(device: torch.device) -> str:

@@ -88,10 +88,10 @@ def row_parallel(
     if reduce == PARTIAL:
         return partial(x)
     int8 = isinstance(weight, Int8Weight)
-    if isinstance(reduce, RowLayout):
-        return reduced(lambda a, b: partial(x[a:b]), x.shape[0], tp, reduce, int8, x.dtype)
-    rows = x.reshape(-1, x.shape[-1]) if int8 and tp.overlap > 1 else x  # all-reduced in chunks of tokens
-    return reduced(lambda a, b: partial(rows[a:b]), rows.shape[0], tp, reduce, int8, x.dtype).view(*x.shape[:-1], -1)
+    flat = int8 and tp.overlap > 1 and not isinstance(reduce, RowLayout)  # all-reduced in chunks of tokens
+    rows = x.reshape(-1, x.shape[-1]) if flat else x
+    y = reduced(lambda a, b: partial(rows[a:b]), rows.shape[0], tp, reduce, int8, x.dtype)
+    return y.view(*x.shape[:-1], -1) if flat else y
 
 
 def reduced(partial: Callable[[int, int], torch.Tensor], rows: int, tp: TPGroup, reduce: Reduction, overlap: bool, dtype) -> torch.Tensor:
@@ -100,28 +100,24 @@ def reduced(partial: Callable[[int, int], torch.Tensor], rows: int, tp: TPGroup,
     sums are exact integers whatever rows share its GEMM), in TP2_OVERLAP's chunks: each chunk's collective runs while
     the next chunk computes, and as two ranks' sum is a + b either way, the bytes are those of one collective."""
     chunks, lay = tp.overlap if overlap else 1, reduce if isinstance(reduce, RowLayout) else None
-    if chunks == 1:  # the unpadded partial sum is freed before the collective
-        return (
-            all_reduce(partial(0, rows), tp) if lay is None else start_reduce_scatter_rows(lay.pad(partial(0, lay.full)), tp).result()
-        ).to(dtype)
-
+    if chunks == 1 and lay is not None:  # the unpadded partial sum is freed before the collective
+        return start_reduce_scatter_rows(lay.pad(partial(0, lay.full)), tp).result().to(dtype)
     n, pending = lay.m if lay else rows, []
     for a, b in chunk_bounds(n, -(-n // chunks)):
-        if lay is None:
-            pending.append((a, b, all_reduce(partial(a, b), tp, wait=False)))
-            continue
-        both = None  # sub-block [a, b) of every rank's rows, reduce-scattered: each rank gets its own
-        for r in range(lay.size):
-            lo, hi = r * lay.m + a, min(r * lay.m + b, lay.full)
-            if hi > lo:  # (rows past `full` are pad rows: zero sums)
+        both = None if lay else partial(a, b)  # with a layout: sub-block [a, b) of every rank's rows, reduce-scattered
+        for r in range(lay.size if lay else 0):
+            lo, hi = r * lay.m + a, min(r * lay.m + b, lay.full)  # rows past `full` are pad rows: zero sums
+            if hi > lo:
                 y = partial(min(lo, max(0, hi - 2)), hi)[lo - hi :]  # a 1-row GEMM would take another kernel path
                 both = y.new_zeros((lay.size * (b - a), y.shape[1])) if both is None else both
                 both[r * (b - a) : r * (b - a) + hi - lo] = y
-        pending.append((a, b, start_reduce_scatter_rows(both, tp)))
+        pending.append((a, b, start_reduce_scatter_rows(both, tp) if lay else all_reduce(both, tp, wait=False)))
+    if len(pending) == 1:
+        return pending[0][2].result().to(dtype)
     out = None
     for a, b, p in pending:
         y = p.result()
-        out = y.new_empty((lay.m if lay else rows, *y.shape[1:]), dtype=dtype) if out is None else out
+        out = y.new_empty((n, *y.shape[1:]), dtype=dtype) if out is None else out
         out[a:b] = y
     return out
 
