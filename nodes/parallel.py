@@ -121,22 +121,23 @@ class Int8Rows:
 
 
 def int8_weighted(linear: torch.nn.Module) -> bool:
-    """Whether ComfyUI holds `linear`'s weight as int8 (whose GEMM sums are exact integers row by row)."""
-    return isinstance(linear.weight, QuantizedTensor) and linear.weight._layout_cls == "TensorWiseINT8Layout"
+    """Whether ComfyUI runs `linear` in int8 (its GEMM sums are exact integers row by row): not where a weight function
+    (an unmerged LoRA) or full-precision matmuls make it dequantise."""
+    w = linear.weight
+    return (
+        isinstance(w, QuantizedTensor) and w._layout_cls == "TensorWiseINT8Layout" and not linear.weight_function
+        and not linear.bias_function and not getattr(linear, "_full_precision_mm", False)
+        and not getattr(linear, "comfy_force_cast_weights", False)
+    )  # fmt: skip
 
 
 def int8_input_split(linear: torch.nn.Module, x: torch.Tensor) -> SplitInt8Linear | None:
     """The split int8 linear that gives ComfyUI's own forward of `linear` on rows like `x` bit for bit, or None where
-    ComfyUI would not take its int8 path (float or non-ConvRot weight, a weight function such as an unmerged
-    LoRA, full-precision matmuls) or comfy-kitchen's halves cannot be matched here."""
+    ComfyUI would not take its int8 path (see int8_weighted; a non-ConvRot weight) or comfy-kitchen's halves cannot
+    be matched here."""
     w = linear.weight
-    on_int8_path = (
-        int8_weighted(linear) and getattr(w._params, "convrot", False)
-        and getattr(linear, "layout_type", None) is not None and not getattr(linear, "_full_precision_mm", False)
-        and not getattr(linear, "comfy_force_cast_weights", False)
-        and not linear.weight_function and not linear.bias_function and x.shape[0] >= 2
-    )  # fmt: skip
-    return split_int8_linear(x, tuple(w.shape), w._params.convrot_groupsize) if on_int8_path else None
+    on_int8_path = int8_weighted(linear) and getattr(w._params, "convrot", False) and getattr(linear, "layout_type", None) is not None
+    return split_int8_linear(x, tuple(w.shape), w._params.convrot_groupsize) if on_int8_path and x.shape[0] >= 2 else None
 
 
 def int8_rows_call(linear: torch.nn.Module, rows: Int8Rows, held=None) -> torch.Tensor:

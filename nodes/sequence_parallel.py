@@ -26,7 +26,7 @@ from ..kernels import norm_modulate
 from ..tp2 import settings
 from ..tp2.collectives import all_reduce, start_all_gather_rows
 from ..tp2.errors import PlanError
-from ..tp2.layers import PARTIAL, reduced
+from ..tp2.layers import ALL_REDUCE, PARTIAL, reduced
 from ..tp2.sequence_layout import RowLayout, chunk_bounds
 from .h3_attention import attention_forward
 from .parallel import Int8Rows, held_weight, int8_input_split, int8_rows_call, int8_rows_or_own, int8_weighted, rowwise_call, tp_group
@@ -150,6 +150,27 @@ def _mlp_rows(mlp, rows) -> torch.Tensor:
             out[a:b] = y
             del y
     return out
+
+
+def install_overlapped_mlp(diffusion_model: torch.nn.Module) -> None:
+    """Plain TP: every DiT block's MLP through _overlapped_mlp (unless ComfyUI's MLP.forward changed)."""
+    import comfy.ldm.minimax.model as h3
+
+    if not any(c.startswith("MLP.forward ") for c in changed_comfy_code(h3)):
+        for i, mlp in enumerate(block.mlp for block in diffusion_model.blocks):
+            changes_of(diffusion_model).replace(
+                f"blocks.{i}.mlp.forward", mlp, "forward", lambda own, m=mlp: functools.partial(_overlapped_mlp, m, own)
+            )
+
+
+def _overlapped_mlp(mlp, own, x: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's MLP.forward (`own`) under plain TP; with TP2_OVERLAP and int8 linears, in chunks of tokens, each
+    chunk's fc2 all-reduce running while the next chunk's fc1 and fc2 compute (the same bytes: see reduced)."""
+    tp = tp_group()
+    if tp.overlap == 1 or not (int8_weighted(mlp.fc1) and int8_weighted(mlp.fc2)):
+        return own(x)
+    rows = x.reshape(-1, x.shape[-1])
+    return reduced(lambda a, b: _mlp_rows(mlp, rows[a:b]), rows.shape[0], tp, ALL_REDUCE, True, x.dtype).view(*x.shape[:-1], -1)
 
 
 def _entered(self, x, mod_segments, transformer_options):
