@@ -270,9 +270,7 @@ def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None
 def file_fingerprint(header: SafetensorsHeader, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
     """A cheap identity of a checkpoint (not a hash of all its bytes): its header, its size and 16 sampled 64 KiB
     windows of data, so a file with the same layout but other weights differs."""
-    h = hashlib.sha256()
-    h.update(header.header_bytes)
-    h.update(str(header.file_size).encode())
+    h = hashlib.sha256(header.header_bytes + str(header.file_size).encode())
     data_start = 8 + len(header.header_bytes)
     span = max(0, header.file_size - data_start - sample_bytes)
     with open(header.path, "rb") as f:
