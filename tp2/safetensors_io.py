@@ -203,15 +203,9 @@ def tensor_digest(data: torch.Tensor) -> str:
     return hashlib.blake2b(memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy()), digest_size=DIGEST_CHARS // 2).hexdigest()
 
 
-def write_streaming(
-    path: str,
-    tensors: list[PendingTensor],
-    metadata: dict[str, str] | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    digests_key: str | None = None,
-    workers: int = 1,
-    align: int = 8,
-) -> None:
+def write_streaming(path: str, tensors: list[PendingTensor], metadata: dict[str, str] | None = None,
+                    progress: Callable[[int, int], None] | None = None, digests_key: str | None = None, workers: int = 1,
+                    align: int = 8) -> None:  # fmt: skip
     """Write a safetensors file one tensor at a time, through `path + ".partial"` renamed at the end. `digests_key`:
     the metadata key for every tensor's `tensor_digest` (placeholders of the same length, rewritten once the data is
     out). `workers` > 1: tensors produced and hashed on that many threads (`produce` must allow any thread and order)."""
