@@ -110,8 +110,7 @@ def _cuda_gemm(mod, q, q_scale, w, w_scale, bias, out_dtype) -> torch.Tensor:
     """int8_linear's M > 1 GEMM on already quantised rows: Turing kernel, else CUTLASS, else cuBLAS + dequant."""
     if q.shape[0] < 2:
         raise ValueError("the split int8 GEMM needs at least 2 rows (int8_linear takes a GEMV path for one row)")
-    m, k = q.shape
-    n = w.shape[0]
+    (m, k), n = q.shape, w.shape[0]
     dev, index, stream = q.device, q.get_device(), torch.cuda.current_stream(q.device).cuda_stream
     w = w.contiguous()
     w_scale = mod._int8_weight_scale_arg(w_scale, dev)
