@@ -43,10 +43,7 @@ def _time_once(fn: Callable, q, k, v, heads: int, repeats: int = 3) -> float:
 
 
 def select_attention(
-    candidates: dict[str, tuple[Callable | None, str]],
-    device: torch.device,
-    name: str = "auto",
-    dtype: torch.dtype = torch.bfloat16,
+    candidates: dict[str, tuple[Callable | None, str]], device: torch.device, name: str = "auto", dtype: torch.dtype = torch.bfloat16
 ) -> str:
     """Pick a backend name from `candidates` ({name: (fn(q, k, v, heads) or None, why unavailable)}), timed in
     `dtype` (the model's compute dtype); logs the choice once per device and dtype."""

@@ -110,17 +110,13 @@ def _cuda_gemm(mod, q, q_scale, w, w_scale, bias, out_dtype) -> torch.Tensor:
     """int8_linear's M > 1 GEMM on already quantised rows: Turing kernel, else CUTLASS, else cuBLAS + dequant."""
     if q.shape[0] < 2:
         raise ValueError("the split int8 GEMM needs at least 2 rows (int8_linear takes a GEMV path for one row)")
-    m, k = q.shape
-    n = w.shape[0]
+    (m, k), n = q.shape, w.shape[0]
     dev, index, stream = q.device, q.get_device(), torch.cuda.current_stream(q.device).cuda_stream
     w = w.contiguous()
     w_scale = mod._int8_weight_scale_arg(w_scale, dev)
     bias_arg = mod._empty_cuda_tensor(dev, out_dtype) if bias is None else bias.to(device=dev, dtype=out_dtype).contiguous()
-    if (
-        mod._prefer_turing_fused_int8(m, n, k)
-        and mod._cuda_device_should_use_turing_kernels(index)
-        and hasattr(mod._C, "cutlass_turing_int8_dequant")
-    ):
+    turing = mod._prefer_turing_fused_int8(m, n, k) and mod._cuda_device_should_use_turing_kernels(index)
+    if turing and hasattr(mod._C, "cutlass_turing_int8_dequant"):
         y = mod._int8_linear_turing_quantized(q, w, q_scale, w_scale, None if bias is None else bias_arg, out_dtype)
         if y is not None:
             return y

@@ -93,11 +93,10 @@ def rms_rope_split_half_(q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, 
         return
     if table.stride(4) != 2 or table.stride(5) != 1:  # the kernel reads each 2x2 rotation as 4 adjacent values
         table = table.contiguous()
-    ft, fp = table.stride(1), table.stride(3)
     qw, kw = qw.to(device=q.device).contiguous(), kw.to(device=q.device).contiguous()
     tail = d - 2 * pairs
     _kernel[(triton.cdiv(s, TOKENS_PER_PROGRAM),)](
-        q, k, table, qw, kw, s, heads, q.stride(0), k.stride(0), ft, fp, float(eps),
+        q, k, table, qw, kw, s, heads, q.stride(0), k.stride(0), table.stride(1), table.stride(3), float(eps),
         D=d, P=pairs, PB=triton.next_power_of_2(pairs), TAIL=tail, TB=triton.next_power_of_2(max(tail, 1)),
         T=TOKENS_PER_PROGRAM, num_warps=4,
     )  # fmt: skip

@@ -78,13 +78,9 @@ def _warn_if_dynamic_vram_cannot_evict() -> None:
     torch's memory by other calls, so under them an out-of-memory comes where weights could have made room."""
     conf = settings.torch_allocator_conf()
     if comfy.memory_management.aimdo_enabled and allocator_of(torch.cuda.get_allocator_backend(), conf) == "expandable":
-        log.warning(
-            "%s PYTORCH_CUDA_ALLOC_CONF=%s turns on expandable segments, which ComfyUI's dynamic VRAM cannot free weights "
-            "for: long videos may run out of GPU memory with models still resident. Remove expandable_segments from it "
-            "(the launcher's --lean-memory uses torch's allocator without them).",
-            STATE.tag,
-            conf,
-        )
+        log.warning("%s PYTORCH_CUDA_ALLOC_CONF=%s turns on expandable segments, which ComfyUI's dynamic VRAM cannot free weights "
+                    "for: long videos may run out of GPU memory with models still resident. Remove expandable_segments from it "
+                    "(the launcher's --lean-memory uses torch's allocator without them).", STATE.tag, conf)  # fmt: skip
 
 
 def _register_boot() -> None:

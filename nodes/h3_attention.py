@@ -66,8 +66,7 @@ def attention_forward(h3, attn, x, rope_freqs, transformer_options: dict, fused=
     if not _quantises_views(h3, transformer_options):
         v = v.clone()
     q, k, v = (comfy_attention.AttentionTensorContainer(t.transpose(0, 1).unsqueeze(0)) for t in (q, k, v))
-    out = h3.optimized_attention(q, k, v, attn.heads, mask=None, skip_reshape=True, transformer_options=transformer_options)
-    out = out.squeeze(0)
+    out = h3.optimized_attention(q, k, v, attn.heads, mask=None, skip_reshape=True, transformer_options=transformer_options).squeeze(0)
     return attn.out_proj(out) if out_reduce is None else rowwise_call(attn.out_proj, out, reduce=out_reduce)
 
 

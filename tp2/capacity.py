@@ -97,17 +97,8 @@ _w, _h, _f, _tp, _live = MEASURED_FAST
 FAST_SCALE = _live / activations_gib(tokens(_w, _h, _f), _tp)  # measured over the activations without it
 
 
-def predict_peak_gib(
-    n_tokens: int,
-    tp_size: int,
-    rank_weights_gib: float | None = None,
-    hidden: int = H3_HIDDEN,
-    streamed: bool = False,
-    allocator: str = ASYNC,
-    fraction: float | None = None,
-    dtype: str = "bf16",
-    fast: bool = False,
-) -> float:
+def predict_peak_gib(n_tokens: int, tp_size: int, rank_weights_gib: float | None = None, hidden: int = H3_HIDDEN, streamed: bool = False,
+                     allocator: str = ASYNC, fraction: float | None = None, dtype: str = "bf16", fast: bool = False) -> float:  # fmt: skip
     """One rank's peak: its weights (the released DiT's share unless given), the fixed buffers and the activations.
     `streamed`: under dynamic VRAM (only the blocks in flight resident), torch's pool as `allocator` holds it.
     `fraction`: the rank's part of the split layers (None: 1/tp_size); `fast`: sequence parallelism on."""
@@ -215,12 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp-size", type=int, help="ranks (default: the number of --gpu-mem values, or 2 for one value)")
     ap.add_argument("--split", help="each rank's share of the split layers, e.g. 3:2 (default: in proportion to --gpu-mem, "
                     "as small whole numbers: 24,12 -> 2:1; one value: even)")  # fmt: skip
-    ap.add_argument(
-        "--dtype",
-        choices=tuple(ACTIVATIONS_OVER_BF16),
-        default="bf16",
-        help="the DiT's compute dtype (fp32: what the pack runs below compute capability 8.0, e.g. a 2080 Ti)",
-    )
+    ap.add_argument("--dtype", choices=tuple(ACTIVATIONS_OVER_BF16), default="bf16",
+                    help="the DiT's compute dtype (fp32: what the pack runs below compute capability 8.0, e.g. a 2080 Ti)")  # fmt: skip
     ap.add_argument("--fast", action="store_true", help="the launcher's --fast (sequence parallelism): fewer activations")
     a = ap.parse_args(argv)
     n = len(a.gpu_mem)

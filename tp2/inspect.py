@@ -28,16 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows = [
-        dict(
-            name=t.name,
-            style=t.layer_style,
-            kind=t.kind,
-            dtype=t.dtype,
-            full_shape=list(t.full_shape),
-            local_shapes=[list(t.local_shape(r)) for r in range(plan.tp_size)],
-        )
+        dict(name=t.name, style=t.layer_style, kind=t.kind, dtype=t.dtype, full_shape=list(t.full_shape),
+             local_shapes=[list(t.local_shape(r)) for r in range(plan.tp_size)])
         for t in plan.tensors.values()
-    ]
+    ]  # fmt: skip
     if args.json:
         head = {k: v for k, v in vars(plan).items() if k not in ("linears", "tensors", "head_bounds", "ffn_bounds")}
         print(json.dumps({**head, "fingerprint": plan.fingerprint(), "tensors": rows}, indent=1))

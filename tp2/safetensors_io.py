@@ -203,15 +203,9 @@ def tensor_digest(data: torch.Tensor) -> str:
     return hashlib.blake2b(memoryview(data.contiguous().reshape(-1).view(torch.uint8).numpy()), digest_size=DIGEST_CHARS // 2).hexdigest()
 
 
-def write_streaming(
-    path: str,
-    tensors: list[PendingTensor],
-    metadata: dict[str, str] | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    digests_key: str | None = None,
-    workers: int = 1,
-    align: int = 8,
-) -> None:
+def write_streaming(path: str, tensors: list[PendingTensor], metadata: dict[str, str] | None = None,
+                    progress: Callable[[int, int], None] | None = None, digests_key: str | None = None, workers: int = 1,
+                    align: int = 8) -> None:  # fmt: skip
     """Write a safetensors file one tensor at a time, through `path + ".partial"` renamed at the end. `digests_key`:
     the metadata key for every tensor's `tensor_digest` (placeholders of the same length, rewritten once the data is
     out). `workers` > 1: tensors produced and hashed on that many threads (`produce` must allow any thread and order)."""
@@ -270,9 +264,7 @@ def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None
 def file_fingerprint(header: SafetensorsHeader, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
     """A cheap identity of a checkpoint (not a hash of all its bytes): its header, its size and 16 sampled 64 KiB
     windows of data, so a file with the same layout but other weights differs."""
-    h = hashlib.sha256()
-    h.update(header.header_bytes)
-    h.update(str(header.file_size).encode())
+    h = hashlib.sha256(header.header_bytes + str(header.file_size).encode())
     data_start = 8 + len(header.header_bytes)
     span = max(0, header.file_size - data_start - sample_bytes)
     with open(header.path, "rb") as f:

@@ -31,12 +31,8 @@ class RowLayout:
     def local_segments(self, segments) -> list[tuple[int, int, int]]:
         """Sequence segments [(start, stop, tag)] as this rank's local row ranges (pad rows in none)."""
         lo, hi = self.rank * self.m, min((self.rank + 1) * self.m, self.full)
-        out = []
-        for a, b, tag in segments:
-            a, b = max(a, lo), min(b, hi)
-            if b > a:
-                out.append((a - lo, b - lo, tag))
-        return out
+        clipped = ((max(a, lo), min(b, hi), tag) for a, b, tag in segments)
+        return [(a - lo, b - lo, tag) for a, b, tag in clipped if b > a]
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the whole sequence `x` [full, ...], zero rows where it is padded (a new tensor)."""

@@ -31,8 +31,7 @@ def local_ranges(ts: TensorShard, tp_rank: int) -> list[tuple[int, int]]:
 def slice_tensor(full: torch.Tensor, ts: TensorShard, tp_rank: int) -> torch.Tensor:
     """Rank `tp_rank`'s copy of a tensor held in memory."""
     if ts.kind == SPLIT:
-        pieces = [full.narrow(ts.dim, a, b - a) for a, b in local_ranges(ts, tp_rank)]
-        return torch.cat(pieces, dim=ts.dim).contiguous()
+        return torch.cat([full.narrow(ts.dim, a, b - a) for a, b in local_ranges(ts, tp_rank)], dim=ts.dim).contiguous()
     if ts.kind == RANK0 and tp_rank != 0:
         return torch.zeros_like(full)
     return full

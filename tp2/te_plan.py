@@ -123,13 +123,8 @@ def _dims(layout: CheckpointLayout) -> tuple[int, int, int, int, int]:
     """(hidden, head_dim, heads, kv_heads, ffn) from norms and the first layer (quantised shapes are logical rows)."""
     rows = lambda k: layout.tensors["model.layers.0." + k + ".weight"][1][0]  # noqa: E731 - output rows: unpacked in every format
     head_dim = rows("self_attn.q_norm")
-    return (
-        rows("input_layernorm"),
-        head_dim,
-        rows("self_attn.q_proj") // head_dim,
-        rows("self_attn.k_proj") // head_dim,
-        rows("mlp.gate_proj"),
-    )
+    hidden, heads, kv_heads = rows("input_layernorm"), rows("self_attn.q_proj") // head_dim, rows("self_attn.k_proj") // head_dim
+    return hidden, head_dim, heads, kv_heads, rows("mlp.gate_proj")
 
 
 def _resolve(layout: CheckpointLayout, tp_size: int, shares: Shares) -> tuple[TEPlan | None, list[str]]:
