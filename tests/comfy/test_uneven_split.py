@@ -199,7 +199,8 @@ def _start(tmp_path, base, port, *args, env=None) -> subprocess.CompletedProcess
 def test_a_split_no_model_here_takes_is_refused_before_any_rank_starts(tmp_path, base, split, why):
     res = _start(tmp_path, base, free_port(), "--split", split)
     assert res.returncode != 0 and re.search(why, res.stderr), res.stdout + res.stderr
-    assert "refused before starting any rank" in res.stderr
+    # a model-dependent refusal says so; a malformed split is one line, refused before torch loads
+    assert "refused before starting any rank" in res.stderr or res.stderr.count("\n") == 1, res.stderr
     assert not (tmp_path / "ranks" / "rank0.log").exists(), "a rank started"
 
 

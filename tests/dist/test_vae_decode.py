@@ -51,6 +51,9 @@ def _rank(tp_rank, tp_size, lengths, extra_cases, shares=None):
 
     import torch
 
+    # one thread per rank: a CPU kernel's reduction order then cannot depend on how the OS schedules its threads, so
+    # the tiles other ranks decode are bit-equal to this rank's own (CI saw a rare mismatch with 3 ranks on 2 cores)
+    torch.set_num_threads(1)
     fixture, vd = _import_pack()
     import comfy.ldm.minimax.vae as h3_vae
     from tp2pack.nodes.state import STATE, Prompt
