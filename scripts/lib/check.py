@@ -27,9 +27,9 @@ from tp2.split import even, parse_split
 
 CPU_STAND_IN_GIB = 22.0  # the capacity table without a GPU: a 2080 Ti 22 GB per rank
 # A rank's private host memory, the bundled T2V+audio workflow (docs/PERFORMANCE.md, host memory): measured peak at
-# 832x480x124 with ComfyUI's pinned copies of the weights, and the part that is not a pinned copy; other sizes add
-# their decoded video (float32 frames, every rank). Per-rank figures of tp_size 2; pins scale with the share.
-RANK_PEAK_GIB, RANK_PINNED_GIB, MEASURED_AT = 34.0, 22.6, (832, 480, 124)
+# 832x480x124 with ComfyUI's pinned copies of the weights (34.0), and with none (--disable-pinned-memory: 14.9); other
+# sizes add their decoded video (float32 frames, every rank). Per-rank figures of tp_size 2; pins scale with the share.
+RANK_PEAK_GIB, RANK_PINNED_GIB, MEASURED_AT = 34.0, 34.0 - 14.9, (832, 480, 124)
 HOST_SIZES = ((832, 480, 124), (1920, 1088, 124))
 HEADROOM_GIB = 2.0  # per process: what ComfyUI keeps free before it gives up pinned copies (model_management.py)
 
