@@ -8,12 +8,18 @@
 # --whole-video: instead, all four models of the bundled workflows at full size (scripts/bench/make_models.py,
 # ~41 GB, kept in /tmp/tp2bench/base between calls) and the bundled T2V+audio workflow to an MP4 with real PyAV
 # (scripts/bench/whole_video.py: per phase, cold and warm).
+# --host-memory: the host-memory measurement of a 2 x 22 GiB pair, in up to three calls of this same command
+# (scripts/bench/host_memory.sh says what it runs).
 set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 W=/tmp/tp2bench; OUTDIR="${OUT:-$PWD/bench-out}"; PY="${PYTHON:-python3}"
 [[ -d "$PACK_DIR/.device" ]] || { echo "bench.sh: no .device/ (run scripts/bench/stage.sh first and carry .device)" >&2; exit 1; }
 mkdir -p "$W/site" "$W/ComfyUI" "$W/fe" "$OUTDIR"
+export W PY PACK_DIR
+if [[ "${1:-}" == --host-memory ]] && kill -0 "$(cat "$W/host_memory/run.pid" 2>/dev/null)" 2>/dev/null; then
+  exec bash "$PACK_DIR/scripts/bench/host_memory.sh" follow   # a later call: follow the run in flight, touch nothing
+fi
 t0=$(date +%s)
 if [[ ! -d "$W/site/comfy_kitchen" ]]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$PACK_DIR"/.device/wheels/*.whl
@@ -29,6 +35,7 @@ ln -sfn "$PACK_DIR" "$BASE/custom_nodes/minimax-h3-tp2"
 ln -sfn "$PACK_DIR/scripts/bench/profiler_node" "$BASE/custom_nodes/tp2_bench_profiler"   # inert unless --profile
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch, comfy_kitchen; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'int8 attention', comfy_kitchen.int8_attention_is_available())"
+if [[ "${1:-}" == --host-memory ]]; then mkdir -p "$W/host_memory"; exec bash "$PACK_DIR/scripts/bench/host_memory.sh" start; fi
 if [[ "${1:-}" == --whole-video ]]; then
   shift
   "$PY" "$PACK_DIR/scripts/bench/make_models.py" --comfyui "$W/ComfyUI" --models "$BASE/models"

@@ -11,8 +11,9 @@ s_per_step_progress, the median progress-event spacing, which understates a step
 includes writing the trace in step 3); each rank's checkpoint load (UNETLoader's span) and peak GPU memory (nvidia-smi every
 0.5 s, also per process); whether all ranks' saved latents are byte-identical; the pack's capacity-check (not enforced here)
 and sampler-peak log lines. Prints a table; writes bench.json. --cap-gib G: every GPU made a G GiB card per process before the
-servers start (scripts/bench/gpu_ballast.py holds the rest): a real limit for the allocator and dynamic VRAM. --one-gpu: every
-rank on GPU 0 over gloo (memory real, speed not; with --cap-gib the ranks share G x tp_size GiB).
+servers start (process_memory.confine_gpus: CUDA MPS's per-process limit where ranks share GPU 0 and MPS is installed, else
+gpu_ballast.py holds the rest): a real limit for the allocator and dynamic VRAM. --one-gpu: every rank on GPU 0 over gloo
+(memory real, speed not; without MPS, --cap-gib leaves the ranks one shared pool of G x tp_size GiB).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import uuid
 
 import aiohttp
 import torch
-from process_memory import ProcessSampler, hold_all_but, servers_per_gpu, stop_all
+from process_memory import ProcessSampler, confine_gpus, servers_per_gpu, stop_all
 
 BENCH_NODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiler_node")
 
@@ -97,7 +98,9 @@ NUMBERED_PARTS = {"chunk": "TP2_SP_CHUNK_ROWS", "split": "TP2_SPLIT"}  # chunk16
 PARTS = (*ENV_PARTS, *FLAG_PARTS, "chunkN", "splitA-B", "sdpa", "half", "pack")
 
 
-def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple[subprocess.Popen, int, str]]:
+def start_servers(
+    args, tp_size: int, run: str, variant: str = "", limit_env: dict[str, str] | None = None
+) -> list[tuple[subprocess.Popen, int, str]]:
     master = free_port()
     servers = []
     for r in reversed(range(tp_size)):
@@ -106,7 +109,7 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
-        env["CUDA_VISIBLE_DEVICES"] = "0" if args.one_gpu else str(r)
+        env.update(limit_env or {}, CUDA_VISIBLE_DEVICES="0" if args.one_gpu else str(r))
         if tp_size > 1 or "pack" in variant.split("+"):  # variant 'pack' at tp 1: the pack active on one GPU
             env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
                        TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900")  # fmt: skip
@@ -270,8 +273,11 @@ async def main_async(args) -> list[dict]:
             for config in args.tp_sizes:
                 tp, _, variant = config.partition(":")
                 tp = int(tp)
-                ballast = hold_all_but(args.cap_gib, servers_per_gpu(tp, args.one_gpu)) if args.cap_gib else []
-                servers = start_servers(args, tp, run_dir, variant)
+                ballast, limit_env = [], {}
+                if args.cap_gib:
+                    ballast, limit_env, how = confine_gpus(args.cap_gib, servers_per_gpu(tp, args.one_gpu))
+                    print(f"{config}: {how}", flush=True)
+                servers = start_servers(args, tp, run_dir, variant, limit_env)
                 try:
                     await wait_ready(session, servers)
                     plan = [(r, args.steps, False) for r in args.resolutions] + (

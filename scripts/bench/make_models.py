@@ -12,19 +12,25 @@ Full size (the default; on a GPU machine, ~41 GB written):
 --tiny (CPU): the tiny int8 DiT and tiny nvfp4 encoder of the tests, the small video VAE of the test fixture
 h3_small_vae (servers need H3_TEST_SMALL_VAE=1 and H3_TEST_TINY_TE=1 and both fixtures in custom_nodes), and the
 audio VAE at its real size. A file that exists is kept (delete it to write it again).
+--cut-ahead 2: as each H3 file is written, each rank's cut of it into the rank cache, then its large tensors freed on disk
+(punch_checkpoint.py): the models and two ranks' caches then fit the device's 64 GiB disk (~45 GB instead of ~81).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path[:0] = [os.path.join(ROOT, "scripts"), ROOT, os.path.dirname(os.path.abspath(__file__))]
 from make_workflows import AUDIO_VAE, DIT, TEXT_ENCODER, VIDEO_VAE  # noqa: E402
+from punch_checkpoint import punch  # noqa: E402
+
+from tp2 import settings  # noqa: E402
 
 FIXTURES = os.path.join(ROOT, "tests", "comfy", "fixtures")
 TINY_ENV = {"H3_TEST_SMALL_VAE": "1", "H3_TEST_TINY_TE": "1"}  # what servers need to build the tiny stand-ins
@@ -76,8 +82,26 @@ def _write_vae(kind: str, path: str, comfyui: str, tiny: bool) -> None:
     save_file({k: v.to(dtype).contiguous().cpu() for k, v in vae.state_dict().items()}, path)
 
 
-def write_models(models: str, comfyui: str, tiny: bool = False) -> dict[str, str]:
-    """Write what is missing; returns {relative path under models/: absolute path}."""
+def rank_cuts(path: str, tp_size: int) -> list[list[str]]:
+    """Per rank, the rank cache files (TP2_CACHE_DIR's rule) cut from H3 file `path` at `tp_size`."""
+    stem, folder = os.path.splitext(os.path.basename(path))[0], os.path.join(settings.cache_dir(), "rank_cache")
+    return [glob.glob(os.path.join(folder, f"{glob.escape(stem)}.*.tp{tp_size}-rank{r}.safetensors")) for r in range(tp_size)]
+
+
+def cut_ahead_and_punch(path: str, tp_size: int, min_bytes: int) -> None:
+    """Each rank's cut of H3 file `path` into the rank cache now (`python -m tp2.rank_cache`, as a user would), then the
+    file's large tensors freed on disk (punch_checkpoint.py), so the next model fits beside the cuts."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "tp2.rank_cache", path, "--tp-size", str(tp_size)], check=True, cwd=ROOT)
+    freed = punch(path, min_bytes)
+    print(f"make_models: {os.path.basename(path)} cut for {tp_size} ranks, {freed / 2**30:.2f} GiB freed on disk, "
+          f"{time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
+
+
+def write_models(models: str, comfyui: str, tiny: bool = False, cut_ahead: int = 0, min_bytes: int = 1 << 20) -> dict[str, str]:
+    """Write what is missing; returns {relative path under models/: absolute path}. cut_ahead N: the DiT's and the text
+    encoder's rank caches for N ranks cut as each is written, then their large tensors freed on disk (a file freed
+    before whose cuts are missing is written again)."""
     files = {f"diffusion_models/{DIT}": None, f"text_encoders/{TEXT_ENCODER}": None, f"vae/{VIDEO_VAE}": None, f"vae/{AUDIO_VAE}": None}
     py, scripts = sys.executable, os.path.join(ROOT, "scripts")
     size = [] if tiny else ["--full-size"]
@@ -90,13 +114,22 @@ def write_models(models: str, comfyui: str, tiny: bool = False) -> dict[str, str
     env = dict(os.environ, **(TINY_ENV if tiny else {}))
     for rel in files:
         path = files[rel] = os.path.join(models, rel)
+        h3 = cut_ahead and rel.startswith(("diffusion_models/", "text_encoders/"))
+        if h3 and os.path.exists(path + ".punched") and not all(rank_cuts(path, cut_ahead)):
+            print(f"make_models: {rel} was freed on disk and a rank's cut of it is missing: writing it again", flush=True)
+            os.remove(path)
+            os.remove(path + ".punched")
         if os.path.exists(path):
+            if h3 and not os.path.exists(path + ".punched"):
+                cut_ahead_and_punch(path, cut_ahead, min_bytes)
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)
         t0 = time.monotonic()
         subprocess.run(makers[rel](path + ".part"), check=True, env=env, cwd=comfyui)
         os.replace(path + ".part", path)
         print(f"make_models: {rel} {os.path.getsize(path) / 2**30:.2f} GiB in {time.monotonic() - t0:.0f} s", flush=True)
+        if h3:
+            cut_ahead_and_punch(path, cut_ahead, min_bytes)
     return files
 
 
@@ -105,6 +138,14 @@ def main(argv=None) -> int:
     ap.add_argument("--comfyui", required=True, help="a ComfyUI checkout with MiniMax-H3 (its VAE classes are used)")
     ap.add_argument("--models", help="a ComfyUI models/ folder to fill")
     ap.add_argument("--tiny", action="store_true", help="the CPU test stand-ins instead of the full-size models")
+    ap.add_argument(
+        "--cut-ahead",
+        type=int,
+        default=0,
+        metavar="TP_SIZE",
+        help="cut the DiT's and encoder's rank caches for TP_SIZE ranks (TP2_CACHE_DIR), then free those files' large tensors on disk",
+    )
+    ap.add_argument("--punch-min-bytes", type=int, default=1 << 20, help=argparse.SUPPRESS)  # the tests' tiny files
     ap.add_argument("--vae", nargs=2, metavar=("video|audio", "PATH"), help=argparse.SUPPRESS)  # the child's job
     a = ap.parse_args(argv)
     if a.vae:
@@ -112,7 +153,7 @@ def main(argv=None) -> int:
         return 0
     if not a.models:
         ap.error("--models is required")
-    write_models(os.path.abspath(a.models), os.path.abspath(a.comfyui), a.tiny)
+    write_models(os.path.abspath(a.models), os.path.abspath(a.comfyui), a.tiny, a.cut_ahead, a.punch_min_bytes)
     return 0
 
 

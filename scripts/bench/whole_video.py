@@ -7,8 +7,9 @@
 
 BASE's models/ holds the bundled workflows' four files (scripts/bench/make_models.py). Configs, side by side, each on its
 own servers: `tp1` stock ComfyUI, `tp1pack` the pack at tp_size 1, `tpN` N ranks (--one-gpu: all on GPU 0 over gloo;
-memory real, speed not); `@G` (tp2@22) caps each process at G GiB (gpu_ballast.py); `+FLAG` (tp2@22+fast-disk) adds ComfyUI's
---FLAG to that config's servers. --host-hold-gib: G GiB of the host held by another process (host_ballast.py; 63 of a
+memory real, speed not); `@G` (tp2@22) caps each process at G GiB (with --one-gpu under CUDA MPS's per-process limit
+where its daemon is installed, else gpu_ballast.py: process_memory.confine_gpus; the row's gpu_limit says which); `+FLAG`
+(tp2@22+fast-disk) adds ComfyUI's --FLAG to that config's servers. --host-hold-gib: G GiB of the host held by another process (host_ballast.py; 63 of a
 128 GiB machine leave what a 64 GB machine has). Prompts: cold (as shipped), warm (new text and seed), any other name: as warm. Per prompt and process: wall time per phase (spans between `executing` events), nvidia-smi peak, the
 pack's capacity lines, peak host RSS (and anonymous memory per phase), the host memory as each node starts (the profiler
 node's `tp2-bench host` lines: ComfyUI's pinned copies per model), models (re)loaded, the MP4's size and sha256. Writes OUT/whole_video.jsonl and
@@ -36,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from bench_comfy import BENCH_NODE, free_port, pack_lines, stop_servers, wait_ready  # noqa: E402
 from make_models import FIXTURES, TINY_ENV  # noqa: E402
-from process_memory import ProcessSampler, hold_all_but, hold_host, servers_per_gpu, stop_all  # noqa: E402
+from process_memory import ProcessSampler, confine_gpus, hold_host, servers_per_gpu, stop_all  # noqa: E402
 
 PHASES = {
     "UNETLoader": "load", "CLIPLoader": "load", "VAELoader": "load", "MiniMaxH3ImageToVideo": "text encode",
@@ -64,7 +65,7 @@ def config_flags(config: str) -> list[str]:
     return ["--" + f for f in config.split("+")[1:]]
 
 
-def start_servers(args, config: str) -> list[dict]:
+def start_servers(args, config: str, limit_env: dict[str, str]) -> list[dict]:
     tp, pack, cap = parse_config(config)
     master, servers = free_port(), []
     for r in reversed(range(tp)):
@@ -73,8 +74,8 @@ def start_servers(args, config: str) -> list[dict]:
         d = os.path.join(args.out, "run", name)
         for sub in ("output", "temp", "user"):
             os.makedirs(os.path.join(d, sub), exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
-        env.update(TINY_ENV if args.tiny else {}, CUDA_VISIBLE_DEVICES="0" if args.one_gpu else str(r), TP2_BENCH_HOST_LOG="1")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_")) or k == "TP2_CACHE_DIR"}
+        env.update(TINY_ENV if args.tiny else {}, CUDA_VISIBLE_DEVICES="0" if args.one_gpu else str(r), TP2_BENCH_HOST_LOG="1", **limit_env)
         if pack:
             env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
                        TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900", **(FAST if args.fast else {}))  # fmt: skip
@@ -240,10 +241,13 @@ async def main_async(args) -> list[dict]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
             for config in args.configs:
                 tp, _, cap = parse_config(config)
-                ballast = hold_all_but(cap, servers_per_gpu(tp, args.one_gpu)) if cap and not args.tiny else []
+                ballast, limit_env, gpu_limit = [], {}, None
+                if cap and not args.tiny:
+                    ballast, limit_env, gpu_limit = confine_gpus(cap, servers_per_gpu(tp, args.one_gpu))
+                    print(f"{config}: {gpu_limit}", flush=True)
                 if args.host_hold_gib:
                     ballast.append(hold_host(args.host_hold_gib))
-                servers = start_servers(args, config)
+                servers = start_servers(args, config, limit_env)
                 sampler.pids.update(s["proc"].pid for s in servers)
                 try:
                     await wait_ready(session, [(s["proc"], s["port"], s["log"]) for s in servers], 900)
@@ -252,7 +256,8 @@ async def main_async(args) -> list[dict]:
                         shas = {r["mp4_sha256"] for r in results}
                         row = {"config": config, "prompt": tag, "workflow": args.workflow, "one_gpu": args.one_gpu, "fast": args.fast,
                                "host_hold_gib": args.host_hold_gib, "size": args.size, "frames": args.frames, "steps": args.steps,
-                               "ranks_identical": len(shas) == 1 and None not in shas, "results": results, "environment": env}  # fmt: skip
+                               "gpu_limit": gpu_limit, "ranks_identical": len(shas) == 1 and None not in shas, "results": results,
+                               "environment": env}  # fmt: skip
                         rows.append(row)
                         out.write(json.dumps(row) + "\n")
                         out.flush()
@@ -315,7 +320,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, help="override the workflow's steps")
     ap.add_argument("--frames", type=int, help="override the workflow's length")
     ap.add_argument("--size", help="override the workflow's WIDTHxHEIGHT (e.g. 1920x1088)")
-    ap.add_argument("--prompts", default="cold,warm", type=lambda s: s.split(","), help="cold, warm (or any other name: a new text and seed), in order")
+    ap.add_argument(
+        "--prompts", default="cold,warm", type=lambda s: s.split(","), help="cold, warm (or any other name: a new text and seed), in order"
+    )
     ap.add_argument("--host-hold-gib", type=float, help="GiB of host memory another process holds (63 of 128: a 64 GB machine)")
     ap.add_argument("--comfy-args", help="ComfyUI arguments for every server (default --use-ck-attention; none with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="CPU, the tests' stand-in models, 64x64x5, 2 steps")

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Free a safetensors checkpoint's large tensors on disk once each rank's cut of it is in the rank cache, so the models and
+the rank caches fit a small disk together (the device's 64 GiB holds the four models, 41 GB, or them plus two ranks' caches,
+not both whole).
+
+    python scripts/bench/punch_checkpoint.py FILE [FILE ...] [--min-bytes N]
+
+The data of every tensor of at least N bytes (1 MiB) is punched out (fallocate PUNCH_HOLE | KEEP_SIZE): the file keeps its
+size, name and header, every small tensor (the `.comfy_quant` markers the pack's planner reads) and the 16 windows of
+`tp2.safetensors_io.file_fingerprint`, so the rank cache still recognises it as the file its cuts came from. Punched bytes
+read back as zeros: a load that reads them would run on zeros, so punch only what the rank cache serves, and check it (the
+bench's set-up compares the videos). A `FILE.punched` marker records the punch; make_models.py refuses to cut a marked file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tp2.safetensors_io import DTYPES, read_header  # noqa: E402
+
+PAGE = 4096
+PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+WINDOWS, WINDOW_BYTES = 16, 1 << 16  # file_fingerprint's samples
+
+
+def kept_windows(file_size: int, data_start: int) -> list[tuple[int, int]]:
+    """The byte ranges file_fingerprint reads, in file offsets."""
+    span = max(0, file_size - data_start - WINDOW_BYTES)
+    starts = (data_start + span * i // (WINDOWS - 1) for i in range(WINDOWS))
+    return [(a, a + WINDOW_BYTES) for a in starts]
+
+
+def punch(path: str, min_bytes: int = 1 << 20) -> int:
+    """Punch out the data of `path`'s tensors of at least `min_bytes`, but the fingerprint's windows; returns bytes freed."""
+    header = read_header(path)
+    data_start = 8 + len(header.header_bytes)
+    keep = kept_windows(header.file_size, data_start)
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    freed = 0
+    with open(path, "r+b") as f:
+        for info in header.tensors.values():
+            lo = info.start
+            hi = lo + math.prod(info.shape) * DTYPES[info.dtype].itemsize
+            if hi - lo < min_bytes:
+                continue
+            for a, b in _gaps(lo, hi, keep):
+                a, b = -(-a // PAGE) * PAGE, b // PAGE * PAGE  # whole pages inside the gap
+                if b > a:
+                    if libc.fallocate(f.fileno(), PUNCH_HOLE_KEEP_SIZE, ctypes.c_long(a), ctypes.c_long(b - a)) != 0:
+                        raise OSError(ctypes.get_errno(), f"cannot punch holes in {path} (its file system may not support it)")
+                    freed += b - a
+    open(path + ".punched", "w").write(f"{freed}\n")
+    return freed
+
+
+def _gaps(lo: int, hi: int, keep: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[lo, hi) without the kept ranges."""
+    gaps, cur = [], lo
+    for a, b in sorted(keep):
+        if b > cur and a < hi:
+            gaps.append((cur, a))
+            cur = max(cur, b)
+    return [(a, b) for a, b in gaps + [(cur, hi)] if b > a]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--min-bytes", type=int, default=1 << 20, help="punch tensors of at least this many bytes (default 1 MiB)")
+    a = ap.parse_args(argv)
+    for path in a.files:
+        print(f"{path}: punched {punch(path, a.min_bytes) / 2**30:.2f} GiB", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
