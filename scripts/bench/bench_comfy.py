@@ -12,7 +12,9 @@ includes writing the trace in step 3); each rank's checkpoint load (UNETLoader's
 0.5 s, also per process); whether all ranks' saved latents are byte-identical; the pack's capacity-check (not enforced here)
 and sampler-peak log lines. Prints a table; writes bench.json. --cap-gib G: every GPU made a G GiB card per process before the
 servers start (scripts/bench/gpu_ballast.py holds the rest): a real limit for the allocator and dynamic VRAM. --one-gpu: every
-rank on GPU 0 over gloo (memory real, speed not; with --cap-gib the ranks share G x tp_size GiB).
+rank on GPU 0 over gloo (memory real, speed not; with --cap-gib the ranks share G x tp_size GiB). Variant linkB-L (e.g.
+2:link216-10): that layout with rank 0's tensor collectives over an emulated link of B GB/s and L us and the other ranks
+hollow (scripts/bench/link_emulator.py): rank 0's s/step is TP's on that link.
 """
 
 from __future__ import annotations
@@ -93,8 +95,15 @@ FLAG_PARTS = {
     "fp32": ("--force-fp32",),  # fp32 compute, what a card below compute capability 8.0 runs
     "hv": ("--highvram", "--disable-async-offload"),  # every model resident, whatever --comfy-args says
 }
-NUMBERED_PARTS = {"chunk": "TP2_SP_CHUNK_ROWS", "split": "TP2_SPLIT"}  # chunk16384; split3-1 is --split 3:1
-PARTS = (*ENV_PARTS, *FLAG_PARTS, "chunkN", "splitA-B", "sdpa", "half", "pack")
+# chunk16384; split3-1 is --split 3:1; overlap1 is TP2_OVERLAP=1 (off); link216-10: rank 0 runs for real on GPU 0, its
+# collectives over an emulated 216 GB/s, 10 us link, the other ranks hollow beside it (scripts/bench/link_emulator.py)
+NUMBERED_PARTS = {"chunk": "TP2_SP_CHUNK_ROWS", "split": "TP2_SPLIT", "overlap": "TP2_OVERLAP", "link": "TP2_BENCH_LINK"}
+PARTS = (*ENV_PARTS, *FLAG_PARTS, "chunkN", "splitA-B", "overlapN", "linkB-L", "sdpa", "half", "pack")
+
+
+def one_gpu(args, variant: str) -> bool:
+    """Every rank on GPU 0 over gloo: --one-gpu, or an emulated link (variant linkB-L)."""
+    return args.one_gpu or any(part.startswith("link") for part in variant.split("+"))
 
 
 def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple[subprocess.Popen, int, str]]:
@@ -106,11 +115,11 @@ def start_servers(args, tp_size: int, run: str, variant: str = "") -> list[tuple
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
-        env["CUDA_VISIBLE_DEVICES"] = "0" if args.one_gpu else str(r)
+        env["CUDA_VISIBLE_DEVICES"] = "0" if one_gpu(args, variant) else str(r)
         if tp_size > 1 or "pack" in variant.split("+"):  # variant 'pack' at tp 1: the pack active on one GPU
             env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
                        TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900")  # fmt: skip
-            if args.one_gpu and tp_size > 1:
+            if one_gpu(args, variant) and tp_size > 1:
                 env["TP2_BENCH_GLOO_ON_CUDA"] = "1"  # read by profiler_node: NCCL refuses two ranks on one GPU
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", args.base,
                "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
@@ -270,7 +279,7 @@ async def main_async(args) -> list[dict]:
             for config in args.tp_sizes:
                 tp, _, variant = config.partition(":")
                 tp = int(tp)
-                ballast = hold_all_but(args.cap_gib, servers_per_gpu(tp, args.one_gpu)) if args.cap_gib else []
+                ballast = hold_all_but(args.cap_gib, servers_per_gpu(tp, one_gpu(args, variant))) if args.cap_gib else []
                 servers = start_servers(args, tp, run_dir, variant)
                 try:
                     await wait_ready(session, servers)
@@ -284,7 +293,7 @@ async def main_async(args) -> list[dict]:
                         ckpt = args.half_ckpt if "half" in variant.split("+") else args.ckpt
                         out = await run_one(session, servers, workflow(ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}"), run_dir)
                         out.update(tp_size=tp, variant=variant or "-", resolution=res, steps=steps, memory_only=memory_only)
-                        out["peak_mib"] = [mem.peak(0 if args.one_gpu else g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
+                        out["peak_mib"] = [mem.peak(0 if one_gpu(args, variant) else g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
                         out["process_peak_mib"] = [procs.peak(p.pid, "gpu_mib", out["t0"], out["t1"] + 1.0) for p, _, _ in servers]
                         out["pack_log"] = [pack_lines(log, marks[i]) for i, (_, _, log) in enumerate(servers)]
                         rows.append(out)
