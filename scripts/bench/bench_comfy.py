@@ -13,7 +13,9 @@ includes writing the trace in step 3); each rank's checkpoint load (UNETLoader's
 and sampler-peak log lines. Prints a table; writes bench.json. --cap-gib G: every GPU made a G GiB card per process before the
 servers start (process_memory.confine_gpus: CUDA MPS's per-process limit where ranks share GPU 0 and MPS is installed, else
 gpu_ballast.py holds the rest): a real limit for the allocator and dynamic VRAM. --one-gpu: every rank on GPU 0 over gloo
-(memory real, speed not; without MPS, --cap-gib leaves the ranks one shared pool of G x tp_size GiB).
+(memory real, speed not; without MPS, --cap-gib leaves the ranks one shared pool of G x tp_size GiB). Variant linkB-L (e.g.
+2:link216-10): that layout with rank 0's tensor collectives over an emulated link of B GB/s and L us and the other ranks
+hollow (scripts/bench/link_emulator.py): rank 0's s/step is TP's on that link.
 """
 
 from __future__ import annotations
@@ -94,8 +96,15 @@ FLAG_PARTS = {
     "fp32": ("--force-fp32",),  # fp32 compute, what a card below compute capability 8.0 runs
     "hv": ("--highvram", "--disable-async-offload"),  # every model resident, whatever --comfy-args says
 }
-NUMBERED_PARTS = {"chunk": "TP2_SP_CHUNK_ROWS", "split": "TP2_SPLIT"}  # chunk16384; split3-1 is --split 3:1
-PARTS = (*ENV_PARTS, *FLAG_PARTS, "chunkN", "splitA-B", "sdpa", "half", "pack")
+# chunk16384; split3-1 is --split 3:1; overlap1 is TP2_OVERLAP=1 (off); link216-10: rank 0 runs for real on GPU 0, its
+# collectives over an emulated 216 GB/s, 10 us link, the other ranks hollow beside it (scripts/bench/link_emulator.py)
+NUMBERED_PARTS = {"chunk": "TP2_SP_CHUNK_ROWS", "split": "TP2_SPLIT", "overlap": "TP2_OVERLAP", "link": "TP2_BENCH_LINK"}
+PARTS = (*ENV_PARTS, *FLAG_PARTS, "chunkN", "splitA-B", "overlapN", "linkB-L", "sdpa", "half", "pack")
+
+
+def one_gpu(args, variant: str) -> bool:
+    """Every rank on GPU 0 over gloo: --one-gpu, or an emulated link (variant linkB-L)."""
+    return args.one_gpu or any(part.startswith("link") for part in variant.split("+"))
 
 
 def start_servers(
@@ -109,11 +118,11 @@ def start_servers(
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
-        env.update(limit_env or {}, CUDA_VISIBLE_DEVICES="0" if args.one_gpu else str(r))
+        env.update(limit_env or {}, CUDA_VISIBLE_DEVICES="0" if one_gpu(args, variant) else str(r))
         if tp_size > 1 or "pack" in variant.split("+"):  # variant 'pack' at tp 1: the pack active on one GPU
             env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
                        TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900")  # fmt: skip
-            if args.one_gpu and tp_size > 1:
+            if one_gpu(args, variant) and tp_size > 1:
                 env["TP2_BENCH_GLOO_ON_CUDA"] = "1"  # read by profiler_node: NCCL refuses two ranks on one GPU
         cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", args.base,
                "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
@@ -275,7 +284,7 @@ async def main_async(args) -> list[dict]:
                 tp = int(tp)
                 ballast, limit_env = [], {}
                 if args.cap_gib:
-                    ballast, limit_env, how = confine_gpus(args.cap_gib, servers_per_gpu(tp, args.one_gpu))
+                    ballast, limit_env, how = confine_gpus(args.cap_gib, servers_per_gpu(tp, one_gpu(args, variant)))
                     print(f"{config}: {how}", flush=True)
                 servers = start_servers(args, tp, run_dir, variant, limit_env)
                 try:
@@ -290,7 +299,7 @@ async def main_async(args) -> list[dict]:
                         ckpt = args.half_ckpt if "half" in variant.split("+") else args.ckpt
                         out = await run_one(session, servers, workflow(ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}"), run_dir)
                         out.update(tp_size=tp, variant=variant or "-", resolution=res, steps=steps, memory_only=memory_only)
-                        out["peak_mib"] = [mem.peak(0 if args.one_gpu else g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
+                        out["peak_mib"] = [mem.peak(0 if one_gpu(args, variant) else g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
                         out["process_peak_mib"] = [procs.peak(p.pid, "gpu_mib", out["t0"], out["t1"] + 1.0) for p, _, _ in servers]
                         out["pack_log"] = [pack_lines(log, marks[i]) for i, (_, _, log) in enumerate(servers)]
                         rows.append(out)

@@ -44,16 +44,22 @@ def block_weights(shape: BlockShape, device, dtype):
     return weights
 
 
-def run_block(shape: BlockShape, x, weights, gemm) -> None:
-    """One block's main work: qkv, attention over the heads, out_proj; fc1, swiglu fused into fc2."""
+def attend(shape: BlockShape, x, weights, gemm):
+    """qkv, then SDPA over the heads: out_proj's input [tokens, heads x head_dim]."""
     import torch.nn.functional as F
 
     from tp2.layers import local_linear
 
     q, k, v = local_linear(x, weights["qkv"], None, x.dtype, gemm).view(shape.tokens, 3, shape.heads, shape.head_dim).unbind(1)
     heads = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-    attended = F.scaled_dot_product_attention(*heads).squeeze(0).transpose(0, 1).reshape(shape.tokens, -1)
-    local_linear(attended, weights["out"], None, x.dtype, gemm)
+    return F.scaled_dot_product_attention(*heads).squeeze(0).transpose(0, 1).reshape(shape.tokens, -1)
+
+
+def run_block(shape: BlockShape, x, weights, gemm) -> None:
+    """One block's main work: qkv, attention over the heads, out_proj; fc1, swiglu fused into fc2."""
+    from tp2.layers import local_linear
+
+    local_linear(attend(shape, x, weights, gemm), weights["out"], None, x.dtype, gemm)
     local_linear(local_linear(x, weights["fc1"], None, x.dtype, gemm), weights["fc2"], None, x.dtype, gemm, "swiglu")
 
 

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f
 SCRIPTS = os.path.join(ROOT, "scripts")
 
 
-def test_bench_comfy_runs_the_pack_at_tp1_and_tp2_on_one_device(tmp_path):
+def _bench(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, str]:
+    """bench_comfy.py with `options` on the tiny int8 checkpoint, the CPU for every rank: (the run, its --out)."""
     base, out, fe = tmp_path / "base", tmp_path / "out", tmp_path / "fe"
     for d in ("custom_nodes", "models/diffusion_models", "models/h3_conditioning"):
         (base / d).mkdir(parents=True)
@@ -33,9 +34,13 @@ def test_bench_comfy_runs_the_pack_at_tp1_and_tp2_on_one_device(tmp_path):
     )
     cmd = [sys.executable, os.path.join(SCRIPTS, "bench", "bench_comfy.py"), "--comfyui", COMFYUI_DIR, "--base", str(base),
            "--front-end", str(fe), "--out", str(out), "--ckpt", "tiny.safetensors", "--cond", "cond.safetensors",
-           "--resolutions", "64x64", "--memory-resolutions", "64x64x22", "--frames", "5", "--steps", "2", "--memory-steps", "1",
-           "--tp-sizes", "1:pack+bf16+fnorm,2:bf16+sp+fnorm", "--one-gpu", "--attn", "sdpa", "--comfy-args=--cpu"]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+           "--resolutions", "64x64", "--frames", "5", "--steps", "2", "--attn", "sdpa", "--comfy-args=--cpu", *options]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env), out
+
+
+def test_bench_comfy_runs_the_pack_at_tp1_and_tp2_on_one_device(tmp_path):
+    options = ("--memory-resolutions", "64x64x22", "--memory-steps", "1", "--tp-sizes", "1:pack+bf16+fnorm,2:bf16+sp+fnorm", "--one-gpu")
+    run, out = _bench(tmp_path, *options)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.load(open(out / "bench.json"))
     assert [(r["tp_size"], r["resolution"], r["memory_only"]) for r in rows] == [
@@ -49,3 +54,20 @@ def test_bench_comfy_runs_the_pack_at_tp1_and_tp2_on_one_device(tmp_path):
     assert rows[0]["s_per_step"] > 0 and rows[1]["s_per_step"] > 0
     assert rows[0]["s_per_step_progress"] > 0  # the progress events' spacing, beside the span to the sampler's end
     assert "| 64x64x22 (memory) | 2 | bf16+sp+fnorm | 1 |" in run.stdout, run.stdout[-2000:]
+
+
+def test_bench_comfy_emulates_the_link_for_rank_0_beside_a_hollow_peer(tmp_path):
+    """Variant link1000-20000: rank 0's collectives over an emulated link of 20 ms a collective (and 1000 GB/s), rank 1
+    hollow. Its log lines: NCCL's path with TP2_OVERLAP's 4 chunks (sequence parallelism's 2 blocks of 2 gathers of int8
+    rows and scales and 2 reduce-scatters in 4 sub-blocks, the last gather, and the int8 vote at the first call), each
+    collective 20 ms on the link; rank 1 never ran a block (no sequence-parallel layout logged)."""
+    run, out = _bench(tmp_path, "--memory-resolutions", "", "--tp-sizes", "2:bf16+sp+link1000-20000")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (row,) = json.load(open(out / "bench.json"))
+    assert "error" not in row and row["identical"], row
+    logs = [open(out / "run" / f"tp2bf16-sp-link1000-20000_rank{r}.log").read() for r in (0, 1)]
+    calls = [line.split("issued ")[1] for line in logs[0].splitlines() if "this model call issued" in line]
+    counts = [int(call.split()[0]) for call in calls]
+    assert counts == [26, 25], calls
+    assert all(abs(float(call.split(", ")[-1].split()[0]) - 20.0 * n) < 0.5 for call, n in zip(calls, counts)), calls
+    assert "a hollow peer" in logs[1] and "sequence parallel: " in logs[0] and "sequence parallel: " not in logs[1]

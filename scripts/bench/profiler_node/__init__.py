@@ -1,12 +1,14 @@
 """Benchmark-only ComfyUI custom node: a per-kernel GPU profile of one H3 diffusion-model call (no nodes of its own),
-and the one-GPU mode's process group.
+the one-GPU mode's process group, and the emulated link.
 
 The benchmarks link it into custom_nodes. TP2_BENCH_GLOO_ON_CUDA=1 (ranks sharing one GPU, which NCCL refuses): the
 pack's tp2.collectives.group_backend answers gloo. TP2_BENCH_PROFILE_DIR=DIR: the TP2_BENCH_PROFILE_CALL-th call
 (default 3) of MiniMaxH3Model.forward runs under torch.profiler and DIR/<tag>.json and .txt get every GPU kernel's time
 and count, the time per category, and the NCCL time no compute kernel overlapped. TP2_BENCH_HOST_LOG=1: at each node's
 start (ComfyUI's `executing` event) a `tp2-bench host` log line: this process's /proc status (anonymous, file, shmem,
-locked) and ComfyUI's page-locked host copies, in all and per loaded model. Nothing here changes what is computed.
+locked) and ComfyUI's page-locked host copies, in all and per loaded model. TP2_BENCH_LINK=GBPS[:LATENCY_US]: rank 0's
+tensor collectives over an emulated link, the other ranks hollow (_emulated_link). Nothing else here changes what is
+computed.
 """
 
 from __future__ import annotations
@@ -165,22 +167,75 @@ def _install(out_dir: str, call_no: int) -> None:
     h3.MiniMaxH3Model.forward = profiled_forward
 
 
-def _gloo_on_cuda() -> None:
-    """The pack's groups over gloo (found as ComfyUI loaded it, after every custom node is: the order is the folder's)."""
+def _pack_module(name: str, why: str):
+    """The pack's module `name` (e.g. tp2.collectives) as ComfyUI loaded it: call after every custom node is loaded."""
     import sys
 
+    want = os.path.join(PACK, *name.split(".")) + ".py"
+    for loaded, mod in list(sys.modules.items()):
+        if loaded.endswith("." + name) and os.path.realpath(getattr(mod, "__file__", "") or "") == want:
+            return mod
+    raise RuntimeError(f"{why}: the pack at {PACK} is not loaded; link it into custom_nodes")
+
+
+def _on_startup(fn) -> None:
+    """`fn()` once ComfyUI has loaded every custom node (the order is the folder's)."""
     from server import PromptServer
 
-    async def replace(app) -> None:
-        want = os.path.join(PACK, "tp2", "collectives.py")
-        for name, mod in list(sys.modules.items()):
-            if name.endswith(".tp2.collectives") and os.path.realpath(getattr(mod, "__file__", "") or "") == want:
-                mod.group_backend = lambda device: "gloo"
-                log.info("the TP group forms over gloo (TP2_BENCH_GLOO_ON_CUDA)")
-                return
-        raise RuntimeError(f"TP2_BENCH_GLOO_ON_CUDA: the pack at {PACK} is not loaded; link it into custom_nodes")
+    async def run(app) -> None:
+        fn()
 
-    PromptServer.instance.app.on_startup.append(replace)
+    PromptServer.instance.app.on_startup.append(run)
+
+
+def _gloo_on_cuda() -> None:
+    """The pack's groups over gloo."""
+    _pack_module("tp2.collectives", "TP2_BENCH_GLOO_ON_CUDA").group_backend = lambda device: "gloo"
+    log.info("the TP group forms over gloo (TP2_BENCH_GLOO_ON_CUDA)")
+
+
+def _link_emulator():
+    """scripts/bench/link_emulator.py, loaded from the pack's folder."""
+    import importlib.util
+    import sys
+
+    found = importlib.util.spec_from_file_location("tp2_bench_link_emulator", os.path.join(PACK, "scripts", "bench", "link_emulator.py"))
+    module = sys.modules[found.name] = importlib.util.module_from_spec(found)  # its dataclasses look their module up
+    found.loader.exec_module(module)
+    return module
+
+
+def _emulated_link(spec: str) -> None:
+    """TP2_BENCH_LINK=GBPS[:LATENCY_US], every rank on one GPU (bench_comfy.py's variant linkB-L): rank 0 runs for
+    real, its tensor collectives over that link (scripts/bench/link_emulator.py); the other ranks are hollow peers:
+    they load, meet rank 0 and take its inputs as TP ranks do, but their DiT blocks hand x straight on and their tensor
+    collectives take no time, so the GPU is rank 0's. Outputs: rank 0's (the pack makes every rank's files its own)."""
+    import comfy.ldm.minimax.model as h3
+
+    emulator, rank = _link_emulator(), int(os.environ.get("TP2_RANK", "0"))
+    link = emulator.Link.parse(spec) if rank == 0 else emulator.FREE
+    collectives = _pack_module("tp2.collectives", "TP2_BENCH_LINK")
+    emulator.emulate_group_formation(_pack_module("tp2.session", "TP2_BENCH_LINK"), collectives, link)
+    if rank == 0:
+        _log_link_per_call(h3, collectives)
+        log.info("TP2_BENCH_LINK: rank 0, its collectives over an emulated link of %s", link.text())
+    else:
+        h3.DiTBlock.__call__ = lambda block, x, *args, **kwargs: x
+        log.info("TP2_BENCH_LINK: rank %d, a hollow peer", rank)
+
+
+def _log_link_per_call(h3, collectives) -> None:
+    """After each H3 model call, a log line: the collectives it issued and how long they held the link (as set)."""
+    original = h3.MiniMaxH3Model.forward
+
+    def forward(self, *args, **kwargs):
+        before = list(getattr(collectives.dist, "issued", (0, 0, 0.0)))
+        out = original(self, *args, **kwargs)
+        n, nbytes, seconds = (b - a for a, b in zip(before, getattr(collectives.dist, "issued", before)))
+        log.info("TP2_BENCH_LINK: this model call issued %d collectives, %.1f MB, %.1f ms on the link", n, nbytes / 1e6, seconds * 1e3)
+        return out
+
+    h3.MiniMaxH3Model.forward = forward
 
 
 def _host_memory_log() -> None:
@@ -222,6 +277,8 @@ def _host_memory_log() -> None:
 if os.environ.get("TP2_BENCH_HOST_LOG") == "1":
     _host_memory_log()
 if os.environ.get("TP2_BENCH_GLOO_ON_CUDA") == "1":
-    _gloo_on_cuda()
+    _on_startup(_gloo_on_cuda)
+if os.environ.get("TP2_BENCH_LINK"):
+    _on_startup(lambda: _emulated_link(os.environ["TP2_BENCH_LINK"]))
 if os.environ.get("TP2_BENCH_PROFILE_DIR"):
     _install(os.environ["TP2_BENCH_PROFILE_DIR"], int(os.environ.get("TP2_BENCH_PROFILE_CALL", "3")))
