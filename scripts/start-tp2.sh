@@ -255,6 +255,7 @@ status_ranks() {
     local r; r="$(restarts_of "$rank")"; [[ -n "$r" ]] && echo "        $r"
   done < "$PIDS"
   local split; split="$(split_of "$(awk '$1 == 0 { print $3 }' "$PIDS")")" && echo "split: $split"
+  [[ -f "$RUN_DIR/link" ]] && cat "$RUN_DIR/link"
   return $bad
 }
 
@@ -411,6 +412,17 @@ if [[ $CPU -eq 0 && "${TP2_COMPUTE_DTYPE:-auto}" == auto ]] \
   export TP2_COMPUTE_DTYPE=fp32  # ranks compute in one dtype: a GPU below compute capability 8.0 has no bf16 tensor cores
   echo "compute dtype: fp32 on every rank (one of GPUs $GPUS is below compute capability 8.0: no bf16 tensor cores)"
 fi
+rm -f "$RUN_DIR/link"
+if [[ $CPU -eq 0 && $TP_SIZE -gt 1 ]]; then  # NCCL's settings for the link between the GPUs (tp2/link.py); yours win
+  mapfile -t LINK < <(PYTHONPATH="$PACK_DIR" "$PY" -m tp2.link "$GPUS" 2>/dev/null)
+  NCCL_SET=""
+  for kv in "${LINK[@]:1}"; do
+    name="${kv%%=*}"
+    if [[ -n "${!name+x}" ]]; then NCCL_SET+=" $name=${!name} (yours)"; else export "${kv?}"; NCCL_SET+=" $kv"; fi
+  done
+  echo "link: ${LINK[0]:-unknown (nvidia-smi topo gave none)}; NCCL:${NCCL_SET:- its defaults}${NCCL_SET:+ (published for this link; not measured by the pack)}" \
+    | tee "$RUN_DIR/link"
+fi
 if [[ "$SPLIT" == auto ]]; then  # measured before any rank starts (each GPU alone); the decision is kept with the run
   SPLIT="$(PYTHONPATH="$PACK_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$PACK_DIR/scripts/lib/balance.py" "$CPU" "${GPU_LIST[@]}" 2>"$RUN_DIR/split")" \
     || { cat "$RUN_DIR/split" >&2; die "--split auto could not measure the GPUs (above); give the shares yourself, e.g. --split 3:2"; }
@@ -456,7 +468,7 @@ trap interrupted INT TERM
 for (( r = 0; r < TP_SIZE; r++ )); do : > "$RUN_DIR/rank$r.log"; done
 # what `restart` needs to start a rank again the same way
 { declare -p COMFYUI PY LISTEN BASE_PORT BASE_DIR CPU GPU_LIST EXTRA TP_SIZE SPLIT MASTER_PORT SECRET_FILE RANK_URLS
-  for v in "${!TP2_@}"; do declare -p "$v"; done; } > "$RUN_DIR/launch.env"
+  for v in "${!TP2_@}" "${!NCCL_@}"; do declare -p "$v"; done; } > "$RUN_DIR/launch.env"
 for (( r = TP_SIZE - 1; r >= 0; r-- )); do
   start_supervisor "$r"
 done

@@ -7,6 +7,7 @@ Bus bandwidth is NCCL's (nccl-tests): bytes / seconds x 2 (n - 1) / n. Imports t
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -21,6 +22,10 @@ from .split import parse_split
 LINK_MIB = {"cuda": 64, "cpu": 8}  # the timed all-reduce: tens of MB on a GPU; on the CPU (gloo, tests) well under 1 s
 MEMORY_NOT_SPEED = 1.2  # a predicted speed-up below this: the pair is for memory (longer videos), not speed
 HOST = "gloo, host memory"
+NO_P2P = "through host memory (PCIe without peer-to-peer)"
+# NCCL's settings per link kind, exported by the launcher unless the user set them. Not measured by this pack: published,
+# two PCIe 4.0 cards without peer-to-peer moved 1.9 GB/s at 20 MB, 12.5 GB/s with shared memory copied by the GPUs' engines
+NCCL_FOR_KIND = {NO_P2P: {"NCCL_SHM_USE_CUDA_MEMCPY": "1"}}
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ def kind_from_topo(matrix: str, p2p: str, gpus: list[str]) -> str:
         return f"NVLink ({', '.join(sorted({hop for hop, _ in hops}))})"
     if all(ok == "OK" for _, ok in hops):
         return f"PCIe peer-to-peer ({', '.join(sorted({hop for hop, _ in hops}))})"
-    return "through host memory (PCIe without peer-to-peer)"
+    return NO_P2P
 
 
 def link_kind(backend: str, gpus: list[str]) -> str:
@@ -127,3 +132,8 @@ def prediction(link: Link, tp_size: int, device_type: str) -> str:
     reduce_bytes = 2 if settings.value("TP2_REDUCE_DTYPE") == "bf16" else 4
     speedup, _ = predict_speedup(block_s, shares, link.bus_gbps, shape.tokens, shape.hidden, reduce_bytes)
     return verdict(speedup, shares)
+
+
+if __name__ == "__main__":  # python -m tp2.link 0,1: the link kind of those GPUs, then NCCL's settings for it (NAME=VALUE)
+    kind = link_kind("nccl", sys.argv[1].split(","))
+    print(kind, *(f"{k}={v}" for k, v in NCCL_FOR_KIND.get(kind, {}).items()), sep="\n")

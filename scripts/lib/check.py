@@ -23,6 +23,7 @@ from tp2 import capacity, settings
 from tp2.balance import auto_split
 from tp2.compute_dtype import choose_compute_dtype
 from tp2.errors import PlanError
+from tp2.link import NCCL_FOR_KIND, link_kind
 from tp2.split import even, parse_split
 
 CPU_STAND_IN_GIB = 22.0  # the capacity table without a GPU: a 2080 Ti 22 GB per rank
@@ -123,7 +124,10 @@ def main(argv: list[str]) -> int:
     except PlanError as e:
         ap.error(str(e))
     try:
+        nccl = []
         if not a.cpu:
+            for name, value in NCCL_FOR_KIND.get(link_kind("nccl", gpus), {}).items():  # timed as the launcher sets it
+                nccl.append(f"{name}={os.environ.setdefault(name, value)}" + (" (yours)" if os.environ[name] != value else ""))
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(gpus))
         names, samples, free = balance.measure(a.cpu, gpus)
         link = balance.measure_link_between(a.cpu, gpus)
@@ -137,7 +141,8 @@ def main(argv: list[str]) -> int:
     shares = chosen or (auto if a.split == "auto" else even(a.tp_size))
     free_gib = [CPU_STAND_IN_GIB if f is None else f for f in free]
     lines, dtype = gpu_lines(gpus, block_s, free, shares)
-    print("\n".join([*lines, f"link: {link.text()}", *capacity_lines(free_gib, shares, a.cpu, dtype), *balance.speed_lines(block_s, auto, link, chosen, a.cpu),
+    nccl_line = f"NCCL: {' '.join(nccl)} (the launcher's, published for this link; not measured by the pack)" if nccl else "NCCL: its defaults"
+    print("\n".join([*lines, f"link: {link.text()}", nccl_line, *capacity_lines(free_gib, shares, a.cpu, dtype), *balance.speed_lines(block_s, auto, link, chosen, a.cpu),
                      *host_lines(a.tp_size, *meminfo_gib()),
                      f"for the ranks' log: TP2_BLOCK_MS={','.join(f'{s * 1e3:.3f}' for s in block_s)}"]))  # fmt: skip
     return 0

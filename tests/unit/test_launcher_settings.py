@@ -398,3 +398,46 @@ def test_a_split_that_is_no_split_is_refused_before_torch_loads_and_blames_no_mo
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120)
     assert took < time.monotonic() - t0, took
+
+
+FAKE_SMI = """#!/bin/sh
+case "$*" in
+  "-L") printf 'GPU 0: NVIDIA GeForce RTX 4090 (UUID: GPU-a)\\nGPU 1: NVIDIA GeForce RTX 3090 (UUID: GPU-b)\\n' ;;
+  "topo -m") cat "$FAKE_TOPO_M" ;;
+  "topo -p2p r") cat "$FAKE_TOPO_P2P" ;;
+  *compute_cap*) printf '8.9\\n8.6\\n' ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(
+    "p2p,env,says",
+    [
+        ("no", {}, "link: through host memory (PCIe without peer-to-peer); NCCL: NCCL_SHM_USE_CUDA_MEMCPY=1 (published for this link; not measured by the pack)"),
+        ("no", {"NCCL_SHM_USE_CUDA_MEMCPY": "0"}, "NCCL: NCCL_SHM_USE_CUDA_MEMCPY=0 (yours) (published for this link"),
+        ("ok", {}, "link: PCIe peer-to-peer (PHB); NCCL: its defaults"),
+    ],
+    ids=["host_memory", "yours_wins", "p2p"],
+)
+def test_the_launcher_sets_nccl_for_the_link_and_your_value_wins(tmp_path, p2p, env, says):
+    """Two GPUs as nvidia-smi describes them (a stand-in on PATH: this machine has none): over host memory the launcher
+    exports the published NCCL setting for such links before any rank starts, says so, and keeps a value you set; with
+    peer-to-peer it sets nothing. The stand-in ComfyUI has no H3, so the start stops at the Python check after that."""
+    from test_link import MATRIX_PCIE, P2P_NO, P2P_OK
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    (tmp_path / "m").write_text(MATRIX_PCIE)
+    (tmp_path / "p").write_text(P2P_NO if p2p == "no" else P2P_OK)
+    comfy = _comfyui_with_pack(tmp_path, [("h3_tiny_int8.safetensors", ("--int8",))])
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "NCCL_"))}
+    run_env = clean | env | {"PYTHON": sys.executable, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                             "FAKE_TOPO_M": str(tmp_path / "m"), "FAKE_TOPO_P2P": str(tmp_path / "p")}  # fmt: skip
+    res = subprocess.run(["bash", LAUNCHER, "--comfyui", str(comfy), "--run-dir", str(tmp_path / "run"), "--tp-size", "2"],
+                         env=run_env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert says in res.stdout, res.stdout + res.stderr
+    assert says in (tmp_path / "run" / "link").read_text()  # what `status` shows
+    assert res.returncode == 1 and not list((tmp_path / "run").glob("rank*")), res.stderr  # the stand-in ComfyUI: no rank started
