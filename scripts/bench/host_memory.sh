@@ -25,12 +25,13 @@ run() {
     echo "== CUDA MPS does not confine a client here: the ranks share one 44 GiB pool (gpu_ballast.py)"; }
   step() { echo "== $(date +%T) whole_video $*"; "${wv[@]}" "$@" || echo "== (a prompt failed: see its row)"; }
   step --configs tp2@22
-  step --configs tp2@22+disable-pinned-memory,tp2@22 --host-hold-gib 63
+  step --configs tp2@22+disable-pinned-memory --host-hold-gib 63
   for link in 10:15 25:15 216:10; do for dtype in fp32 bf16; do   # issue 56's link emulator: one rank's block, ms
     PYTHONPATH="$PACK_DIR:$PYTHONPATH" timeout 60 "$PY" "$PACK_DIR/scripts/bench/link_emulator.py" --link $link --reduce-dtype $dtype
   done; done
   step --configs tp2@22 --size 1920x1088
   step --configs tp2@22+disable-pinned-memory --size 1920x1088 --host-hold-gib 63
+  step --configs tp2@22 --host-hold-gib 63
   step --configs tp2@22 --size 1920x1088 --host-hold-gib 63
   step --configs tp2@22+disable-pinned-memory
   step --configs tp2@22+disable-pinned-memory --size 1920x1088
