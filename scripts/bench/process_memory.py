@@ -152,7 +152,7 @@ def probe_mps(gib: float) -> bool:
     mps = MPS(tempfile.mkdtemp(prefix="tp2-mps-")).start()
     try:
         run = subprocess.run([sys.executable, "-c", PROBE.replace("GIB", repr(gib))], env=dict(os.environ, **mps.client_env(gib)),
-                             capture_output=True, text=True, timeout=180)  # fmt: skip
+                             capture_output=True, text=True, timeout=90)  # fmt: skip
     finally:
         mps.terminate()
     print(run.stdout + run.stderr[-2000:], flush=True)
