@@ -2,7 +2,7 @@
 # Start, stop or inspect one ComfyUI per GPU, joined into one tensor-parallel world by minimax-h3-tp2.
 #
 #   scripts/start-tp2.sh [--comfyui DIR] [--python PATH] [--tp-size N] [--split 3:2 | auto] [--gpus 0,1 | --cpu] [--fast] [--lean-memory]
-#                        [--ckpt NAME] [--base-port 18188]
+#                        [--pin-weights] [--ckpt NAME] [--base-port 18188]
 #                        [--run-dir DIR] [--base-dir DIR] [--listen ADDR --allow-remote] [-- extra ComfyUI args]
 #   scripts/start-tp2.sh stop    --run-dir DIR
 #   scripts/start-tp2.sh status  --run-dir DIR
@@ -37,13 +37,18 @@
 # the longest videos on small cards (at 1920x1088x362 a rank's pool held 1.24x its 14.1 GiB of tensors where
 # cudaMallocAsync held ~1.39x; the same speed, docs/PERFORMANCE.md). Without expandable segments:
 # dynamic VRAM frees weights only for allocations made by cudaMalloc/cudaMallocAsync, which those bypass.
+# Each rank starts with ComfyUI's --disable-pinned-memory: its weights stay in the mapped files (rank cache, VAEs) instead
+# of a page-locked copy per process (832x480x124 on one H100, each rank on its own 22 GiB: 3.0 GiB private host memory a
+# rank instead of 24.5, the warm prompt 2% slower on a 64 GB host; 1920x1088x124 ran, where with the copies both ranks
+# ran out of GPU memory; docs/PERFORMANCE.md). --pin-weights keeps ComfyUI's pinned copies.
 set -euo pipefail
 
-LEAN_MEMORY=0
+LEAN_MEMORY=0; PIN_WEIGHTS=0
 for a in "$@"; do  # --fast changes the defaults below, so it is read first
   [[ "$a" == -- ]] && break
   [[ "$a" == --fast ]] && : "${TP2_REDUCE_DTYPE:=bf16}" "${TP2_SEQUENCE_PARALLEL:=1}" "${TP2_SP_FUSED_NORM:=1}"
   [[ "$a" == --lean-memory ]] && LEAN_MEMORY=1
+  [[ "$a" == --pin-weights ]] && PIN_WEIGHTS=1
 done
 
 # ---- defaults: the one place they live (each can be overridden by the same env var) ----
@@ -80,7 +85,7 @@ while [[ $# -gt 0 ]]; do
     --split) need "$@"; SPLIT="$2"; shift 2 ;;
     --gpus) need "$@"; GPUS="$2"; shift 2 ;;
     --cpu) CPU=1; shift ;;
-    --fast|--lean-memory) shift ;;  # read above
+    --fast|--lean-memory|--pin-weights) shift ;;  # read above
     --base-port) need "$@"; BASE_PORT="$2"; shift 2 ;;
     --run-dir) need "$@"; RUN_DIR="$2"; shift 2 ;;
     --base-dir) need "$@"; BASE_DIR="$2"; shift 2 ;;
@@ -365,6 +370,12 @@ if [[ $LEAN_MEMORY -eq 1 ]]; then
 fi
 echo "minimax-h3-tp2 settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S"
 echo "minimax-h3-tp2 CUDA allocator: $ALLOCATOR"
+[[ $PIN_WEIGHTS -eq 0 && " ${EXTRA[*]} " != *" --disable-pinned-memory "* ]] && EXTRA+=(--disable-pinned-memory)
+if [[ " ${EXTRA[*]} " == *" --disable-pinned-memory "* ]]; then
+  echo "minimax-h3-tp2 pinned weight copies: off (ComfyUI's --disable-pinned-memory; --pin-weights keeps them)"
+else
+  echo "minimax-h3-tp2 pinned weight copies: on (--pin-weights: each rank holds a page-locked copy of its weights)"
+fi
 [[ "$TP_SIZE" =~ ^[1-9][0-9]*$ ]] || die "--tp-size must be a positive integer, got '$TP_SIZE'"
 if [[ -n "$SPLIT" && "$SPLIT" != auto ]]; then  # a typo is told at once: tp2.split imports no torch
   why="$(PYTHONPATH="$PACK_DIR" "$PY" -c 'import sys; from tp2.errors import TP2Error; from tp2.split import parse_split

@@ -27,11 +27,11 @@ from tp2.link import NCCL_FOR_KIND, link_kind
 from tp2.split import even, parse_split
 
 CPU_STAND_IN_GIB = 22.0  # the capacity table without a GPU: a 2080 Ti 22 GB per rank
-# A rank's private host memory, the bundled T2V+audio workflow (docs/PERFORMANCE.md, host memory): measured peak at
-# 832x480x124 with ComfyUI's pinned copies of the weights (34.0), and with none (--disable-pinned-memory: 14.9); other
-# sizes add their decoded video (float32 frames, every rank). Per-rank figures of tp_size 2; pins scale with the share.
-RANK_PEAK_GIB, RANK_PINNED_GIB, MEASURED_AT = 34.0, 34.0 - 14.9, (832, 480, 124)
-HOST_SIZES = ((832, 480, 124), (1920, 1088, 124))
+# A rank's private host memory (anonymous and shared: not the file cache), the bundled T2V+audio workflow at tp_size 2 with
+# the rank cache, measured on one H100 on 2026-12-06 (docs/PERFORMANCE.md, host memory): as the launcher starts ranks
+# (ComfyUI's --disable-pinned-memory), and what --pin-weights adds (page-locked weight copies; they scale with the share).
+RANK_GIB = {(832, 480, 124): 4.3, (1920, 1088, 124): 10.1}
+PINS_GIB = 25.7 - 4.3  # 832x480x124 with the copies, less without
 HEADROOM_GIB = 2.0  # per process: what ComfyUI keeps free before it gives up pinned copies (model_management.py)
 
 
@@ -83,29 +83,22 @@ def meminfo_gib() -> tuple[float, float]:
 
 
 def rank_host_gib(w: int, h: int, t: int, tp_size: int) -> tuple[float, float]:
-    """(peak, without pinned copies) private host GiB of one rank for the bundled workflow at w x h x t."""
-    frames = lambda w, h, t: w * h * t * 3 * 4 / 2**30  # noqa: E731 - the decoded video, float32
-    extra = frames(w, h, t) - frames(*MEASURED_AT)
-    pinned = RANK_PINNED_GIB * 2 / tp_size
-    return RANK_PEAK_GIB - RANK_PINNED_GIB + pinned + extra, RANK_PEAK_GIB - RANK_PINNED_GIB + extra
+    """(as the launcher starts it, with --pin-weights) private host GiB of one rank for the bundled workflow at w x h x t."""
+    return RANK_GIB[w, h, t], RANK_GIB[w, h, t] + PINS_GIB * 2 / tp_size
 
 
 def host_lines(tp_size: int, available: float, total: float) -> list[str]:
     """What the ranks hold in host memory per size beside what is available here, and what that means."""
-    lines = [f"host memory: {available:.1f} GiB available of {total:.1f}; the ranks hold, each its own (measured at 832x480x124):"]
-    for w, h, t in HOST_SIZES:
-        peak, floor = rank_host_gib(w, h, t, tp_size)
-        need = tp_size * (peak + HEADROOM_GIB)
-        if available >= need:
-            verdict = "fits"
-        elif available >= tp_size * (floor + HEADROOM_GIB):
-            verdict = ("runs, slower: ComfyUI gives up pinned weight copies for lack of RAM and reads them again each prompt "
-                       "(measured +32% a warm prompt at 832x480x124 with 60.4 GiB available)")  # fmt: skip
+    lines = [f"host memory: {available:.1f} GiB available of {total:.1f}; the ranks hold, each its own (measured):"]
+    for w, h, t in RANK_GIB:
+        own, pinned = rank_host_gib(w, h, t, tp_size)
+        if available < tp_size * (own + HEADROOM_GIB):
+            verdict = "will not fit: the kernel's out-of-memory killer would end a rank; use fewer frames or a smaller size, or more RAM"
+        elif available < tp_size * (pinned + HEADROOM_GIB):
+            verdict = "fits; with --pin-weights ComfyUI would drop pinned copies for lack of RAM and read them again each prompt"
         else:
-            verdict = ("will not fit: the kernel's out-of-memory killer would end a rank; use fewer frames or a smaller size, "
-                       "or more RAM")  # fmt: skip
-        lines.append(f"  {w}x{h}x{t}: {tp_size} x {peak:.1f} = {tp_size * peak:.1f} GiB ({tp_size} x {floor:.1f} without ComfyUI's "
-                     f"pinned weight copies): {verdict}")  # fmt: skip
+            verdict = "fits, with --pin-weights too"
+        lines.append(f"  {w}x{h}x{t}: {tp_size} x {own:.1f} = {tp_size * own:.1f} GiB ({tp_size} x {pinned:.1f} with --pin-weights): {verdict}")
     return lines
 
 

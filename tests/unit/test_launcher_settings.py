@@ -354,9 +354,9 @@ def test_check_on_the_cpu_answers_in_seconds_without_comfyui_or_model_files(tmp_
     host = next(ln for ln in out.splitlines() if ln.startswith("host memory: "))
     available = float(host.split()[2])
     assert 0 < available <= float(host.split()[6].rstrip(";")), host  # this machine's, as /proc/meminfo has it
-    for size in ("832x480x124: 2 x 34.0 = 68.0 GiB", "1920x1088x124: 2 x "):
+    for size in ("832x480x124: 2 x 4.3 = 8.6 GiB (2 x 25.7 with --pin-weights): ", "1920x1088x124: 2 x 10.1 = 20.2 GiB"):
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(size))
-        assert line.endswith(("fits", "will not fit: the kernel's out-of-memory killer would end a rank; use fewer frames or a smaller size, or more RAM")) or "runs, slower" in line, line
+        assert line.split("): ")[1].startswith(("fits", "will not fit: the kernel's out-of-memory killer")), line
 
 
 def test_gpus_given_where_there_is_no_gpu_names_that_cause(tmp_path):
@@ -371,17 +371,17 @@ def test_gpus_given_where_there_is_no_gpu_names_that_cause(tmp_path):
 
 
 def test_check_host_memory_verdicts_follow_the_measured_figures():
-    """check's host memory lines: a 125 GiB host fits the pair; what a 64 GB machine leaves runs it slower (the
-    measured 60.4 GiB case); 20 GiB cannot hold even the ranks' memory that is not a pinned copy."""
+    """check's host memory lines: a 125 GiB host fits the pair, with --pin-weights too; 50 GiB fits the launcher's ranks
+    but not ComfyUI's pinned copies; 12 GiB cannot hold even the ranks' own memory."""
     sys.path.insert(0, os.path.join(ROOT, "scripts", "lib"))
     import check
 
-    verdicts = {a: [ln.split("): ", 1)[1] for ln in check.host_lines(2, a, 125.0)[1:]] for a in (125.0, 60.4, 20.0)}
-    assert verdicts[125.0] == ["fits", "fits"], verdicts
-    assert all(v.startswith("runs, slower") for v in verdicts[60.4]) and all(v.startswith("will not fit") for v in verdicts[20.0]), verdicts
-    peak, floor = check.rank_host_gib(1920, 1088, 124, 2)
-    assert round(peak - 34.0, 2) == round((1920 * 1088 - 832 * 480) * 124 * 12 / 2**30, 2) and floor < peak  # + its decoded video
-    assert check.rank_host_gib(832, 480, 124, 4)[0] < check.rank_host_gib(832, 480, 124, 2)[0]  # pins scale with the share
+    verdicts = {a: [ln.split("): ", 1)[1] for ln in check.host_lines(2, a, 125.0)[1:]] for a in (125.0, 50.0, 12.0)}
+    assert verdicts[125.0] == ["fits, with --pin-weights too"] * 2, verdicts
+    assert all(v.startswith("fits; with --pin-weights ComfyUI would drop") for v in verdicts[50.0]), verdicts
+    assert all(v.startswith("will not fit") for v in verdicts[12.0]), verdicts
+    assert check.rank_host_gib(832, 480, 124, 2) == (4.3, 25.7)  # docs/PERFORMANCE.md's measured figures
+    assert check.rank_host_gib(832, 480, 124, 4)[1] < 25.7  # pins scale with the share
 
 
 @pytest.mark.parametrize("split", ["3", "3;2", "3:0", "3:2:1"])
@@ -441,3 +441,19 @@ def test_the_launcher_sets_nccl_for_the_link_and_your_value_wins(tmp_path, p2p, 
     assert says in res.stdout, res.stdout + res.stderr
     assert says in (tmp_path / "run" / "link").read_text()  # what `status` shows
     assert res.returncode == 1 and not list((tmp_path / "run").glob("rank*")), res.stderr  # the stand-in ComfyUI: no rank started
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        ((), "off (ComfyUI's --disable-pinned-memory; --pin-weights keeps them)"),
+        (("--pin-weights",), "on (--pin-weights: each rank holds a page-locked copy of its weights)"),
+        (("--pin-weights", "--", "--disable-pinned-memory"), "off (ComfyUI's --disable-pinned-memory"),  # yours, after --
+    ],
+    ids=["default_off", "pin_weights", "yours_after_double_dash"],
+)
+def test_the_ranks_start_without_pinned_weight_copies_unless_asked(tmp_path, args, says):
+    """The launcher's default (measured on one H100, docs/PERFORMANCE.md: 3.0 instead of 24.5 GiB of private host memory a
+    rank, the warm prompt 2% slower, and 1920x1088x124 runs on 22 GiB cards where the pinned copies ran out)."""
+    res = _launch_until_settings(tmp_path, *args)
+    assert f"minimax-h3-tp2 pinned weight copies: {says}" in res.stdout, res.stdout + res.stderr
