@@ -99,7 +99,7 @@ FLAG_PARTS = {
 # chunk16384; split3-1 is --split 3:1; overlap1 is TP2_OVERLAP=1 (off); link216-10: rank 0 runs for real on GPU 0, its
 # collectives over an emulated 216 GB/s, 10 us link, the other ranks hollow beside it (scripts/bench/link_emulator.py)
 NUMBERED_PARTS = {"chunk": "TP2_SP_CHUNK_ROWS", "split": "TP2_SPLIT", "overlap": "TP2_OVERLAP", "link": "TP2_BENCH_LINK"}
-PARTS = (*ENV_PARTS, *FLAG_PARTS, "chunkN", "splitA-B", "overlapN", "linkB-L", "sdpa", "half", "pack")
+PARTS = (*ENV_PARTS, *FLAG_PARTS, "chunkN", "splitA-B", "overlapN", "linkB-L", "sdpa", "half", "pack", "easycache")
 
 
 def one_gpu(args, variant: str) -> bool:
@@ -137,7 +137,7 @@ def start_servers(
                 cmd += [a for a in FLAG_PARTS[o] if a not in cmd]
             elif name in NUMBERED_PARTS and o != name:
                 env[NUMBERED_PARTS[name]] = o[len(name) :].replace("-", ":")
-            elif o not in ("sdpa", "half", "pack"):
+            elif o not in ("sdpa", "half", "pack", "easycache"):
                 raise SystemExit(f"unknown variant {o!r} in --tp-sizes (combine with +: {', '.join(PARTS)})")
         if "half" in options and tp_size != 1:
             raise SystemExit("variant 'half' (one GPU, a TP2 rank's half-width model, no communication) is for tp 1 only")
@@ -170,8 +170,9 @@ async def wait_ready(session, servers, timeout_s=300):
             await asyncio.sleep(0.5)
 
 
-def workflow(ckpt: str, cond: str, w: int, h: int, frames: int, steps: int, tag: str) -> dict:
-    return {
+def workflow(ckpt: str, cond: str, w: int, h: int, frames: int, steps: int, tag: str, easycache: bool = False) -> dict:
+    """The sampler's graph; easycache: ComfyUI's EasyCache node (its defaults) between the model and the KSampler."""
+    wf = {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": ckpt, "weight_dtype": "default"}},
         "2": {"class_type": "LoadH3Conditioning", "inputs": {"file": cond}},
         "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 0]}},
@@ -182,6 +183,13 @@ def workflow(ckpt: str, cond: str, w: int, h: int, frames: int, steps: int, tag:
         "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": f"latents/{tag}_video"}},
         "8": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 1], "filename_prefix": f"latents/{tag}_audio"}},
     }  # fmt: skip
+    if easycache:
+        wf["9"] = {
+            "class_type": "EasyCache",
+            "inputs": {"model": ["1", 0], "reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False},
+        }
+        wf["5"]["inputs"]["model"] = ["9", 0]
+    return wf
 
 
 async def run_one(session, servers, wf, run_dir) -> dict:
@@ -297,7 +305,12 @@ async def main_async(args) -> list[dict]:
                         w, h, *f = (int(x) for x in res.split("x"))  # WxH, or WxHxFRAMES for a memory run at another length
                         frames = f[0] if f else args.frames
                         ckpt = args.half_ckpt if "half" in variant.split("+") else args.ckpt
-                        out = await run_one(session, servers, workflow(ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}"), run_dir)
+                        out = await run_one(
+                            session,
+                            servers,
+                            workflow(ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}", "easycache" in variant.split("+")),
+                            run_dir,
+                        )
                         out.update(tp_size=tp, variant=variant or "-", resolution=res, steps=steps, memory_only=memory_only)
                         out["peak_mib"] = [mem.peak(0 if one_gpu(args, variant) else g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
                         out["process_peak_mib"] = [procs.peak(p.pid, "gpu_mib", out["t0"], out["t1"] + 1.0) for p, _, _ in servers]
@@ -376,7 +389,7 @@ def main(argv=None) -> int:
         default="1,2",
         help="configurations in order, e.g. 1,2,2:bf16+fnorm,1:half+pack. Variant parts, joined with +: ENV_PARTS, FLAG_PARTS "
         "and NUMBERED_PARTS in this file, sdpa (SDPA attention), half (one GPU running a TP2 rank's half-width model, no "
-        "communication), pack (tp 1 only: the pack active on one GPU, TP2_WORLD_SIZE=1)",
+        "communication), pack (tp 1 only: the pack active on one GPU, TP2_WORLD_SIZE=1), easycache (ComfyUI's EasyCache node)",
     )
     ap.add_argument("--resolutions", default="832x480,1344x768")
     ap.add_argument("--memory-resolutions", default="1600x896,1920x1088", help="TP-only memory runs: WxH or WxHxFRAMES")

@@ -39,7 +39,7 @@ def _bench(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, str]:
 
 
 def test_bench_comfy_runs_the_pack_at_tp1_and_tp2_on_one_device(tmp_path):
-    options = ("--memory-resolutions", "64x64x22", "--memory-steps", "1", "--tp-sizes", "1:pack+bf16+fnorm,2:bf16+sp+fnorm", "--one-gpu")
+    options = ("--memory-resolutions", "64x64x22", "--memory-steps", "1", "--tp-sizes", "1:pack+bf16+fnorm+easycache,2:bf16+sp+fnorm", "--one-gpu")
     run, out = _bench(tmp_path, *options)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = json.load(open(out / "bench.json"))
@@ -51,6 +51,7 @@ def test_bench_comfy_runs_the_pack_at_tp1_and_tp2_on_one_device(tmp_path):
     for r in rows:
         assert "error" not in r and r["identical"], r
         assert len(r["process_peak_mib"]) == len(r["pack_log"]) == r["tp_size"], r  # one entry per server (no GPU: None)
+    assert rows[0]["variant"] == "pack+bf16+fnorm+easycache"  # ComfyUI ran its EasyCache node in that row's graph
     assert rows[0]["s_per_step"] > 0 and rows[1]["s_per_step"] > 0
     assert rows[0]["s_per_step_progress"] > 0  # the progress events' spacing, beside the span to the sampler's end
     assert "| 64x64x22 (memory) | 2 | bf16+sp+fnorm | 1 |" in run.stdout, run.stdout[-2000:]
