@@ -9,32 +9,31 @@
 # on disk (make_models.py --cut-ahead 2: the models and both caches fit the 64 GiB disk); CUDA MPS's per-client limit
 # checked; then the bundled T2V+audio workflow, 2 steps, cold then warm, both ranks on GPU 0 each confined to 22 GiB
 # (whole_video.py tp2@22 --one-gpu), at 832x480x124 and 1920x1088x124, the host unlimited and with 63 GiB held (a 64 GB
-# machine), with and without ComfyUI's --disable-pinned-memory, most telling first; between them one TP2 rank's block over
-# emulated links (link_emulator.py). Called by bench.sh: W, PY, PACK_DIR and PYTHONPATH set.
+# machine), with and without ComfyUI's --disable-pinned-memory, the rows not yet measured first; then one TP2 rank's block
+# over emulated links (link_emulator.py). Called by bench.sh: W, PY, PACK_DIR and PYTHONPATH set.
 set -uo pipefail
 HM="$W/host_memory"; R="$HM/results"; PIDFILE="$HM/run.pid"
 export TP2_CACHE_DIR="$W/cache"
 
 run() {
   local base="$W/base" wv=("$PY" "$PACK_DIR/scripts/bench/whole_video.py" --comfyui "$W/ComfyUI" --base "$W/base" --front-end "$W/fe"
-    --out "$R" --one-gpu --steps 2 --prompts cold,warm)
+    --out "$R" --one-gpu --prompts cold,warm --steps 2)   # a later --steps wins (1 at 1920x1088: its gloo sampling is slow)
   local t0; t0=$(date +%s)
   "$PY" "$PACK_DIR/scripts/bench/make_models.py" --comfyui "$W/ComfyUI" --models "$base/models" --cut-ahead 2 || { echo "set-up failed"; return 1; }
   df -h "$W" | tail -1; echo "set-up took $(( $(date +%s) - t0 )) s"
   "$PY" "$PACK_DIR/scripts/bench/process_memory.py" --probe-mps 22 || { export TP2_BENCH_GPU_LIMIT=ballast
     echo "== CUDA MPS does not confine a client here: the ranks share one 44 GiB pool (gpu_ballast.py)"; }
   step() { echo "== $(date +%T) whole_video $*"; "${wv[@]}" "$@" || echo "== (a prompt failed: see its row)"; }
-  step --configs tp2@22
-  step --configs tp2@22+disable-pinned-memory --host-hold-gib 63
-  for link in 10:15 25:15 216:10; do for dtype in fp32 bf16; do   # issue 56's link emulator: one rank's block, ms
+  # measured on 2026-12-06 (docs/PERFORMANCE.md): 832x480 pinned unlimited and unpinned on 64 GB, 1920x1088 pinned unlimited
+  # (out of GPU memory) and the unpinned cold prompt on 64 GB; the rest, the launcher's default (no pinned copies) first
+  step --configs tp2@22+disable-pinned-memory --size 1920x1088 --steps 1
+  step --configs tp2@22+disable-pinned-memory --size 1920x1088 --steps 1 --host-hold-gib 63
+  step --configs tp2@22+disable-pinned-memory
+  step --configs tp2@22 --host-hold-gib 63
+  step --configs tp2@22 --size 1920x1088 --steps 1 --host-hold-gib 63
+  for link in 10:15 20:15 25:15 50:15 216:10; do for dtype in fp32 bf16; do   # issue 56's link emulator: one rank's block, ms
     PYTHONPATH="$PACK_DIR:$PYTHONPATH" timeout 60 "$PY" "$PACK_DIR/scripts/bench/link_emulator.py" --link $link --reduce-dtype $dtype
   done; done
-  step --configs tp2@22 --size 1920x1088
-  step --configs tp2@22+disable-pinned-memory --size 1920x1088 --host-hold-gib 63
-  step --configs tp2@22 --host-hold-gib 63
-  step --configs tp2@22 --size 1920x1088 --host-hold-gib 63
-  step --configs tp2@22+disable-pinned-memory
-  step --configs tp2@22+disable-pinned-memory --size 1920x1088
   echo "== $(date +%T) run ended after $(( $(date +%s) - t0 )) s"
 }
 
