@@ -261,14 +261,19 @@ def _header_blob(tensors: list[PendingTensor], metadata, digests_key: str | None
     return blob + b" " * (-(8 + len(blob)) % align)
 
 
-def file_fingerprint(header: SafetensorsHeader, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
-    """A cheap identity of a checkpoint (not a hash of all its bytes): its header, its size and 16 sampled 64 KiB
-    windows of data, so a file with the same layout but other weights differs."""
-    h = hashlib.sha256(header.header_bytes + str(header.file_size).encode())
+def fingerprint_windows(header: SafetensorsHeader, samples: int = 16, sample_bytes: int = 1 << 16) -> list[tuple[int, int]]:
+    """The [start, end) byte ranges of the file that file_fingerprint reads: 16 windows of 64 KiB spread over the data."""
     data_start = 8 + len(header.header_bytes)
     span = max(0, header.file_size - data_start - sample_bytes)
+    return [(a, a + sample_bytes) for a in (data_start + (span * i) // max(1, samples - 1) for i in range(samples))]
+
+
+def file_fingerprint(header: SafetensorsHeader) -> str:
+    """A cheap identity of a checkpoint (not a hash of all its bytes): its header, its size and its fingerprint_windows'
+    data, so a file with the same layout but other weights differs."""
+    h = hashlib.sha256(header.header_bytes + str(header.file_size).encode())
     with open(header.path, "rb") as f:
-        for i in range(samples):
-            f.seek(data_start + (span * i) // max(1, samples - 1))
-            h.update(f.read(sample_bytes))
+        for a, b in fingerprint_windows(header):
+            f.seek(a)
+            h.update(f.read(b - a))
     return h.hexdigest()[:16]

@@ -7,7 +7,7 @@ not both whole).
 
 The data of every tensor of at least N bytes (1 MiB) is punched out (fallocate PUNCH_HOLE | KEEP_SIZE): the file keeps its
 size, name and header, every small tensor (the `.comfy_quant` markers the pack's planner reads) and the 16 windows of
-`tp2.safetensors_io.file_fingerprint`, so the rank cache still recognises it as the file its cuts came from. Punched bytes
+`tp2.safetensors_io.file_fingerprint` (fingerprint_windows), so the rank cache still recognises it as the file its cuts came from. Punched bytes
 read back as zeros: a load that reads them would run on zeros, so punch only what the rank cache serves, and check it (the
 bench's set-up compares the videos). A `FILE.punched` marker records the punch; make_models.py refuses to cut a marked file.
 """
@@ -21,25 +21,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tp2.safetensors_io import DTYPES, read_header  # noqa: E402
+from tp2.safetensors_io import DTYPES, fingerprint_windows, read_header  # noqa: E402
 
 PAGE = 4096
 PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-WINDOWS, WINDOW_BYTES = 16, 1 << 16  # file_fingerprint's samples
-
-
-def kept_windows(file_size: int, data_start: int) -> list[tuple[int, int]]:
-    """The byte ranges file_fingerprint reads, in file offsets."""
-    span = max(0, file_size - data_start - WINDOW_BYTES)
-    starts = (data_start + span * i // (WINDOWS - 1) for i in range(WINDOWS))
-    return [(a, a + WINDOW_BYTES) for a in starts]
 
 
 def punch(path: str, min_bytes: int = 1 << 20) -> int:
     """Punch out the data of `path`'s tensors of at least `min_bytes`, but the fingerprint's windows; returns bytes freed."""
     header = read_header(path)
-    data_start = 8 + len(header.header_bytes)
-    keep = kept_windows(header.file_size, data_start)
+    keep = fingerprint_windows(header)
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     freed = 0
     with open(path, "r+b") as f:
