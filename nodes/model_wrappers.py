@@ -30,6 +30,7 @@ from .patches import changes_of
 from .run import agree_step, in_step, mark_progress, step_key
 from .sequence_parallel import SP_FORWARD, SequenceParallelForward, with_last_block_gathered
 from .state import STATE, log
+from .status_api import resolved_settings
 
 KEY = "minimax_h3_tp2"
 
@@ -39,6 +40,8 @@ def install_model_wrappers(patcher, plan: Plan, checkpoint_fp: str, sequence_par
     model_fields = {
         **model_fingerprint(plan.fingerprint(), checkpoint_fp, plan.tp_size, plan.shares),
         "reduce_dtype": str(STATE.reduce_dtype),  # an all-reduce needs one dtype on every rank
+        "wire": settings.value("TP2_WIRE"),  # and one wire (the collectives differ)
+        "overlap": resolved_settings()["row-parallel reduce"],  # and the same chunks (TP2_OVERLAP: as many collectives)
         "compute_dtype": str(STATE.compute_dtype),  # the replicated stream too: a 2080 Ti beside a 3090 needs fp32 on both
         "sequence_parallel": (  # the collectives (and the norm kernels) differ
             f"{sequence_parallel}, int8 gathers {settings.value('TP2_SP_INT8_GATHER')}, fused norm {settings.value('TP2_SP_FUSED_NORM')}"

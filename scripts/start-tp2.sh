@@ -424,14 +424,14 @@ if [[ $CPU -eq 0 && "${TP2_COMPUTE_DTYPE:-auto}" == auto ]] \
   echo "compute dtype: fp32 on every rank (one of GPUs $GPUS is below compute capability 8.0: no bf16 tensor cores)"
 fi
 rm -f "$RUN_DIR/link"
-if [[ $CPU -eq 0 && $TP_SIZE -gt 1 ]]; then  # NCCL's settings for the link between the GPUs (tp2/link.py); yours win
+if [[ $CPU -eq 0 && $TP_SIZE -gt 1 ]]; then  # the wire and NCCL's settings for the link between the GPUs (tp2/link.py); yours win
   mapfile -t LINK < <(PYTHONPATH="$PACK_DIR" "$PY" -m tp2.link "$GPUS" 2>/dev/null)
-  NCCL_SET=""
+  LINK_SET=""
   for kv in "${LINK[@]:1}"; do
     name="${kv%%=*}"
-    if [[ -n "${!name+x}" ]]; then NCCL_SET+=" $name=${!name} (yours)"; else export "${kv?}"; NCCL_SET+=" $kv"; fi
+    if [[ -n "${!name+x}" ]]; then LINK_SET+=" $name=${!name} (yours)"; else export "${kv?}"; LINK_SET+=" $kv"; fi
   done
-  echo "link: ${LINK[0]:-unknown (nvidia-smi topo gave none)}; NCCL:${NCCL_SET:- its defaults}${NCCL_SET:+ (published for this link; not measured by the pack)}" \
+  echo "link: ${LINK[0]:-unknown (nvidia-smi topo gave none)}; set for it:${LINK_SET:- nothing}${LINK_SET:+ (the wire by the link's kind, NCCL's published; \`check\` predicts each wire)}" \
     | tee "$RUN_DIR/link"
 fi
 if [[ "$SPLIT" == auto ]]; then  # measured before any rank starts (each GPU alone); the decision is kept with the run

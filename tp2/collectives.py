@@ -46,6 +46,10 @@ class TPGroup:
     def overlap(self) -> int:  # chunks of the row-parallel reduce, as overlap_chunks says for this group
         return overlap_chunks(self.tp_size, self.backend)
 
+    @functools.cached_property
+    def wire(self) -> str:  # TP2_WIRE (tp2/wire.py), checked against tp_size as a rank activates
+        return settings.value("TP2_WIRE")
+
 
 def overlap_chunks(tp_size: int, backend: str) -> int:
     """TP2_OVERLAP's chunks of rows (1: off), at 2 ranks only; unset: 4 where NCCL reduces, else off."""
@@ -181,6 +185,12 @@ def start_all_gather_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
         return Pending(tp, what, lambda: dist.all_gather_into_tensor(out, t.contiguous(), group=tp.group, async_op=True), lambda: out)
     parts = list(out.chunk(tp.tp_size))
     return Pending(tp, what, lambda: dist.all_gather(parts, t.contiguous(), group=tp.group, async_op=True), lambda: out)
+
+
+def start_all_to_all_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
+    """Row r of `t` [tp_size, L] to rank r, started: row r of the result is what rank r sent this rank."""
+    out = torch.empty_like(t)
+    return Pending(tp, f"all_to_all of {tuple(t.shape)} {t.dtype}", lambda: dist.all_to_all_single(out, t, group=tp.group, async_op=True), lambda: out)
 
 
 def _cpu(op, tp: TPGroup, what: str, *args, **kwargs) -> None:

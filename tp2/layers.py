@@ -2,7 +2,7 @@
 
     column-parallel  Y_r = X A_r, A split by output rows (per packed part): the local GEMM, no collective
     row-parallel     Y = sum_r X_r A_r, A split by input columns: row_parallel, partial sums in the reduce dtype
-                     (fp32 by default), then all-reduce (or the reduction asked for), then cast
+                     (fp32 by default), then summed over the wire (tp2/wire.py) as the reduction asks, then cast
     replicated       Y = X A on every rank: the local GEMM, no collective
 
 Each rank quantises its own half-row of activations (int8), so a row-parallel sum is exact math on a different
@@ -12,6 +12,7 @@ The int8 GEMM is injected (`kernels.select_int8_gemm()`), so this module depends
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .collectives import TPGroup, all_reduce, start_reduce_scatter_rows
+from .collectives import TPGroup
 from .errors import MissingRoleError
 from .sequence_layout import RowLayout, chunk_bounds
+from .wire import EXACT, start_sum
 
 ROLE_ATTR = "tp_role"
 ROLES = ("colwise", "rowwise", "replicate")
@@ -88,36 +90,38 @@ def row_parallel(
     if reduce == PARTIAL:
         return partial(x)
     int8 = isinstance(weight, Int8Weight)
-    flat = int8 and tp.overlap > 1 and not isinstance(reduce, RowLayout)  # all-reduced in chunks of tokens
+    flat = int8 and not isinstance(reduce, RowLayout)  # int8 rows are independent: all-reduced in chunks of tokens
     rows = x.reshape(-1, x.shape[-1]) if flat else x
     y = reduced(lambda a, b: partial(rows[a:b]), rows.shape[0], tp, reduce, int8, x.dtype)
     return y.view(*x.shape[:-1], -1) if flat else y
 
 
-def reduced(partial: Callable[[int, int], torch.Tensor], rows: int, tp: TPGroup, reduce: Reduction, overlap: bool, dtype) -> torch.Tensor:
+def reduced(partial: Callable[[int, int], torch.Tensor], rows: int, tp: TPGroup, reduce: Reduction, int8: bool, dtype) -> torch.Tensor:
     """The sum over the ranks of `partial(a, b)` (this rank's partial sums for input rows [a, b) of `rows`) in
-    `dtype`, as `reduce` asks: ALL_REDUCE, or a RowLayout (this rank's rows). With `overlap` (int8 layers: a row's
-    sums are exact integers whatever rows share its GEMM), in TP2_OVERLAP's chunks: each chunk's collective runs while
-    the next chunk computes, and as two ranks' sum is a + b either way, the bytes are those of one collective."""
-    chunks, lay = tp.overlap if overlap else 1, reduce if isinstance(reduce, RowLayout) else None
-    if chunks == 1 and lay is not None:  # the unpadded partial sum is freed before the collective
-        return start_reduce_scatter_rows(lay.pad(partial(0, lay.full)), tp).result().to(dtype)
-    n, pending = lay.m if lay else rows, []
-    for a, b in chunk_bounds(n, -(-n // chunks)):
-        both = None if lay else partial(a, b)  # with a layout: sub-block [a, b) of every rank's rows, reduce-scattered
-        for r in range(lay.size if lay else 0):
-            lo, hi = r * lay.m + a, min(r * lay.m + b, lay.full)  # rows past `full` are pad rows: zero sums
-            if hi > lo:
-                y = partial(min(lo, max(0, hi - 2)), hi)[lo - hi :]  # a 1-row GEMM would take another kernel path
-                both = y.new_zeros((lay.size * (b - a), y.shape[1])) if both is None else both
-                both[r * (b - a) : r * (b - a) + hi - lo] = y
-        pending.append((a, b, start_reduce_scatter_rows(both, tp) if lay else all_reduce(both, tp, wait=False)))
+    `dtype`, as `reduce` asks: ALL_REDUCE, or a RowLayout (this rank's rows). `int8` layers (a row's sums are exact
+    integers whatever rows share its GEMM) go through TP2_WIRE and in TP2_OVERLAP's chunks, each chunk's collective
+    running while the next chunk computes: the bytes of one collective (two ranks' sum is a + b either way; a wire's
+    groups never cross a row)."""
+    wire, chunks = (tp.wire, tp.overlap) if int8 else (EXACT, 1)
+    lay = reduce if isinstance(reduce, RowLayout) else None
+    if lay is None:
+        return pipeline(chunk_bounds(rows, -(-rows // chunks)), partial, lambda t: start_sum(t, tp, wire, dtype, False))
+    if chunks == 1:  # the unpadded partial sum is freed before the collective
+        return start_sum(lay.pad(partial(0, lay.full)), tp, wire, dtype, True).result()
+    every = functools.partial(lay.every_ranks_rows, partial)
+    return pipeline(chunk_bounds(lay.m, -(-lay.m // chunks)), every, lambda t: start_sum(t, tp, wire, dtype, True))
+
+
+def pipeline(spans: list[tuple[int, int]], make: Callable[[int, int], torch.Tensor], start) -> torch.Tensor:
+    """The results of `start(make(a, b))` for each span [a, b) of rows from 0, one tensor in span order: each span's
+    collective is started before the next span is made, so it runs while that span computes."""
+    pending = [(a, b, start(make(a, b))) for a, b in spans]
     if len(pending) == 1:
-        return pending[0][2].result().to(dtype)
+        return pending[0][2].result()
     out = None
     for a, b, p in pending:
         y = p.result()
-        out = y.new_empty((n, *y.shape[1:]), dtype=dtype) if out is None else out
+        out = y.new_empty((spans[-1][1], *y.shape[1:])) if out is None else out
         out[a:b] = y
     return out
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .layers import Int8Weight, apply_input_act, local_linear
 from .split import Shares, even, small
+from .wire import EXACT, sum_here
 
 MIN_DB = 25.0
 HEAD_DIM, LOCAL_HEADS, HIDDEN, LOCAL_FFN, TOKENS, ROPE_PAIRS, EPS = 128, 2, 512, 512, 128, 48, 1e-6
@@ -50,6 +51,7 @@ class BlockPath:
     norm_modulate: Callable[..., torch.Tensor] | None
     dtype: torch.dtype
     reduce_dtype: torch.dtype
+    wire: str = EXACT  # TP2_WIRE: the row-parallel sums as every rank would make them
     names: dict[str, str] = field(default_factory=dict)  # part -> kernel name, for the report
 
 
@@ -247,6 +249,9 @@ class _PathOps(_ReferenceOps):
     def column(self, name, h, rank):
         q, s = (_rank_rows(t, name, rank, self.units) for t in self.q8[name])
         return self.p.gemm(h, q, s, None, h.dtype, 256, None)
+
+    def reduce(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return sum_here(parts, self.p.wire)
 
     def row(self, name, a, rank, input_act=None):
         """This rank's K slice of an int8 row-parallel weight (per-row scales kept; the K slices are whole ConvRot

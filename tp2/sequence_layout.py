@@ -46,6 +46,18 @@ class RowLayout:
         """The sequence's real rows `y` [full, ...] with zero rows up to [padded, ...], for a reduce-scatter to this layout."""
         return torch.nn.functional.pad(y, (0, 0, 0, self.padded - y.shape[0])) if y.shape[0] < self.padded else y
 
+    def every_ranks_rows(self, partial, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of every rank's block of `partial(lo, hi)` (the sequence's rows [lo, hi)), stacked in rank
+        order [size * (b - a), ...] for a reduce-scatter; rows past `full` (pad rows) are zero."""
+        both = None
+        for r in range(self.size):
+            lo, hi = r * self.m + a, min(r * self.m + b, self.full)
+            if hi > lo:
+                y = partial(min(lo, max(0, hi - 2)), hi)[lo - hi :]  # a 1-row GEMM would take another kernel path
+                both = y.new_zeros((self.size * (b - a), y.shape[1])) if both is None else both
+                both[r * (b - a) : r * (b - a) + hi - lo] = y
+        return both
+
 
 def chunk_bounds(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     """[start, stop) chunks of `rows` rows, as few as hold at most `chunk_rows` each, sizes within one row of each

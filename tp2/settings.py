@@ -50,7 +50,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TP2_ATTN_BACKEND", "choice", "auto", "the attention backend", ("auto", "ck", "sdpa"), launcher=True),
     Setting("TP2_COMPUTE_DTYPE", "choice", "auto", "the DiT's compute dtype (auto: fp32 below compute capability 8.0, else bf16)",
             ("auto", "fp32", "bf16")),
-    Setting("TP2_REDUCE_DTYPE", "choice", "fp32", "the row-parallel all-reduce dtype", ("fp32", "bf16"), launcher=True),
+    Setting("TP2_REDUCE_DTYPE", "choice", "fp32", "the dtype of row-parallel partial sums, and of the exact wire's reduce", ("fp32", "bf16"),
+            launcher=True),
+    Setting("TP2_WIRE", "choice", "exact", "what the DiT's int8 row-parallel reduce sends: exact (the partial sums), int8 or int4 "
+            "(quantised in groups of a row; 2 ranks)", ("exact", "int8", "int4"), shown="the launcher's pick for the link (`exact` without it)"),
     Setting("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
     Setting("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),
     Setting("TP2_SP_FUSED_NORM", "bool", "0", "norm + modulation (+ gated residual) as one kernel on CUDA", launcher=True),

@@ -4,10 +4,10 @@ a link we have no machine for (PCIe without peer-to-peer, a 4090 + 3090) from on
 
 tp2.collectives reaches torch.distributed through its module global `dist`; `collectives_through` puts EmulatedDist
 there. It answers the tensor collectives TP2 issues in a step (all_reduce, reduce_scatter_tensor,
-all_gather_into_tensor, all_gather) itself, at the same points, with the same sizes, and hands everything else to
+all_gather_into_tensor, all_gather, all_to_all_single) itself, at the same points, with the same sizes, and hands everything else to
 torch.distributed (group set-up, the CPU group's object broadcasts, broadcast_tree's tensors: a peer needs those).
 Each collective holds one serial link for latency + bytes x bus factor / bandwidth (NCCL's: all-reduce 2(n-1)/n of its
-size; reduce-scatter and all-gather (n-1)/n of the whole tensor), from when its input is ready and the link is free:
+size; reduce-scatter, all-gather and all-to-all (n-1)/n of the whole tensor), from when its input is ready and the link is free:
   CPU   a time model: the completion time is set at issue; the wait sleeps until then.
   CUDA  a side stream is the link: it waits for the input, spins torch.cuda._sleep for the link time (cycles
         calibrated once, on an idle GPU), then fills the outputs; the waiter's stream waits for it, as for NCCL's
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, **{op: lambda n: (n - 1) / n for op in ("reduce_scatter", "all_gather", "all_to_all")}}
 CALIBRATION_CYCLES = 20_000_000  # torch.cuda._sleep's spin timed once: ~10 ms on an H100 or H200
 BALANCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", "balance.py")  # the block
 
@@ -229,6 +229,11 @@ class EmulatedDist:
         real = lambda: dist.all_gather(tensor_list, tensor, group=group, async_op=True)  # noqa: E731
         return self._issue("all_gather", tensor, tensor.nbytes * len(tensor_list), fill, [*tensor_list, tensor], real, async_op)
 
+    def all_to_all_single(self, output, input, group=None, async_op=False):
+        fill = lambda: output.copy_(input)  # noqa: E731 - every peer's rows as this rank's own
+        real = lambda: dist.all_to_all_single(output, input, group=group, async_op=True)  # noqa: E731
+        return self._issue("all_to_all", input, input.nbytes, fill, [output, input], real, async_op)
+
     def _issue(self, op: str, mine: torch.Tensor, nbytes: int, fill, tensors, real, async_op: bool):
         """Start `op` (`mine`: this rank's input; `nbytes`: the whole tensor's) over the link, or `real()` without one."""
         if self.link is None:
@@ -303,9 +308,10 @@ def rank_block(balance, shape, x, weights, gemm, tp, reduce_dtype: torch.dtype) 
     return reduced(mlp, shape.tokens, tp, ALL_REDUCE, shape.int8, h.dtype)
 
 
-def time_block(balance, shape, device: torch.device, link: Link, overlap: int, reduce_dtype: torch.dtype, repeats: int) -> dict:
-    """rank_block's median seconds over `link` with TP2_OVERLAP=`overlap`, the seconds its collectives held the link
-    and how many there were (`balance`: scripts/lib/balance.py)."""
+def time_block(balance, shape, device: torch.device, link: Link, overlap: int, reduce_dtype: torch.dtype, repeats: int,
+               wire: str = "exact") -> dict:  # fmt: skip
+    """rank_block's median seconds over `link` with TP2_OVERLAP=`overlap` and TP2_WIRE=`wire`, the seconds its
+    collectives held the link as set and as delivered, and how many there were (`balance`: scripts/lib/balance.py)."""
     import statistics
 
     from kernels import select_int8_gemm
@@ -318,7 +324,7 @@ def time_block(balance, shape, device: torch.device, link: Link, overlap: int, r
     records: list[Collective] = []
     with collectives_through(collectives, EmulatedDist(0, 2, link, records, collectives.__file__)):
         tp = lone_rank(collectives, 0, 2, device)
-        tp.overlap = overlap
+        tp.overlap, tp.wire = overlap, wire
         seconds = []
         for _ in range(balance.WARMUP + repeats):
             records.clear()
@@ -343,6 +349,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=15100, help="15100: 832x480x124")
     ap.add_argument("--overlap", default="1,4", help="TP2_OVERLAP chunks to time")
     ap.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="TP2_REDUCE_DTYPE")
+    ap.add_argument("--wire", default="exact", help="TP2_WIRE values to time: exact,int8,int4")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--cpu", action="store_true", help="a small int8 block on the CPU (eager GEMM): a check of the script")
     a = ap.parse_args()
@@ -354,11 +361,15 @@ def main() -> None:
     shape = dataclasses.replace(balance.H3_BLOCK, **half)  # one rank's widths at an even split
     reduce_dtype = torch.bfloat16 if a.reduce_dtype == "bf16" else torch.float32
     link = Link.parse(a.link)
-    for overlap in (int(n) for n in a.overlap.split(",")):
-        alone = time_block(balance, shape, device, FREE, overlap, reduce_dtype, a.repeats)
-        over = time_block(balance, shape, device, link, overlap, reduce_dtype, a.repeats)
+    from kernels import wire_codec
+    from tp2 import wire as wires
+
+    wires.use_fused(wire_codec.select)
+    for wire, overlap in ((w, int(n)) for w in a.wire.split(",") for n in a.overlap.split(",")):
+        alone = time_block(balance, shape, device, FREE, overlap, reduce_dtype, a.repeats, wire)
+        over = time_block(balance, shape, device, link, overlap, reduce_dtype, a.repeats, wire)
         exposed = over["block_s"] - alone["block_s"]
-        row = dict(link=link.text(), overlap=overlap, tokens=shape.tokens, reduce=a.reduce_dtype, collectives=over["collectives"],
+        row = dict(link=link.text(), overlap=overlap, tokens=shape.tokens, reduce=a.reduce_dtype, wire=wire, collectives=over["collectives"],
                    block_ms=round(over["block_s"] * 1e3, 3), compute_ms=round(alone["block_s"] * 1e3, 3),
                    link_ms=round(over["link_s"] * 1e3, 3), delivered_ms=round(over["delivered_s"] * 1e3, 3),
                    exposed_ms=round(exposed * 1e3, 3))  # fmt: skip

@@ -21,8 +21,9 @@ import time
 
 from tp2 import settings
 from tp2.balance import CPU_BLOCK, H3_BLOCK, BlockShape, auto_split, describe_auto
-from tp2.link import predict_speedup, verdict
+from tp2.link import AUTO_WIRES, pick_wire, predict_speedup, verdict, wire_bytes
 from tp2.split import even
+from tp2.wire import EXACT, FORMATS
 
 WARMUP, MEASUREMENTS = 3, 9
 
@@ -154,16 +155,26 @@ def measure_link_between(cpu: bool, gpus: list[str]):
 
 
 def speed_lines(block_s: list[float], auto, link, chosen, cpu: bool) -> list[str]:
-    """The predicted speed-up at the even split, at --split auto's shares and at `chosen` (--split), each once."""
-    shape = CPU_BLOCK if cpu else H3_BLOCK
-    reduce_bytes = 2 if settings.value("TP2_REDUCE_DTYPE") == "bf16" else 4
-    lines, shown = [], set()
-    for label, shares in (("even", even(len(block_s))), ("--split auto", auto), ("--split", chosen)):
+    """Each wire's predicted speed-up at the even split and the one picked (TP2_WIRE if set, else the launcher's
+    rule from these figures), then the speed-up through it at the even split, --split auto's shares and `chosen`."""
+    shape, dtype, n = CPU_BLOCK if cpu else H3_BLOCK, settings.value("TP2_REDUCE_DTYPE"), len(block_s)
+
+    def predict(shares, wire: str) -> tuple[float, float]:
+        return predict_speedup(block_s, shares, link.bus_gbps, shape.tokens, shape.hidden, wire_bytes(wire, dtype))
+
+    wires = {w: predict(even(n), w)[0] for w in (EXACT, *FORMATS)}
+    yours = os.environ.get("TP2_WIRE")
+    wire = yours or pick_wire(link.kind, n, {w: wires[w] for w in AUTO_WIRES})
+    said = ", ".join(f"{w} {x:.2f}x" for w, x in wires.items())
+    lines = [f"wires (TP2_WIRE; a model, no overlap): {said}; {'yours' if yours else 'picked'}: {wire} (exact: in "
+             f"TP2_REDUCE_DTYPE={dtype}; int4 only if you set it, it costs more quality)"]  # fmt: skip
+    shown = set()
+    for label, shares in (("even", even(n)), ("--split auto", auto), ("--split", chosen)):
         if shares is None or shares in shown:
             continue
         shown.add(shares)
-        speedup, comm = predict_speedup(block_s, shares, link.bus_gbps, shape.tokens, shape.hidden, reduce_bytes)
-        lines.append(f"{label}: {verdict(speedup, shares)} (collectives {comm * 1e3:.2f} ms per block of {shape.tokens} tokens)")
+        speedup, comm = predict(shares, wire)
+        lines.append(f"{label}: {verdict(speedup, shares)} (wire {wire}: collectives {comm * 1e3:.2f} ms per block of {shape.tokens} tokens)")
     return lines
 
 

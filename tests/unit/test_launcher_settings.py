@@ -414,16 +414,16 @@ esac
 @pytest.mark.parametrize(
     "p2p,env,says",
     [
-        ("no", {}, "link: through host memory (PCIe without peer-to-peer); NCCL: NCCL_SHM_USE_CUDA_MEMCPY=1 (published for this link; not measured by the pack)"),
-        ("no", {"NCCL_SHM_USE_CUDA_MEMCPY": "0"}, "NCCL: NCCL_SHM_USE_CUDA_MEMCPY=0 (yours) (published for this link"),
-        ("ok", {}, "link: PCIe peer-to-peer (PHB); NCCL: its defaults"),
+        ("no", {}, "link: through host memory (PCIe without peer-to-peer); set for it: TP2_WIRE=int8 NCCL_SHM_USE_CUDA_MEMCPY=1 (the wire"),
+        ("no", {"NCCL_SHM_USE_CUDA_MEMCPY": "0", "TP2_WIRE": "exact"}, "TP2_WIRE=exact (yours) NCCL_SHM_USE_CUDA_MEMCPY=0 (yours) (the"),
+        ("ok", {}, "link: PCIe peer-to-peer (PHB); set for it: TP2_WIRE=int8 (the wire by the link's kind"),
     ],
     ids=["host_memory", "yours_wins", "p2p"],
 )
-def test_the_launcher_sets_nccl_for_the_link_and_your_value_wins(tmp_path, p2p, env, says):
-    """Two GPUs as nvidia-smi describes them (a stand-in on PATH: this machine has none): over host memory the launcher
-    exports the published NCCL setting for such links before any rank starts, says so, and keeps a value you set; with
-    peer-to-peer it sets nothing. The stand-in ComfyUI has no H3, so the start stops at the Python check after that."""
+def test_the_launcher_sets_the_wire_and_nccl_for_the_link_and_your_value_wins(tmp_path, p2p, env, says):
+    """Two GPUs as nvidia-smi describes them (a stand-in on PATH: this machine has none): through PCIe the launcher
+    exports the compressed wire, over host memory also the published NCCL setting for such links, before any rank
+    starts, says so, and keeps a value you set. The stand-in ComfyUI has no H3, so the start stops at the Python check after that."""
     from test_link import MATRIX_PCIE, P2P_NO, P2P_OK
 
     bin_dir = tmp_path / "bin"
