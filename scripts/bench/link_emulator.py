@@ -309,7 +309,7 @@ def rank_block(balance, shape, x, weights, gemm, tp, reduce_dtype: torch.dtype) 
 
 
 def time_block(balance, shape, device: torch.device, link: Link, overlap: int, reduce_dtype: torch.dtype, repeats: int,
-               wire: str = "exact") -> dict:  # fmt: skip
+               wire: str = "exact", tp_size: int = 2) -> dict:  # fmt: skip
     """rank_block's median seconds over `link` with TP2_OVERLAP=`overlap` and TP2_WIRE=`wire`, the seconds its
     collectives held the link as set and as delivered, and how many there were (`balance`: scripts/lib/balance.py)."""
     import statistics
@@ -322,8 +322,8 @@ def time_block(balance, shape, device: torch.device, link: Link, overlap: int, r
     x = torch.randn(shape.tokens, shape.hidden, device=device, dtype=torch.bfloat16)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     records: list[Collective] = []
-    with collectives_through(collectives, EmulatedDist(0, 2, link, records, collectives.__file__)):
-        tp = lone_rank(collectives, 0, 2, device)
+    with collectives_through(collectives, EmulatedDist(0, tp_size, link, records, collectives.__file__)):
+        tp = lone_rank(collectives, 0, tp_size, device)
         tp.overlap, tp.wire = overlap, wire
         seconds = []
         for _ in range(balance.WARMUP + repeats):
@@ -334,7 +334,7 @@ def time_block(balance, shape, device: torch.device, link: Link, overlap: int, r
             sync()
             seconds.append(time.perf_counter() - start)
     block_s = statistics.median(seconds[balance.WARMUP :])
-    link_s, delivered_s = sum(c.link_s for c in records), sum(c.work.delivered_s() for c in records)  # the last block's
+    link_s, delivered_s = sum(c.link_s for c in records), sum(c.work.delivered_s() for c in records if c.work)  # the last block's
     return {"block_s": block_s, "link_s": link_s, "delivered_s": delivered_s, "collectives": len(records)}
 
 
@@ -345,11 +345,12 @@ def main() -> None:
     import json
 
     ap = argparse.ArgumentParser(description="One TP2 rank's H3 block over an emulated link, on and off TP2_OVERLAP (ms per block).")
-    ap.add_argument("--link", default="10:15", help="GBPS[:LATENCY_US] (default: PCIe without peer-to-peer, NCCL through host memory)")
+    ap.add_argument("--link", default="10:15", help="GBPS[:LATENCY_US],... (default: PCIe without peer-to-peer, NCCL through host memory)")
     ap.add_argument("--tokens", type=int, default=15100, help="15100: 832x480x124")
     ap.add_argument("--overlap", default="1,4", help="TP2_OVERLAP chunks to time")
-    ap.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="TP2_REDUCE_DTYPE")
-    ap.add_argument("--wire", default="exact", help="TP2_WIRE values to time: exact,int8,int4")
+    ap.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="TP2_REDUCE_DTYPE (the compressed wires' partial sums)")
+    ap.add_argument("--wire", default="exact", help="wires to time: exact (in --reduce-dtype), fp32, bf16 (exact in that dtype), int8, int4")
+    ap.add_argument("--tp1", action="store_true", help="also the whole block on one GPU (no collectives): vs_tp1 = its ms / block_ms")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--cpu", action="store_true", help="a small int8 block on the CPU (eager GEMM): a check of the script")
     a = ap.parse_args()
@@ -357,23 +358,28 @@ def main() -> None:
     balance = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(balance)
     device = torch.device("cpu" if a.cpu else "cuda")
-    half = dict(heads=4, head_dim=64, hidden=512, ffn=512, tokens=256) if a.cpu else dict(heads=28, ffn=7168, tokens=a.tokens)
-    shape = dataclasses.replace(balance.H3_BLOCK, **half)  # one rank's widths at an even split
-    reduce_dtype = torch.bfloat16 if a.reduce_dtype == "bf16" else torch.float32
-    link = Link.parse(a.link)
+    whole = dict(heads=8, head_dim=64, hidden=512, ffn=1024, tokens=256) if a.cpu else dict(tokens=a.tokens)
+    shape = dataclasses.replace(balance.H3_BLOCK, **whole)
+    half = dataclasses.replace(shape, heads=shape.heads // 2, ffn=shape.ffn // 2)  # one rank's widths at an even split
     from kernels import wire_codec
     from tp2 import wire as wires
 
     wires.use_fused(wire_codec.select)
+    tp1_ms = time_block(balance, shape, device, FREE, 1, torch.float32, a.repeats, tp_size=1)["block_s"] * 1e3 if a.tp1 else None
     for wire, overlap in ((w, int(n)) for w in a.wire.split(",") for n in a.overlap.split(",")):
-        alone = time_block(balance, shape, device, FREE, overlap, reduce_dtype, a.repeats, wire)
-        over = time_block(balance, shape, device, link, overlap, reduce_dtype, a.repeats, wire)
-        exposed = over["block_s"] - alone["block_s"]
-        row = dict(link=link.text(), overlap=overlap, tokens=shape.tokens, reduce=a.reduce_dtype, wire=wire, collectives=over["collectives"],
-                   block_ms=round(over["block_s"] * 1e3, 3), compute_ms=round(alone["block_s"] * 1e3, 3),
-                   link_ms=round(over["link_s"] * 1e3, 3), delivered_ms=round(over["delivered_s"] * 1e3, 3),
-                   exposed_ms=round(exposed * 1e3, 3))  # fmt: skip
-        print(json.dumps(row), flush=True)
+        dtype = wire if wire in ("fp32", "bf16") else a.reduce_dtype
+        setting = "exact" if wire in ("fp32", "bf16") else wire
+        reduce_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        alone = time_block(balance, half, device, FREE, overlap, reduce_dtype, a.repeats, setting)
+        for link in map(Link.parse, a.link.split(",")):
+            over = time_block(balance, half, device, link, overlap, reduce_dtype, a.repeats, setting)
+            row = dict(link=link.text(), overlap=overlap, tokens=half.tokens, reduce=dtype, wire=setting, collectives=over["collectives"],
+                       block_ms=round(over["block_s"] * 1e3, 3), compute_ms=round(alone["block_s"] * 1e3, 3),
+                       link_ms=round(over["link_s"] * 1e3, 3), delivered_ms=round(over["delivered_s"] * 1e3, 3),
+                       exposed_ms=round((over["block_s"] - alone["block_s"]) * 1e3, 3))  # fmt: skip
+            if tp1_ms is not None:
+                row.update(tp1_ms=round(tp1_ms, 3), vs_tp1=round(tp1_ms / (over["block_s"] * 1e3), 3))
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
