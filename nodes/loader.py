@@ -89,7 +89,7 @@ def _hooked_load_diffusion_model(original):
             check_int8_path(patcher.model.get_dtype_inference())  # refuses a device whose int8 path measures wrong
         sp = settings.value("TP2_SEQUENCE_PARALLEL") and sequence_parallel.install(dm)  # at tp_size 1 too: the same kernels on one GPU
         if not sp:
-            sequence_parallel.install_overlapped_mlp(dm)
+            sequence_parallel.install_pipelined_blocks(dm)
         install_model_wrappers(patcher, plan, shard.source_fingerprint, sequence_parallel=sp)
         record_load("", unet_path, shard, t0, changes_of(dm))
         patcher.cached_patcher_init = (load_diffusion_model, (unet_path, model_options))

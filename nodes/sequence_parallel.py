@@ -26,8 +26,9 @@ from ..kernels import norm_modulate
 from ..tp2 import settings
 from ..tp2.collectives import all_reduce, start_all_gather_rows
 from ..tp2.errors import PlanError
-from ..tp2.layers import ALL_REDUCE, PARTIAL, reduced
-from ..tp2.sequence_layout import RowLayout, chunk_bounds
+from ..tp2.layers import PARTIAL, STARTED, reduced
+from ..tp2.sequence_layout import RowLayout, chunk_bounds, clip_segments
+from ..tp2.wire import start_sum
 from .h3_attention import attention_forward
 from .parallel import Int8Rows, held_weight, int8_input_split, int8_rows_call, int8_rows_or_own, int8_weighted, rowwise_call, tp_group
 from .patches import changes_of
@@ -152,25 +153,35 @@ def _mlp_rows(mlp, rows) -> torch.Tensor:
     return out
 
 
-def install_overlapped_mlp(diffusion_model: torch.nn.Module) -> None:
-    """Plain TP: every DiT block's MLP through _overlapped_mlp (unless ComfyUI's MLP.forward changed)."""
+def install_pipelined_blocks(diffusion_model: torch.nn.Module) -> None:
+    """Plain TP: every DiT block through _pipelined_block (unless ComfyUI's code it stands in for changed)."""
     import comfy.ldm.minimax.model as h3
 
-    if not any(c.startswith("MLP.forward ") for c in changed_comfy_code(h3)):
-        for i, mlp in enumerate(block.mlp for block in diffusion_model.blocks):
+    if not changed_comfy_code(h3):
+        for i, block in enumerate(diffusion_model.blocks):
             changes_of(diffusion_model).replace(
-                f"blocks.{i}.mlp.forward", mlp, "forward", lambda own, m=mlp: functools.partial(_overlapped_mlp, m, own)
+                f"blocks.{i}.forward", block, "forward", lambda own, b=block: functools.partial(_pipelined_block, h3, b, own)
             )
 
 
-def _overlapped_mlp(mlp, own, x: torch.Tensor) -> torch.Tensor:
-    """ComfyUI's MLP.forward (`own`) under plain TP; with TP2_OVERLAP and int8 linears, in chunks of tokens, each
-    chunk's fc2 all-reduce running while the next chunk's fc1 and fc2 compute (the same bytes: see reduced)."""
+def _pipelined_block(h3, self, own, x, t_emb, mod_segments, rope_freqs, transformer_options={}):  # noqa: B006 - ComfyUI's
+    """ComfyUI's DiTBlock.forward (`own`) under plain TP; with TP2_OVERLAP and int8 linears, out_proj's sum arrives in
+    chunks of tokens, and each chunk's residual, norm and MLP run as soon as its chunk is summed, while the later
+    chunks still travel; each chunk's fc2 sum travels while the next chunk computes (the same bytes: see reduced)."""
     tp = tp_group()
-    if tp.overlap == 1 or not (int8_weighted(mlp.fc1) and int8_weighted(mlp.fc2)):
-        return own(x)
-    rows = x.reshape(-1, x.shape[-1])
-    return reduced(lambda a, b: _mlp_rows(mlp, rows[a:b]), rows.shape[0], tp, ALL_REDUCE, True, x.dtype).view(*x.shape[:-1], -1)
+    if tp.overlap == 1 or not all(int8_weighted(m) for m in (self.attn.out_proj, self.mlp.fc1, self.mlp.fc2)):
+        return own(x, t_emb, mod_segments, rope_freqs, transformer_options=transformer_options)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaln_proj(t_emb)
+    h = [h3._mod_scale_shift(self.norm1(x), shift_msa, scale_msa, mod_segments)]
+    mlp = []
+    for a, b, attn in attention_forward(h3, self.attn, h, rope_freqs, transformer_options, out_reduce=STARTED):
+        segments = clip_segments(mod_segments, a, b)
+        rows = h3._mod_gate(x[a:b], gate_msa, attn.result(), segments)  # x's rows, in place
+        rows = h3._mod_scale_shift(self.norm2(rows), shift_mlp, scale_mlp, segments)
+        mlp.append((a, b, segments, start_sum(_mlp_rows(self.mlp, rows), tp, tp.wire, rows.dtype, False)))
+    for a, b, segments, y in mlp:
+        h3._mod_gate(x[a:b], gate_mlp, y.result(), segments)
+    return x
 
 
 def _entered(self, x, mod_segments, transformer_options):

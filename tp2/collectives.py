@@ -137,6 +137,12 @@ class Pending:
         except (RuntimeError, dist.DistError) as e:
             raise _lost(tp, what() if callable(what) else what, e) from e
 
+    def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Pending:
+        """This collective, its result through `fn`."""
+        finish = self._finish
+        self._finish = lambda: fn(finish())
+        return self
+
     def result(self) -> torch.Tensor:
         tp, work, what = self._tp, self._work, self._what
         if work is None:

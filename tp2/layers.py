@@ -12,7 +12,6 @@ The int8 GEMM is injected (`kernels.select_int8_gemm()`), so this module depends
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +28,8 @@ ROLE_ATTR = "tp_role"
 ROLES = ("colwise", "rowwise", "replicate")
 ALL_REDUCE = "all-reduce"  # row_parallel(reduce=...): every rank gets the whole sum
 PARTIAL = "partial"  # row_parallel(reduce=...): this rank's partial sum, unreduced, in the reduce dtype
-Reduction = str | RowLayout  # ALL_REDUCE, PARTIAL, or the RowLayout to reduce-scatter to
+STARTED = "started"  # row_parallel(reduce=...): the all-reduce's chunks of rows started, [(a, b, Pending)]: see joined
+Reduction = str | RowLayout  # ALL_REDUCE, PARTIAL, STARTED, or the RowLayout to reduce-scatter to
 
 
 @dataclass
@@ -93,35 +93,35 @@ def row_parallel(
     flat = int8 and not isinstance(reduce, RowLayout)  # int8 rows are independent: all-reduced in chunks of tokens
     rows = x.reshape(-1, x.shape[-1]) if flat else x
     y = reduced(lambda a, b: partial(rows[a:b]), rows.shape[0], tp, reduce, int8, x.dtype)
-    return y.view(*x.shape[:-1], -1) if flat else y
+    return y.view(*x.shape[:-1], -1) if flat and reduce != STARTED else y
 
 
-def reduced(partial: Callable[[int, int], torch.Tensor], rows: int, tp: TPGroup, reduce: Reduction, int8: bool, dtype) -> torch.Tensor:
+def reduced(partial: Callable[[int, int], torch.Tensor], rows: int, tp: TPGroup, reduce: Reduction, int8: bool, dtype):
     """The sum over the ranks of `partial(a, b)` (this rank's partial sums for input rows [a, b) of `rows`) in
-    `dtype`, as `reduce` asks: ALL_REDUCE, or a RowLayout (this rank's rows). `int8` layers (a row's sums are exact
-    integers whatever rows share its GEMM) go through TP2_WIRE and in TP2_OVERLAP's chunks, each chunk's collective
-    running while the next chunk computes: the bytes of one collective (two ranks' sum is a + b either way; a wire's
-    groups never cross a row)."""
+    `dtype`, as `reduce` asks: ALL_REDUCE, STARTED, or a RowLayout (this rank's rows). `int8` layers (a row's sums are
+    exact integers whatever rows share its GEMM) go through TP2_WIRE and in TP2_OVERLAP's chunks, each chunk's
+    collective running while the next chunk computes: the bytes of one collective (two ranks' sum is a + b either way;
+    a wire's groups never cross a row)."""
     wire, chunks = (tp.wire, tp.overlap) if int8 else (EXACT, 1)
     lay = reduce if isinstance(reduce, RowLayout) else None
     if lay is None:
-        return pipeline(chunk_bounds(rows, -(-rows // chunks)), partial, lambda t: start_sum(t, tp, wire, dtype, False))
+        started = [(a, b, start_sum(partial(a, b), tp, wire, dtype, False)) for a, b in chunk_bounds(rows, -(-rows // chunks))]
+        return started if reduce == STARTED else joined(started)
     if chunks == 1:  # the unpadded partial sum is freed before the collective
         return start_sum(lay.pad(partial(0, lay.full)), tp, wire, dtype, True).result()
-    every = functools.partial(lay.every_ranks_rows, partial)
-    return pipeline(chunk_bounds(lay.m, -(-lay.m // chunks)), every, lambda t: start_sum(t, tp, wire, dtype, True))
+    spans = chunk_bounds(lay.m, -(-lay.m // chunks))  # sub-block [a, b) of every rank's rows, reduce-scattered
+    return joined([(a, b, start_sum(lay.every_ranks_rows(partial, a, b), tp, wire, dtype, True)) for a, b in spans])
 
 
-def pipeline(spans: list[tuple[int, int]], make: Callable[[int, int], torch.Tensor], start) -> torch.Tensor:
-    """The results of `start(make(a, b))` for each span [a, b) of rows from 0, one tensor in span order: each span's
-    collective is started before the next span is made, so it runs while that span computes."""
-    pending = [(a, b, start(make(a, b))) for a, b in spans]
-    if len(pending) == 1:
-        return pending[0][2].result()
+def joined(started: list) -> torch.Tensor:
+    """The sums of `started` [(a, b, Pending)], the spans [a, b) of rows from 0 each started before the next was
+    made (so it ran while that one computed), as one tensor."""
+    if len(started) == 1:
+        return started[0][2].result()
     out = None
-    for a, b, p in pending:
+    for a, b, p in started:
         y = p.result()
-        out = y.new_empty((spans[-1][1], *y.shape[1:])) if out is None else out
+        out = y.new_empty((started[-1][1], *y.shape[1:])) if out is None else out
         out[a:b] = y
     return out
 

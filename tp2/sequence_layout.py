@@ -30,9 +30,7 @@ class RowLayout:
 
     def local_segments(self, segments) -> list[tuple[int, int, int]]:
         """Sequence segments [(start, stop, tag)] as this rank's local row ranges (pad rows in none)."""
-        lo, hi = self.rank * self.m, min((self.rank + 1) * self.m, self.full)
-        clipped = ((max(a, lo), min(b, hi), tag) for a, b, tag in segments)
-        return [(a - lo, b - lo, tag) for a, b, tag in clipped if b > a]
+        return clip_segments(segments, self.rank * self.m, min((self.rank + 1) * self.m, self.full))
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the whole sequence `x` [full, ...], zero rows where it is padded (a new tensor)."""
@@ -57,6 +55,12 @@ class RowLayout:
                 both = y.new_zeros((self.size * (b - a), y.shape[1])) if both is None else both
                 both[r * (b - a) : r * (b - a) + hi - lo] = y
         return both
+
+
+def clip_segments(segments, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Sequence segments [(start, stop, tag)] within rows [lo, hi), counted from lo."""
+    clipped = ((max(a, lo), min(b, hi), tag) for a, b, tag in segments)
+    return [(a - lo, b - lo, tag) for a, b, tag in clipped if b > a]
 
 
 def chunk_bounds(rows: int, chunk_rows: int) -> list[tuple[int, int]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -64,13 +65,7 @@ def dequant_sum(qs: torch.Tensor, ss: torch.Tensor, fmt: Format, dtype: torch.dt
     return total.view(qs.shape[1], -1).to(dtype)
 
 
-@dataclass(frozen=True)
-class Codec:
-    quantize: Callable[..., None]
-    dequant_sum: Callable[..., torch.Tensor]
-
-
-TORCH = Codec(quantize, dequant_sum)
+TORCH = SimpleNamespace(quantize=quantize, dequant_sum=dequant_sum)  # the codec where no fused one runs
 _fused: list[Callable] = []
 
 
@@ -83,49 +78,43 @@ def _codec(device: torch.device):
     return next((c for c in (f(device, FORMATS.values()) for f in _fused) if c is not None), TORCH)
 
 
+def _packed(rows: list[torch.Tensor], fmt: Format, codec) -> torch.Tensor:
+    """Each of `rows` ([m, N] alike) quantised into one row of bytes [len(rows), q | s]: what a rank sends."""
+    (m, n), qn = rows[0].shape, rows[0].numel() // fmt.per_byte
+    buf = torch.empty((len(rows), qn + 2 * m * n // fmt.group), dtype=torch.uint8, device=rows[0].device)
+    for r, t in enumerate(rows):
+        codec.quantize(t, fmt, buf[r, :qn].view(m, -1), buf[r, qn:].view(torch.bfloat16).view(m, -1))
+    return buf
+
+
+def _summed(got: torch.Tensor, m: int, n: int, fmt: Format, codec, dtype: torch.dtype) -> torch.Tensor:
+    """The sum [m, n] of every rank's packed rows `got` [ranks, q | s], in rank order."""
+    k, qn = got.shape[0], m * n // fmt.per_byte
+    return codec.dequant_sum(got[:, :qn].view(k, m, -1), got[:, qn:].view(torch.bfloat16).view(k, m, -1), fmt, dtype)
+
+
 def sum_here(parts: list[torch.Tensor], wire: str) -> torch.Tensor:
     """What start_sum gives every rank for these partial sums [M, N], one per rank, all held in this process (the
     numerics check's ranks)."""
     fmt = FORMATS.get(wire)
     if fmt is None or parts[0].shape[-1] % fmt.group:
         return sum(parts[1:], parts[0])
-    (m, n), k, dev = parts[0].shape, len(parts), parts[0].device
-    qs = torch.empty((k, m, n // fmt.per_byte), dtype=torch.uint8, device=dev)
-    ss = torch.empty((k, m, n // fmt.group), dtype=torch.bfloat16, device=dev)
-    for r, part in enumerate(parts):
-        _codec(dev).quantize(part, fmt, qs[r], ss[r])
-    return _codec(dev).dequant_sum(qs, ss, fmt, parts[0].dtype)
+    codec = _codec(parts[0].device)
+    return _summed(_packed(parts, fmt, codec), *parts[0].shape, fmt, codec, parts[0].dtype)
 
 
-class Then:
-    """A Pending whose result goes through `fn`."""
-
-    def __init__(self, pending, fn):
-        self.pending, self.fn = pending, fn
-
-    def result(self) -> torch.Tensor:
-        return self.fn(self.pending.result())
-
-
-def start_sum(t: torch.Tensor, tp: TPGroup, wire: str, dtype: torch.dtype, scatter: bool) -> Pending | Then:
+def start_sum(t: torch.Tensor, tp: TPGroup, wire: str, dtype: torch.dtype, scatter: bool) -> Pending:
     """The sum over the ranks of `t` [..., N] in `dtype`, started: all of it (all-reduce), or with `scatter` this
     rank's rows of `t` [rows, N] (reduce-scatter), through `wire`. Compressed only where N fills whole groups."""
     fmt = FORMATS.get(wire)
     if fmt is None or tp.tp_size == 1 or t.shape[-1] % fmt.group:
-        return Then(start_reduce_scatter_rows(t, tp) if scatter else all_reduce(t, tp, wait=False), lambda y: y.to(dtype))
-    codec = _codec(t.device)
-    shape, t = t.shape, t.reshape(-1, t.shape[-1])
-    parts = tp.tp_size if scatter else 1
-    m, n = t.shape[0] // parts, t.shape[1]
-    qn, sn = m * n // fmt.per_byte, m * n // fmt.group
-    buf = torch.empty((parts, qn + 2 * sn), dtype=torch.uint8, device=t.device)
-    for r in range(parts):
-        codec.quantize(t[r * m : (r + 1) * m], fmt, buf[r, :qn].view(m, -1), buf[r, qn:].view(torch.bfloat16).view(m, -1))
-    sent = start_all_to_all_rows(buf, tp) if scatter else start_all_gather_rows(buf, tp)
+        return (start_reduce_scatter_rows(t, tp) if scatter else all_reduce(t, tp, wait=False)).then(lambda y: y.to(dtype))
+    codec, shape, t = _codec(t.device), t.shape, t.reshape(-1, t.shape[-1])
+    rows = t.chunk(tp.tp_size) if scatter else [t]
+    sent = (start_all_to_all_rows if scatter else start_all_gather_rows)(_packed(rows, fmt, codec), tp)
 
     def summed(got: torch.Tensor) -> torch.Tensor:
-        k = got.shape[0]
-        y = codec.dequant_sum(got[:, :qn].view(k, m, -1), got[:, qn:].view(torch.bfloat16).view(k, m, -1), fmt, dtype)
-        return y if scatter else y.view(shape)
+        y = _summed(got, rows[0].shape[0], shape[-1], fmt, codec, dtype)
+        return y if scatter else y.view(*shape[:-1], -1)
 
-    return Then(sent, summed)
+    return sent.then(summed)

@@ -294,18 +294,19 @@ def emulate_group_formation(session, collectives, link: Link) -> None:
 
 
 def rank_block(balance, shape, x, weights, gemm, tp, reduce_dtype: torch.dtype) -> torch.Tensor:
-    """One rank's H3 block as plain TP runs it: qkv and attention over its heads (scripts/lib/balance.py), out_proj
-    row-parallel (tp2.layers.row_parallel: in TP2_OVERLAP chunks behind its own GEMM), then fc1 and fc2 per chunk of
-    tokens, each chunk's all-reduce behind the next chunk (tp2.layers.reduced, as nodes/sequence_parallel.py's MLP)."""
-    from tp2.layers import ALL_REDUCE, local_linear, reduced, row_parallel
+    """One rank's H3 block as plain TP runs it (nodes/sequence_parallel.py's _pipelined_block, without its elementwise
+    residual, norm and modulation): qkv and attention over its heads (scripts/lib/balance.py), out_proj row-parallel in
+    TP2_OVERLAP chunks, and as each chunk's sum arrives, that chunk's fc1 and fc2, its sum started behind the next chunk."""
+    from tp2.layers import STARTED, joined, local_linear, row_parallel
+    from tp2.wire import start_sum
 
-    h = row_parallel(balance.attend(shape, x, weights, gemm), weights["out"], None, tp, gemm, reduce_dtype)
-
-    def mlp(a: int, b: int) -> torch.Tensor:
-        up = local_linear(h[a:b], weights["fc1"], None, h.dtype, gemm)
-        return local_linear(up, weights["fc2"], None, reduce_dtype, gemm, "swiglu")
-
-    return reduced(mlp, shape.tokens, tp, ALL_REDUCE, shape.int8, h.dtype)
+    mlp = []
+    for a, b, attn in row_parallel(balance.attend(shape, x, weights, gemm), weights["out"], None, tp, gemm, reduce_dtype, reduce=STARTED):
+        h = attn.result()
+        up = local_linear(h, weights["fc1"], None, h.dtype, gemm)
+        y = local_linear(up, weights["fc2"], None, reduce_dtype, gemm, "swiglu")
+        mlp.append((a, b, start_sum(y, tp, tp.wire if shape.int8 else "exact", h.dtype, False)))
+    return joined(mlp)
 
 
 def time_block(balance, shape, device: torch.device, link: Link, overlap: int, reduce_dtype: torch.dtype, repeats: int,
