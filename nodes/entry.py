@@ -18,7 +18,7 @@ from ..tp2 import settings
 from ..tp2.capacity import allocator_of
 from ..tp2.session import TPSession
 from ..tp2.split import parse_split
-from ..tp2.wire import use_fused, wire_for
+from ..tp2.wire import use_fused
 from .front_door import install_front_door, read_secret
 from .pack_nodes import NODES, register_conditioning_folder
 from .state import STATE, log
@@ -42,7 +42,6 @@ def activate() -> None:
     STATE.shares = parse_split(settings.value("TP2_SPLIT"), env.tp_size)
     STATE.int8_gemm = select_int8_gemm(settings.value("TP2_INT8_KERNEL"))
     STATE.reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[settings.value("TP2_REDUCE_DTYPE")]  # bf16: half the bytes
-    wire_for(settings.value("TP2_WIRE"), env.tp_size)
     use_fused(wire_codec.select)
     STATE.session = TPSession(env, STATE.device, boot_id=uuid.uuid4().hex, secret=read_secret(), peer_urls=settings.value("TP2_RANK_URLS"))
     _install_hooks()

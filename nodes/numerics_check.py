@@ -70,7 +70,6 @@ def _refusal(report: NumericsReport) -> str:
     parts = [p for p in report.failing if p != "block"] or ["block"]  # a part that fails explains the block
     worst = parts[0]
     avoid = "; ".join(f"{p}: {AVOID[p]}" for p in parts if p in AVOID) or "TP2_INT8_KERNEL=triton and TP2_ATTN_BACKEND=sdpa"
-    avoid += f"; TP2_WIRE=exact (the wire is {report.names['wire']})" if report.names.get("wire", "exact") != "exact" else ""
     return (
         f"{STATE.tag} the int8 path on {report.device} gives wrong numbers: {worst} measured "
         f"{report.parts_db[worst]:.1f} dB against exact math (at least {MIN_DB:.0f} dB expected; healthy paths measure "

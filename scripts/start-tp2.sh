@@ -424,8 +424,8 @@ if [[ $CPU -eq 0 && "${TP2_COMPUTE_DTYPE:-auto}" == auto ]] \
   echo "compute dtype: fp32 on every rank (one of GPUs $GPUS is below compute capability 8.0: no bf16 tensor cores)"
 fi
 rm -f "$RUN_DIR/link"
-if [[ $CPU -eq 0 && $TP_SIZE -gt 1 ]]; then  # the wire and NCCL's settings for the link between the GPUs (tp2/link.py); yours win
-  mapfile -t LINK < <(PYTHONPATH="$PACK_DIR" "$PY" -m tp2.link "$GPUS" 2>/dev/null)
+if [[ $CPU -eq 0 && $TP_SIZE -gt 1 ]]; then  # the wire and NCCL's settings for the link between the GPUs (scripts/lib/link_settings.py); yours win
+  mapfile -t LINK < <(PYTHONPATH="$PACK_DIR" "$PY" "$PACK_DIR/scripts/lib/link_settings.py" "$GPUS" 2>/dev/null)
   LINK_SET=""
   for kv in "${LINK[@]:1}"; do
     name="${kv%%=*}"

@@ -196,7 +196,9 @@ def start_all_gather_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
 def start_all_to_all_rows(t: torch.Tensor, tp: TPGroup) -> Pending:
     """Row r of `t` [tp_size, L] to rank r, started: row r of the result is what rank r sent this rank."""
     out = torch.empty_like(t)
-    return Pending(tp, f"all_to_all of {tuple(t.shape)} {t.dtype}", lambda: dist.all_to_all_single(out, t, group=tp.group, async_op=True), lambda: out)
+    return Pending(
+        tp, f"all_to_all of {tuple(t.shape)} {t.dtype}", lambda: dist.all_to_all_single(out, t, group=tp.group, async_op=True), lambda: out
+    )
 
 
 def _cpu(op, tp: TPGroup, what: str, *args, **kwargs) -> None:

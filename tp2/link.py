@@ -7,7 +7,6 @@ Bus bandwidth is NCCL's (nccl-tests): bytes / seconds x 2 (n - 1) / n. Imports t
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
@@ -21,8 +20,6 @@ from .split import parse_split
 from .wire import EXACT, WIRE_BYTES
 
 LINK_MIB = {"cuda": 64, "cpu": 8}  # the timed all-reduce: tens of MB on a GPU; on the CPU (gloo, tests) well under 1 s
-AUTO_WIRES = (EXACT, "int8")  # what the launcher may pick, most exact first (int4: only where its quality is measured)
-COMPRESS_GAIN = 1.1  # a compressed wire is picked where the model predicts it at least this much faster
 MEMORY_NOT_SPEED = 1.2  # a predicted speed-up below this: the pair is for memory (longer videos), not speed
 HOST = "gloo, host memory"
 NO_P2P = "through host memory (PCIe without peer-to-peer)"
@@ -120,23 +117,6 @@ def verdict(speedup: float, shares: tuple[int, ...]) -> str:
     return said
 
 
-def wire_bytes(wire: str, reduce_dtype: str) -> float:
-    """Bytes an element of a row-parallel sum puts on a two-rank link through `wire` (tp2/wire.py)."""
-    return WIRE_BYTES[reduce_dtype if wire == EXACT else wire]
-
-
-def pick_wire(kind: str, tp_size: int, speedups: dict[str, float] | None = None) -> str:
-    """The launcher's TP2_WIRE: from each wire's predicted speed-up (`speedups`, where measured) the most exact one
-    within COMPRESS_GAIN of the best; else from the link's kind: exact on NVLink or one GPU, int8 through PCIe or host
-    memory (the model says it halves the bf16 reduce's bytes; int4 is only ever yours to choose)."""
-    if tp_size != 2:
-        return EXACT
-    if speedups:
-        best = max(speedups.values())
-        return next(w for w in AUTO_WIRES if speedups[w] * COMPRESS_GAIN >= best)
-    return "int8" if kind.startswith("PCIe") or kind == NO_P2P else EXACT
-
-
 def prediction(link: Link, tp_size: int, device_type: str) -> str:
     """The speed-up at this run's shares from each rank's block time (TP2_BLOCK_MS, timed as `--split auto` and
     `start-tp2.sh check` time it), or why there is none."""
@@ -149,12 +129,7 @@ def prediction(link: Link, tp_size: int, device_type: str) -> str:
     if len(block_s) != tp_size or min(block_s) <= 0:
         return "speed-up not predicted: no block time per rank (set TP2_BLOCK_MS as `start-tp2.sh check` prints it)"
     shape = H3_BLOCK if device_type == "cuda" else CPU_BLOCK
-    reduce_bytes = wire_bytes(settings.value("TP2_WIRE"), settings.value("TP2_REDUCE_DTYPE"))
+    wire = settings.value("TP2_WIRE")
+    reduce_bytes = WIRE_BYTES[settings.value("TP2_REDUCE_DTYPE") if wire == EXACT else wire]
     speedup, _ = predict_speedup(block_s, shares, link.bus_gbps, shape.tokens, shape.hidden, reduce_bytes)
     return verdict(speedup, shares)
-
-
-if __name__ == "__main__":  # python -m tp2.link 0,1: the link kind of those GPUs, then the settings for it (NAME=VALUE)
-    gpus = sys.argv[1].split(",")
-    kind = link_kind("nccl", gpus)
-    print(kind, f"TP2_WIRE={pick_wire(kind, len(gpus))}", *(f"{k}={v}" for k, v in NCCL_FOR_KIND.get(kind, {}).items()), sep="\n")

@@ -52,8 +52,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             ("auto", "fp32", "bf16")),
     Setting("TP2_REDUCE_DTYPE", "choice", "fp32", "the dtype of row-parallel partial sums, and of the exact wire's reduce", ("fp32", "bf16"),
             launcher=True),
-    Setting("TP2_WIRE", "choice", "exact", "what the DiT's int8 row-parallel reduce sends: exact (the partial sums), int8 or int4 "
-            "(quantised in groups of a row; 2 ranks)", ("exact", "int8", "int4"), shown="the launcher's pick for the link (`exact` without it)"),
+    Setting("TP2_WIRE", "choice", "exact", "what the DiT's int8 row-parallel reduce sends: exact (the partial sums) or int8 "
+            "(quantised in groups of a row; 2 ranks)", ("exact", "int8"), shown="the launcher's pick for the link (`exact` without it)"),
     Setting("TP2_SEQUENCE_PARALLEL", "bool", "0", "DiT blocks split the token rows over the ranks", launcher=True),
     Setting("TP2_SP_INT8_GATHER", "bool", "1", "int8 linears' inputs are gathered quantised", launcher=True),
     Setting("TP2_SP_FUSED_NORM", "bool", "0", "norm + modulation (+ gated residual) as one kernel on CUDA", launcher=True),
@@ -152,6 +152,8 @@ def read_tp_env(environ: Mapping[str, str] | None = None) -> TPEnv | None:
     tp_rank, tp_size = value("TP2_RANK", env), value("TP2_WORLD_SIZE", env)
     if not 0 <= tp_rank < tp_size:
         raise SettingError(f"TP2_RANK={tp_rank} must be in 0..{tp_size - 1} for TP2_WORLD_SIZE={tp_size}.")
+    if value("TP2_WIRE", env) != "exact" and tp_size != 2:  # tp2/wire.py's one-shot exchange saves bytes only at two ranks
+        raise SettingError(f"TP2_WIRE={value('TP2_WIRE', env)} needs exactly 2 ranks (TP2_WORLD_SIZE={tp_size}). Unset it.")
     return TPEnv(tp_rank, tp_size, raw("MASTER_ADDR", env), value("MASTER_PORT", env), value("TP2_TIMEOUT_S", env))
 
 

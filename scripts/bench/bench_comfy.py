@@ -91,7 +91,6 @@ ENV_PARTS = {
     "bf16ag": {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_INT8_GATHER": "0"},  # SP, int8 linears' inputs gathered in bf16
     "fnorm": {"TP2_SEQUENCE_PARALLEL": "1", "TP2_SP_FUSED_NORM": "1"},  # SP with the fused norm/modulation kernels
     "int8": {"TP2_WIRE": "int8"},  # the row-parallel reduce through the compressed wires (tp2/wire.py)
-    "int4": {"TP2_WIRE": "int4"},
     "exact": {"TP2_WIRE": "exact"},
 }
 FLAG_PARTS = {

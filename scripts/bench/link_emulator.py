@@ -42,7 +42,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, **{op: lambda n: (n - 1) / n for op in ("reduce_scatter", "all_gather", "all_to_all")}}
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    **{op: lambda n: (n - 1) / n for op in ("reduce_scatter", "all_gather", "all_to_all")},
+}
 CALIBRATION_CYCLES = 20_000_000  # torch.cuda._sleep's spin timed once: ~10 ms on an H100 or H200
 BALANCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", "balance.py")  # the block
 
@@ -72,7 +75,7 @@ FREE = Link(math.inf)  # a link that takes no time: the compute alone
 @dataclass
 class Collective:
     """One tensor collective as issued: `shape` and `dtype` of this rank's input, `nbytes` of the whole tensor (a
-    reduce-scatter's input, an all-gather's output), `site` the innermost caller outside tp2/collectives.py, and
+    reduce-scatter's input, an all-gather's output), `site` the innermost caller outside tp2/collectives.py and tp2/wire.py, and
     `issued_before_wait` the collectives issued after it and before its wait (0: waited before the next started)."""
 
     op: str
@@ -203,7 +206,7 @@ class EmulatedDist:
 
     def __init__(self, tp_rank: int, tp_size: int, link: Link | None, records: list | None, collectives_file: str):
         self.tp_rank, self.tp_size, self.link, self.records = tp_rank, tp_size, link, records
-        self._skip = (collectives_file, __file__)
+        self._skip = (collectives_file, os.path.join(os.path.dirname(collectives_file), "wire.py"), __file__)
         self._links: dict[torch.device, HostLink | StreamLink] = {}
         self.issued = [0, 0, 0.0]  # collectives, bytes, seconds on the link (as set), since the start
 
@@ -349,8 +352,10 @@ def main() -> None:
     ap.add_argument("--link", default="10:15", help="GBPS[:LATENCY_US],... (default: PCIe without peer-to-peer, NCCL through host memory)")
     ap.add_argument("--tokens", type=int, default=15100, help="15100: 832x480x124")
     ap.add_argument("--overlap", default="1,4", help="TP2_OVERLAP chunks to time")
-    ap.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="TP2_REDUCE_DTYPE (the compressed wires' partial sums)")
-    ap.add_argument("--wire", default="exact", help="wires to time: exact (in --reduce-dtype), fp32, bf16 (exact in that dtype), int8, int4")
+    ap.add_argument(
+        "--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="TP2_REDUCE_DTYPE (the compressed wires' partial sums)"
+    )
+    ap.add_argument("--wire", default="exact", help="wires to time: exact (in --reduce-dtype), fp32, bf16 (exact in that dtype), int8")
     ap.add_argument("--tp1", action="store_true", help="also the whole block on one GPU (no collectives): vs_tp1 = its ms / block_ms")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--cpu", action="store_true", help="a small int8 block on the CPU (eager GEMM): a check of the script")

@@ -21,11 +21,12 @@ import time
 
 from tp2 import settings
 from tp2.balance import CPU_BLOCK, H3_BLOCK, BlockShape, auto_split, describe_auto
-from tp2.link import AUTO_WIRES, pick_wire, predict_speedup, verdict, wire_bytes
+from tp2.link import predict_speedup, verdict
 from tp2.split import even
-from tp2.wire import EXACT, FORMATS
+from tp2.wire import EXACT, INT8, WIRE_BYTES
 
 WARMUP, MEASUREMENTS = 3, 9
+COMPRESS_GAIN = 1.1  # check picks the int8 wire where the model predicts it at least this much faster than exact
 
 
 def block_weights(shape: BlockShape, device, dtype):
@@ -160,21 +161,23 @@ def speed_lines(block_s: list[float], auto, link, chosen, cpu: bool) -> list[str
     shape, dtype, n = CPU_BLOCK if cpu else H3_BLOCK, settings.value("TP2_REDUCE_DTYPE"), len(block_s)
 
     def predict(shares, wire: str) -> tuple[float, float]:
-        return predict_speedup(block_s, shares, link.bus_gbps, shape.tokens, shape.hidden, wire_bytes(wire, dtype))
+        return predict_speedup(block_s, shares, link.bus_gbps, shape.tokens, shape.hidden, WIRE_BYTES[dtype if wire == EXACT else wire])
 
-    wires = {w: predict(even(n), w)[0] for w in (EXACT, *FORMATS)}
+    wires = {w: predict(even(n), w)[0] for w in (EXACT, INT8)}
     yours = os.environ.get("TP2_WIRE")
-    wire = yours or pick_wire(link.kind, n, {w: wires[w] for w in AUTO_WIRES})
+    wire = yours or (INT8 if n == 2 and wires[INT8] >= COMPRESS_GAIN * wires[EXACT] else EXACT)
     said = ", ".join(f"{w} {x:.2f}x" for w, x in wires.items())
     lines = [f"wires (TP2_WIRE; a model, no overlap): {said}; {'yours' if yours else 'picked'}: {wire} (exact: in "
-             f"TP2_REDUCE_DTYPE={dtype}; int4 only if you set it, it costs more quality)"]  # fmt: skip
+             f"TP2_REDUCE_DTYPE={dtype})"]  # fmt: skip
     shown = set()
     for label, shares in (("even", even(n)), ("--split auto", auto), ("--split", chosen)):
         if shares is None or shares in shown:
             continue
         shown.add(shares)
         speedup, comm = predict(shares, wire)
-        lines.append(f"{label}: {verdict(speedup, shares)} (wire {wire}: collectives {comm * 1e3:.2f} ms per block of {shape.tokens} tokens)")
+        lines.append(
+            f"{label}: {verdict(speedup, shares)} (wire {wire}: collectives {comm * 1e3:.2f} ms per block of {shape.tokens} tokens)"
+        )
     return lines
 
 

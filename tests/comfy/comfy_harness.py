@@ -126,11 +126,13 @@ class Server:
 
 
 def start_ranks(
-    root: str, tp_size: int, models: dict[str, str], extra_env: dict[str, str] | None = None, args=(), front_door: bool = True
-) -> list[Server]:
+    root: str, tp_size: int, models: dict[str, str], extra_env: dict[str, str] | None = None, args=(), front_door: bool = True,
+    rank_env: dict[int, dict[str, str]] | None = None,
+) -> list[Server]:  # fmt: skip
     """tp_size servers forming one TP world (ComfyUI arguments `args` added), started as scripts/start-tp2.sh starts
     them: followers first, rank 0's front door on (the run's secret and every rank's address), so a prompt is queued
-    once on rank 0 (run_prompt does). `front_door=False`: the dual-submission mode, every rank given the prompt."""
+    once on rank 0 (run_prompt does). `front_door=False`: the dual-submission mode, every rank given the prompt.
+    `rank_env`: more variables for some ranks only (ranks started unlike each other)."""
     master, ports = free_port(), [free_port() for _ in range(tp_size)]
     env = {"TP2_WORLD_SIZE": str(tp_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
     if front_door:
@@ -142,8 +144,8 @@ def start_ranks(
         env.update(TP2_SECRET_FILE=secret, TP2_RANK_URLS=",".join(f"http://127.0.0.1:{p}" for p in ports))
     servers = []
     for r in reversed(range(tp_size)):
-        rank_env = dict(env, TP2_RANK=str(r), **(extra_env or {}))
-        servers.insert(0, Server(os.path.join(root, f"rank{r}"), models, rank_env, args=args, port=ports[r]))
+        own = dict(env, TP2_RANK=str(r), **(extra_env or {}), **(rank_env or {}).get(r, {}))
+        servers.insert(0, Server(os.path.join(root, f"rank{r}"), models, own, args=args, port=ports[r]))
         servers[0].follower = front_door and r > 0
     for s in servers:
         s.wait_ready()

@@ -252,6 +252,19 @@ def test_different_seeds_refused_on_every_rank(dual):
     ok(dual, run(dual, tiny_workflow(FLOAT, COND, prefix="after_seeds")))
 
 
+def test_ranks_started_with_different_wires_and_overlaps_are_refused_naming_both(request, tmp_path_factory, models):
+    """TP2_WIRE and TP2_OVERLAP decide which collectives a rank issues: ranks that differ are refused before sampling,
+    each value named, and the next prompt is refused alike (nothing hangs)."""
+    root = str(tmp_path_factory.mktemp("unlike"))
+    unlike = stop_at_teardown(request, start_ranks(root, 2, models, TP_ENV, rank_env={0: {"TP2_WIRE": "int8", "TP2_OVERLAP": "3"}}), root)
+    for prefix in ("unlike", "unlike_again"):
+        for h in run(unlike, tiny_workflow(INT8, COND, prefix=prefix), timeout_s=60):
+            msg = error_message(h)
+            assert h["status"]["status_str"] == "error" and "RankMismatchError" in msg, msg
+            assert "'wire' (rank 0: int8, rank 1: exact)" in msg, msg
+            assert "'overlap' (rank 0: in 3 chunks, each overlapping the next one's GEMM, rank 1: one collective per layer)" in msg, msg
+
+
 def test_unsplittable_tp_size_refused(tp4):
     hs = run(tp4, tiny_workflow(INT8, COND, prefix="tp4_int8_g256"), timeout_s=60)
     for h in hs:
