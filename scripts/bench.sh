@@ -16,6 +16,12 @@ PACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 W=/tmp/tp2bench; OUTDIR="${OUT:-$PWD/bench-out}"; PY="${PYTHON:-python3}"
 [[ -d "$PACK_DIR/.device" ]] || { echo "bench.sh: no .device/ (run scripts/bench/stage.sh first and carry .device)" >&2; exit 1; }
 mkdir -p "$W/site" "$W/ComfyUI" "$W/fe" "$OUTDIR"
+if [[ "$PACK_DIR" != "$W/pack" ]] && ! kill -0 "$(cat "$W/host_memory/run.pid" 2>/dev/null)" 2>/dev/null; then
+  # run from a copy outside the checkout: the device machine replaces the checkout at its next command, which would pull
+  # the files from under a run that outlives this one (--host-memory's did: every process it started later failed)
+  rm -rf "$W/pack" && cp -a "$PACK_DIR" "$W/pack" && exec bash "$W/pack/scripts/bench.sh" "$@"
+fi
+PACK_DIR="$W/pack"
 export W PY PACK_DIR
 if [[ "${1:-}" == --host-memory ]] && kill -0 "$(cat "$W/host_memory/run.pid" 2>/dev/null)" 2>/dev/null; then
   exec bash "$PACK_DIR/scripts/bench/host_memory.sh" follow   # a later call: follow the run in flight, touch nothing

@@ -1,7 +1,7 @@
 """The sampler benchmark (scripts/bench/bench_comfy.py) against real servers on CPU, so a device run does not find
 its bugs: the pack at tp_size 1 and TP2 in the one-GPU mode's layout (every rank on "GPU 0", gloo) with the tiny
-checkpoint. Checks what the benchmark reports, not its timings: every prompt succeeded, the ranks' saved latents
-are byte-identical, each row carries per-process peaks and the pack's log lines, and the table was written."""
+checkpoint. Checks what the benchmark reports, not its timings: every prompt succeeded, the ranks computed the same
+latents (the digests they logged before the pack made the files alike), each row carries per-process peaks and the pack's log lines, and the table was written."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_bench_comfy_emulates_the_link_for_rank_0_beside_a_hollow_peer(tmp_path)
     run, out = _bench(tmp_path, "--memory-resolutions", "", "--tp-sizes", "2:bf16+sp+link1000-20000")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (row,) = json.load(open(out / "bench.json"))
-    assert "error" not in row and row["identical"], row
+    assert "error" not in row and not row["identical"] and row["replaced"] >= 1, row  # rank 1 hollow: its latents differ, then replaced
     logs = [open(out / "run" / f"tp2bf16-sp-link1000-20000_rank{r}.log").read() for r in (0, 1)]
     calls = [line.split("issued ")[1] for line in logs[0].splitlines() if "this model call issued" in line]
     counts = [int(call.split()[0]) for call in calls]

@@ -8,7 +8,7 @@ and count, the time per category, and the NCCL time no compute kernel overlapped
 start (ComfyUI's `executing` event) a `tp2-bench host` log line: this process's /proc status (anonymous, file, shmem,
 locked) and ComfyUI's page-locked host copies, in all and per loaded model. TP2_BENCH_LINK=GBPS[:LATENCY_US]: rank 0's
 tensor collectives over an emulated link, the other ranks hollow (_emulated_link). Nothing else here changes what is
-computed.
+computed. Always: every SaveLatent's tensor digest as this rank computed it, logged (_latent_digests).
 """
 
 from __future__ import annotations
@@ -274,6 +274,26 @@ def _host_memory_log() -> None:
     server.send_sync = send_sync
 
 
+def _latent_digests() -> None:
+    """Each SaveLatent's tensor as this rank computed it, logged (`tp2-bench latent PREFIX SHA256`) before it is written:
+    the pack makes the ranks' files the same bytes afterwards, so the files cannot say whether the ranks computed alike."""
+    import hashlib
+
+    import torch
+
+    import nodes
+
+    save = nodes.SaveLatent.save
+
+    def logged(self, samples, filename_prefix="ComfyUI", *args, **kwargs):
+        t = samples["samples"].detach().contiguous().cpu()
+        log.info("tp2-bench latent %s %s", filename_prefix, hashlib.sha256(t.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest())
+        return save(self, samples, filename_prefix, *args, **kwargs)
+
+    nodes.SaveLatent.save = logged
+
+
+_latent_digests()
 if os.environ.get("TP2_BENCH_HOST_LOG") == "1":
     _host_memory_log()
 if os.environ.get("TP2_BENCH_GLOO_ON_CUDA") == "1":
