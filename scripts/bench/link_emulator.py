@@ -193,9 +193,9 @@ class RecordedWork:
 
 
 def call_site(skip: tuple[str, ...]) -> str:
-    """'file.py:line function' of the innermost caller outside the files `skip`."""
+    """'file.py:line function' of the innermost caller outside the files `skip` (a comprehension or lambda: its function)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in skip:
+    while frame is not None and (frame.f_code.co_filename in skip or frame.f_code.co_name in ("<listcomp>", "<genexpr>", "<lambda>")):
         frame = frame.f_back
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}" if frame else "?"
 
