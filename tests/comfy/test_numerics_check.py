@@ -61,7 +61,7 @@ def test_the_status_node_shows_each_ranks_numerics_report(broken_rank1):
     # the float model the first test ran: where its weights came from, and what the pack changed on it, by kind
     for text in (text0, text1):
         assert f"model {FLOAT}: " in text and "; shard-on-read, " in text, text
-        changed = re.search(r"changed on the model: forward of (\d+) Linear, (?:forward of \d+ MLP, )?preprocess_text_embeds of 1 MiniMaxH3Model", text)
+        changed = re.search(r"changed on the model: forward of (\d+) Linear, (?:forward of \d+ (?:MLP|DiTBlock), )?preprocess_text_embeds of 1 MiniMaxH3Model", text)
         assert changed and int(changed.group(1)) >= 4, text  # out_proj and fc2 of each block at least
 
 
