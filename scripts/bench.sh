@@ -30,8 +30,7 @@ t0=$(date +%s)
 if [[ ! -d "$W/site/comfy_kitchen" ]]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$PACK_DIR"/.device/wheels/*.whl
   tar -C "$W/site" -xJf "$PACK_DIR/.device/comfy_kitchen.tar.xz"
-  if [[ -f "$PACK_DIR/.device/av.tar.xz" ]]; then tar -C "$W/site" -xJf "$PACK_DIR/.device/av.tar.xz"   # real PyAV (MP4s)
-  else cp -r "$PACK_DIR/scripts/bench/avstub/av" "$W/site/"; fi   # benchmark-only stand-in for PyAV (latent-only workflows)
+  tar -C "$W/site" -xJf "$PACK_DIR/.device/av.tar.xz"   # real PyAV (stage.sh stages it): ComfyUI imports it at start-up
 fi
 rm -rf "$W/ComfyUI" && mkdir -p "$W/ComfyUI" && tar -C "$W/ComfyUI" -xJf "$PACK_DIR/.device/comfyui.tar.xz"
 echo '<html><body>minimax-h3-tp2 benchmark</body></html>' > "$W/fe/index.html"

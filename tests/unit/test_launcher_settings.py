@@ -351,6 +351,10 @@ def test_check_on_the_cpu_answers_in_seconds_without_comfyui_or_model_files(tmp_
     a, b = map(int, re.search(r" at (\d+):(\d+)", auto).groups())
     assert 2 <= a / b <= 4.5 and float(auto.split()[3].rstrip("x")) > float(even.split()[2].rstrip("x")), auto  # ~3:1 on a busy CPU
     assert "TP2_BLOCK_MS=" in out and not (tmp_path / "run").exists() and "starting" not in out
+    wires = next(ln for ln in out.splitlines() if ln.startswith("wires (TP2_WIRE; a model, no overlap): "))
+    exact, int8 = (float(re.search(rf"{w} ([\d.]+)x", wires).group(1)) for w in ("exact", "int8"))
+    assert int8 >= exact and wires.split("picked: ")[1].startswith("int8" if int8 >= 1.1 * exact else "exact"), wires  # the model's pick
+    assert f"(wire {wires.split('picked: ')[1].split()[0]}: collectives" in even, even
     host = next(ln for ln in out.splitlines() if ln.startswith("host memory: "))
     available = float(host.split()[2])
     assert 0 < available <= float(host.split()[6].rstrip(";")), host  # this machine's, as /proc/meminfo has it

@@ -1,1 +1,0 @@
-from av import __getattr__  # noqa: F401 - see av/__init__.py
