@@ -62,3 +62,14 @@ def test_a_nan_fails():
 
     report = check_block(_path(gemm=nan_gemm), torch.device("cpu"), 2, "cpu")
     assert "int8 GEMM" in report.failing and "nan dB" in report.summary(), report.summary()
+
+
+def test_the_check_runs_the_wire_the_ranks_will_use():
+    """TP2_WIRE=int8 (tp2/wire.py): the check's row-parallel sums go through the int8 wire as every rank makes them;
+    the block moves from the exact sum's result, by about the wire's rounding, and still passes with margin."""
+    import dataclasses
+
+    exact = check_block(_path(), torch.device("cpu"), 2, "cpu")
+    int8 = check_block(dataclasses.replace(_path(), wire="int8"), torch.device("cpu"), 2, "cpu")
+    assert not int8.failing and int8.parts_db["block"] > MIN_DB + 5, int8.summary()
+    assert 0 < exact.parts_db["block"] - int8.parts_db["block"] < 3, (exact.summary(), int8.summary())
