@@ -25,9 +25,10 @@ On one GPU (an H200 for the 2x H200 figures of docs/PERFORMANCE.md), after `scri
       --resolutions 832x480,1344x768 --memory-resolutions "" --steps 6
 (216 GB/s, 10 us: NCCL's reduce-scatter on 2x H200, docs/bench/2026-11-30_profile_tp2_bf16_sp_fnorm_rank0.txt; overlap1:
 TP2_OVERLAP off, as those figures were taken; drop it for today's default.) This file as a script times one rank's
-H3 block (scripts/lib/balance.py's, the row-parallel layers through tp2.layers) on and off TP2_OVERLAP:
+H3 block (scripts/lib/balance.py's, the row-parallel layers through tp2.layers; `--fast`: sequence parallelism's) per
+wire (TP2_WIRE; `--wire fp32,bf16,int8`) and TP2_OVERLAP, over each link of `--link`, `--tp1` beside the whole block on one GPU:
   mkdir -p /tmp/ck && tar -C /tmp/ck -xJf .device/comfy_kitchen.tar.xz
-  PYTHONPATH=$PWD:/tmp/ck python3 scripts/bench/link_emulator.py --link 10:15 --tokens 15100     [--cpu: a small block]
+  PYTHONPATH=$PWD:/tmp/ck python3 scripts/bench/link_emulator.py --link 10:15,25:10 --tokens 15100 --wire bf16,int8 --tp1  [--fast] [--cpu]
 """
 
 from __future__ import annotations
@@ -312,8 +313,36 @@ def rank_block(balance, shape, x, weights, gemm, tp, reduce_dtype: torch.dtype) 
     return joined(mlp)
 
 
+def rank_block_sp(balance, shape, x, weights, gemm, tp, reduce_dtype: torch.dtype) -> torch.Tensor:
+    """One rank's H3 block as `--fast` runs it (nodes/sequence_parallel.py's _block_forward, without its elementwise
+    norm, modulation and residual): this rank's rows gathered before qkv and before fc1 as the int8 gathers carry them
+    (int8 rows, then fp32 row scales), out_proj reduce-scattered to this rank's rows, fc2 reduce-scattered in
+    TP2_OVERLAP's sub-blocks of every rank's rows (tp2.layers.reduced). The GEMMs take `x`, the whole sequence the
+    gathered rows stand for (the link carries the int8 bytes; the compute is the same)."""
+    from tp2.collectives import start_all_gather_rows
+    from tp2.layers import local_linear, reduced, row_parallel
+    from tp2.sequence_layout import RowLayout
+
+    layout = RowLayout.plan(shape.tokens, tp.tp_size, tp.tp_rank)
+
+    def gathered(width: int) -> None:
+        rows = start_all_gather_rows(torch.zeros((layout.m, width), dtype=torch.int8, device=x.device), tp)
+        start_all_gather_rows(torch.ones((layout.m, 1), device=x.device), tp).result()
+        rows.result()
+
+    gathered(shape.hidden)
+    row_parallel(balance.attend(shape, x, weights, gemm), weights["out"], None, tp, gemm, reduce_dtype, reduce=layout)
+    gathered(shape.hidden)
+
+    def mlp(a: int, b: int) -> torch.Tensor:
+        up = local_linear(x[a:b], weights["fc1"], None, x.dtype, gemm)
+        return local_linear(up, weights["fc2"], None, reduce_dtype, gemm, "swiglu")
+
+    return reduced(mlp, layout.full, tp, layout, shape.int8, x.dtype)
+
+
 def time_block(balance, shape, device: torch.device, link: Link, overlap: int, reduce_dtype: torch.dtype, repeats: int,
-               wire: str = "exact", tp_size: int = 2) -> dict:  # fmt: skip
+               wire: str = "exact", tp_size: int = 2, block=None) -> dict:  # fmt: skip
     """rank_block's median seconds over `link` with TP2_OVERLAP=`overlap` and TP2_WIRE=`wire`, the seconds its
     collectives held the link as set and as delivered, and how many there were (`balance`: scripts/lib/balance.py)."""
     import statistics
@@ -334,7 +363,7 @@ def time_block(balance, shape, device: torch.device, link: Link, overlap: int, r
             records.clear()
             sync()
             start = time.perf_counter()
-            rank_block(balance, shape, x, weights, gemm, tp, reduce_dtype)
+            (block or rank_block)(balance, shape, x, weights, gemm, tp, reduce_dtype)
             sync()
             seconds.append(time.perf_counter() - start)
     block_s = statistics.median(seconds[balance.WARMUP :])
@@ -356,6 +385,7 @@ def main() -> None:
         "--reduce-dtype", choices=("fp32", "bf16"), default="fp32", help="TP2_REDUCE_DTYPE (the compressed wires' partial sums)"
     )
     ap.add_argument("--wire", default="exact", help="wires to time: exact (in --reduce-dtype), fp32, bf16 (exact in that dtype), int8")
+    ap.add_argument("--fast", action="store_true", help="--fast's block (sequence parallelism: gathers and reduce-scatters)")
     ap.add_argument("--tp1", action="store_true", help="also the whole block on one GPU (no collectives): vs_tp1 = its ms / block_ms")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--cpu", action="store_true", help="a small int8 block on the CPU (eager GEMM): a check of the script")
@@ -376,10 +406,11 @@ def main() -> None:
         dtype = wire if wire in ("fp32", "bf16") else a.reduce_dtype
         setting = "exact" if wire in ("fp32", "bf16") else wire
         reduce_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-        alone = time_block(balance, half, device, FREE, overlap, reduce_dtype, a.repeats, setting)
+        block = rank_block_sp if a.fast else rank_block
+        alone = time_block(balance, half, device, FREE, overlap, reduce_dtype, a.repeats, setting, block=block)
         for link in map(Link.parse, a.link.split(",")):
-            over = time_block(balance, half, device, link, overlap, reduce_dtype, a.repeats, setting)
-            row = dict(link=link.text(), overlap=overlap, tokens=half.tokens, reduce=dtype, wire=setting, collectives=over["collectives"],
+            over = time_block(balance, half, device, link, overlap, reduce_dtype, a.repeats, setting, block=block)
+            row = dict(link=link.text(), fast=a.fast, overlap=overlap, tokens=half.tokens, reduce=dtype, wire=setting, collectives=over["collectives"],
                        block_ms=round(over["block_s"] * 1e3, 3), compute_ms=round(alone["block_s"] * 1e3, 3),
                        link_ms=round(over["link_s"] * 1e3, 3), delivered_ms=round(over["delivered_s"] * 1e3, 3),
                        exposed_ms=round((over["block_s"] - alone["block_s"]) * 1e3, 3))  # fmt: skip
