@@ -15,7 +15,7 @@ import torch
 from . import triton_probe
 from .triton_probe import tl, triton
 
-TILE, GROUP = 1024, 64  # columns a program takes; columns sharing a scale (tp2.wire.GROUP)
+TILE = 1024  # columns a program takes: a multiple of tp2.wire's group (the group is read off the scales' shape)
 
 
 def select(device: torch.device):
@@ -24,7 +24,7 @@ def select(device: torch.device):
 
 def _probe(device: torch.device, dtype: torch.dtype) -> None:
     q = torch.empty((1, 2, TILE), dtype=torch.int8, device=device)
-    s = torch.empty((1, 2, TILE // GROUP), dtype=torch.bfloat16, device=device)
+    s = torch.empty((1, 2, TILE // 64), dtype=torch.bfloat16, device=device)
     quantize(torch.randn((2, TILE), device=device, dtype=dtype), q[0], s[0])
     dequant_sum(q, s, dtype)
 
@@ -58,7 +58,7 @@ def quantize(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
     """tp2.wire.quantize in one pass: rows `x` [M, N] (contiguous columns) into `q` and `s` (row views)."""
     m, n = x.shape
     if m:
-        _quantize[(m, triton.cdiv(n, TILE))](x, q, s, x.stride(0), q.stride(0), s.stride(0), n, G=GROUP, TILE=TILE)
+        _quantize[(m, triton.cdiv(n, TILE))](x, q, s, x.stride(0), q.stride(0), s.stride(0), n, G=n // s.shape[1], TILE=TILE)
 
 
 def dequant_sum(qs: torch.Tensor, ss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -67,6 +67,6 @@ def dequant_sum(qs: torch.Tensor, ss: torch.Tensor, dtype: torch.dtype) -> torch
     y = torch.empty((m, n), dtype=dtype, device=qs.device)
     if m:
         _dequant_sum[(m, triton.cdiv(n, TILE))](
-            qs, ss, y, qs.stride(0), qs.stride(1), ss.stride(0), ss.stride(1), y.stride(0), n, RANKS=ranks, G=GROUP, TILE=TILE
+            qs, ss, y, qs.stride(0), qs.stride(1), ss.stride(0), ss.stride(1), y.stride(0), n, RANKS=ranks, G=n // ss.shape[2], TILE=TILE
         )
     return y

@@ -152,8 +152,9 @@ def read_tp_env(environ: Mapping[str, str] | None = None) -> TPEnv | None:
     tp_rank, tp_size = value("TP2_RANK", env), value("TP2_WORLD_SIZE", env)
     if not 0 <= tp_rank < tp_size:
         raise SettingError(f"TP2_RANK={tp_rank} must be in 0..{tp_size - 1} for TP2_WORLD_SIZE={tp_size}.")
-    if value("TP2_WIRE", env) != "exact" and tp_size != 2:  # tp2/wire.py's one-shot exchange saves bytes only at two ranks
-        raise SettingError(f"TP2_WIRE={value('TP2_WIRE', env)} needs exactly 2 ranks (TP2_WORLD_SIZE={tp_size}). Unset it.")
+    wire = value("TP2_WIRE", env)
+    if wire != "exact" and tp_size != 2:  # tp2/wire.py's one-shot exchange saves bytes only at two ranks
+        raise SettingError(f"TP2_WIRE={wire} needs exactly 2 ranks (TP2_WORLD_SIZE={tp_size}). Unset it.")
     return TPEnv(tp_rank, tp_size, raw("MASTER_ADDR", env), value("MASTER_PORT", env), value("TP2_TIMEOUT_S", env))
 
 

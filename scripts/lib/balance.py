@@ -156,8 +156,8 @@ def measure_link_between(cpu: bool, gpus: list[str]):
 
 
 def speed_lines(block_s: list[float], auto, link, chosen, cpu: bool) -> list[str]:
-    """Each wire's predicted speed-up at the even split and the one picked (TP2_WIRE if set, else the launcher's
-    rule from these figures), then the speed-up through it at the even split, --split auto's shares and `chosen`."""
+    """Each wire's predicted speed-up at the even split and the one picked (TP2_WIRE if set, else int8 where the model
+    gives it COMPRESS_GAIN over exact; the launcher itself picks by the link's kind), then the speed-up through it at the even split, --split auto's shares and `chosen`."""
     shape, dtype, n = CPU_BLOCK if cpu else H3_BLOCK, settings.value("TP2_REDUCE_DTYPE"), len(block_s)
 
     def predict(shares, wire: str) -> tuple[float, float]:
