@@ -51,9 +51,6 @@ def fill_random(module, seed: int, device: str = "cpu") -> None:
             else:  # norm weights, layer scales, register tokens
                 r = 0.5 + 0.1 * r
             p.copy_(r)
-        for name, b in module.named_buffers():
-            if name.endswith("mask_token"):
-                b.zero_()
 
 
 def _write_vae(kind: str, path: str, comfyui: str, tiny: bool) -> None:
@@ -65,8 +62,8 @@ def _write_vae(kind: str, path: str, comfyui: str, tiny: bool) -> None:
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = tiny
-    if tiny:
-        import h3_small_vae  # noqa: F401 - with H3_TEST_SMALL_VAE=1 it makes ComfyUI build its VAE class small
+    import h3_small_vae  # with H3_TEST_SMALL_VAE=1 (tiny) it makes ComfyUI build its VAE class small
+
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
     if kind == "video":
         from comfy.ldm.minimax.vae import MiniMaxH3VideoVAE as cls
@@ -79,6 +76,7 @@ def _write_vae(kind: str, path: str, comfyui: str, tiny: bool) -> None:
     with torch.device(device):
         vae = cls()
     fill_random(vae, seed=0 if kind == "video" else 1, device=device)
+    h3_small_vae.fill_empty_buffers(vae)
     save_file({k: v.to(dtype).contiguous().cpu() for k, v in vae.state_dict().items()}, path)
 
 

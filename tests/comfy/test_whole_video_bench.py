@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from comfy_harness import COMFYUI_DIR, ROOT, have_comfyui
+from safetensors import safe_open
 
 pytestmark = [pytest.mark.comfy, pytest.mark.skipif(not have_comfyui(), reason=f"no ComfyUI checkout with MiniMax-H3 at {COMFYUI_DIR}")]
 
@@ -29,6 +30,8 @@ def test_the_whole_video_benchmark_runs_tp1_and_tp2_on_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
     subprocess.run([sys.executable, os.path.join(BENCH, "make_models.py"), "--comfyui", COMFYUI_DIR, "--models", str(base / "models"), "--tiny"],
                    check=True, timeout=600, env=env)  # fmt: skip
+    with safe_open(str(base / "models" / "vae" / "minimax_h3_audio_vae_fp32.safetensors"), "pt") as f:  # no torch.empty leftovers
+        assert f.get_tensor("latents_std").eq(1).all() and f.get_tensor("latents_mean").eq(0).all()
     cmd = [sys.executable, os.path.join(BENCH, "whole_video.py"), "--comfyui", COMFYUI_DIR, "--base", str(base), "--front-end", str(fe),
            "--out", str(out), "--tiny", "--configs", "tp1,tp2+disable-pinned-memory", "--commit", "test",
            "--host-hold-gib", "0.5"]  # fmt: skip
