@@ -40,7 +40,10 @@
 # Each rank starts with ComfyUI's --disable-pinned-memory: its weights stay in the mapped files (rank cache, VAEs) instead
 # of a page-locked copy per process (832x480x124 on one H100, each rank on its own 22 GiB: 3.0 GiB private host memory a
 # rank instead of 24.5, the warm prompt 2% slower on a 64 GB host; 1920x1088x124 ran, where with the copies both ranks
-# ran out of GPU memory; docs/PERFORMANCE.md). --pin-weights keeps ComfyUI's pinned copies.
+# ran out of GPU memory; docs/PERFORMANCE.md). --pin-weights keeps ComfyUI's pinned copies, with torch's native allocator:
+# with them cudaMallocAsync's pool held 20.8 GiB for 7 GiB of tensors at 1920x1088x124 on 22 GiB and ran out (freed
+# blocks parked in the pool, the likely cause: dynamic VRAM cannot evict them; the native allocator empties its cache
+# and retries. Predicted to fit; not yet run on a GPU).
 set -euo pipefail
 
 LEAN_MEMORY=0; PIN_WEIGHTS=0
@@ -48,7 +51,7 @@ for a in "$@"; do  # --fast changes the defaults below, so it is read first
   [[ "$a" == -- ]] && break
   [[ "$a" == --fast ]] && : "${TP2_REDUCE_DTYPE:=bf16}" "${TP2_SEQUENCE_PARALLEL:=1}" "${TP2_SP_FUSED_NORM:=1}"
   [[ "$a" == --lean-memory ]] && LEAN_MEMORY=1
-  [[ "$a" == --pin-weights ]] && PIN_WEIGHTS=1
+  [[ "$a" == --pin-weights ]] && PIN_WEIGHTS=1 && LEAN_MEMORY=1  # the native allocator: see above
 done
 
 # ---- defaults: the one place they live (each can be overridden by the same env var) ----
@@ -364,9 +367,10 @@ echo "Python: $PY ($PY_FROM)"
 ALLOCATOR="ComfyUI's (cudaMallocAsync where it chooses it)"
 if [[ $LEAN_MEMORY -eq 1 ]]; then
   [[ "${PYTORCH_CUDA_ALLOC_CONF:-}" == *cudaMallocAsync* ]] \
-    && die "--lean-memory uses torch's native allocator, but PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF asks for cudaMallocAsync: unset one of them"
+    && die "$([[ $PIN_WEIGHTS -eq 1 ]] && echo --pin-weights || echo --lean-memory) uses torch's native allocator, but PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF asks for cudaMallocAsync: unset one of them"
   EXTRA+=(--disable-cuda-malloc)
   ALLOCATOR="torch's native${PYTORCH_CUDA_ALLOC_CONF:+, PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF}"
+  [[ $PIN_WEIGHTS -eq 1 ]] && ALLOCATOR+=" (--pin-weights: with pinned copies cudaMallocAsync's pool ran out at 1920x1088 on 22 GiB)"
 fi
 echo "minimax-h3-tp2 settings: TP2_INT8_KERNEL=$TP2_INT8_KERNEL TP2_ATTN_BACKEND=$TP2_ATTN_BACKEND TP2_REDUCE_DTYPE=$TP2_REDUCE_DTYPE TP2_SEQUENCE_PARALLEL=$TP2_SEQUENCE_PARALLEL TP2_SP_INT8_GATHER=$TP2_SP_INT8_GATHER TP2_SP_FUSED_NORM=$TP2_SP_FUSED_NORM TP2_PARALLEL_VAE=$TP2_PARALLEL_VAE TP2_TIMEOUT_S=$TP2_TIMEOUT_S TP2_PROMPT_TIMEOUT_S=$TP2_PROMPT_TIMEOUT_S"
 echo "minimax-h3-tp2 CUDA allocator: $ALLOCATOR"

@@ -177,9 +177,11 @@ def test_lean_memory_switches_to_torchs_native_allocator_without_expandable_segm
     assert says in lean.stdout, lean.stdout
 
 
-def test_lean_memory_refuses_an_allocator_conf_that_asks_for_cudamallocasync(tmp_path):
-    res = _launch_until_settings(tmp_path, "--lean-memory", PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
-    assert res.returncode != 0 and "asks for cudaMallocAsync: unset one of them" in res.stderr, res.stderr
+@pytest.mark.parametrize("flag", ["--lean-memory", "--pin-weights"])
+def test_the_native_allocators_flags_refuse_a_conf_that_asks_for_cudamallocasync(tmp_path, flag):
+    res = _launch_until_settings(tmp_path, flag, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    says = f"{flag} uses torch's native allocator, but PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync asks for cudaMallocAsync"
+    assert res.returncode != 0 and says in res.stderr, res.stderr
 
 
 def test_a_port_already_taken_is_refused_before_any_rank(tmp_path):
@@ -461,3 +463,5 @@ def test_the_ranks_start_without_pinned_weight_copies_unless_asked(tmp_path, arg
     rank, the warm prompt 2% slower, and 1920x1088x124 runs on 22 GiB cards where the pinned copies ran out)."""
     res = _launch_until_settings(tmp_path, *args)
     assert f"minimax-h3-tp2 pinned weight copies: {says}" in res.stdout, res.stdout + res.stderr
+    native = "minimax-h3-tp2 CUDA allocator: torch's native (--pin-weights: with pinned copies cudaMallocAsync's pool ran out"
+    assert (native in res.stdout) == ("--pin-weights" in args), res.stdout  # the copies come with the allocator that retries
