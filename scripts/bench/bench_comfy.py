@@ -9,20 +9,20 @@ Per tp_size: start the servers (one per GPU; tp_size 1 = plain ComfyUI, pack ina
 step's progress event to the sampler node's end, its latent then on the host, per remaining step; beside it
 s_per_step_progress, the median progress-event spacing, which understates a step the CPU runs ahead of; with --profile the span
 includes writing the trace in step 3); each rank's checkpoint load (UNETLoader's span) and peak GPU memory (nvidia-smi every
-0.5 s, also per process); whether all ranks computed the same latents (their
-tensors' digests, logged before the pack makes the files alike) and how many outputs the pack replaced with rank 0's; the pack's capacity-check (not enforced here)
-and sampler-peak log lines. Prints a table; writes bench.json. --cap-gib G: every GPU made a G GiB card per process before the
-servers start (process_memory.confine_gpus: CUDA MPS's per-process limit where ranks share GPU 0 and MPS is installed, else
-gpu_ballast.py holds the rest): a real limit for the allocator and dynamic VRAM. --one-gpu: every rank on GPU 0 over gloo
-(memory real, speed not; without MPS, --cap-gib leaves the ranks one shared pool of G x tp_size GiB). Variant linkB-L (e.g.
-2:link216-10): that layout with rank 0's tensor collectives over an emulated link of B GB/s and L us and the other ranks
-hollow (scripts/bench/link_emulator.py): rank 0's s/step is TP's on that link.
+0.5 s, also per process); whether all ranks computed the same latents (their tensors' digests, logged before the pack makes
+the files alike) and how many outputs the pack replaced with rank 0's; the pack's capacity-check (not enforced here) and
+sampler-peak log lines. Prints a table; writes bench.json. --cap-gib G: every process a G GiB card (CUDA MPS's per-process
+limit, process_memory.confine_gpus; without MPS the script stops at once): a real limit for the allocator and dynamic VRAM.
+--one-gpu: every rank on GPU 0 over gloo (memory real, speed not). Variant linkB-L (e.g. 2:link216-10): that layout with
+rank 0's tensor collectives over an emulated link of B GB/s and L us and the other ranks hollow
+(scripts/bench/link_emulator.py): rank 0's s/step is TP's on that link.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import glob
 import json
 import os
@@ -31,22 +31,22 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
 import aiohttp
 import torch
-from process_memory import ProcessSampler, confine_gpus, servers_per_gpu, stop_all
+from process_memory import ProcessSampler, confine_gpus, hold_host, need_mps, stop_all
 
 BENCH_NODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiler_node")
 
 
-def link_bench_node(base: str) -> None:
-    """scripts/bench/profiler_node into BASE/custom_nodes (as bench.sh links it): the profile, the one-GPU mode's group."""
-    link = os.path.join(base, "custom_nodes", "tp2_bench_profiler")
-    if not os.path.lexists(link):
-        os.symlink(BENCH_NODE, link)
+def link_nodes(base: str, links: dict[str, str]) -> None:
+    """Each {name: folder} into BASE/custom_nodes (bench.sh links the same): e.g. the profiler node, the one-GPU mode's group."""
+    os.makedirs(os.path.join(base, "custom_nodes"), exist_ok=True)
+    for name, target in links.items():
+        if not os.path.lexists(link := os.path.join(base, "custom_nodes", name)):
+            os.symlink(target, link)
 
 
 def free_port() -> int:
@@ -55,33 +55,119 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class GpuMemory:
-    """nvidia-smi sampled every 0.5 s in a thread: (time, gpu index, MiB used)."""
-
-    def __init__(self):
-        self.samples: list[tuple[float, int, int]] = []
-        cmd = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits", "-lms", "500"]
-        try:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        except FileNotFoundError:  # a CPU dry run of the script itself
-            self.proc = None
-            return
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.proc.stdout:
+@contextlib.asynccontextmanager
+async def serving(session, args, config: str, run: str, names: list[str], log: str, pack: bool, gpu0: bool, env: dict,
+                  flags: list[str], ready_s: float, cap_gib: float | None = None, host_gib: float | None = None):  # fmt: skip
+    """A ComfyUI server per name, the highest rank first, ready; all stopped afterwards: yields (the servers, the GPU cap
+    in words or None). Rank r (names[r]) in folder RUN/NAME, logging to RUN/`log` (e.g. "{}.log"), on GPU r (gpu0: all
+    on GPU 0), in this environment but the pack's settings (TP2_CACHE_DIR kept) plus `env`, with ComfyUI's `flags`;
+    `pack`: each a rank of one TP group; `cap_gib`: each confined to that much GPU memory (CUDA MPS); `host_gib`: that
+    much of the host held by another process while they run."""
+    held, how, servers, master = [], None, [], free_port()
+    try:
+        if cap_gib:
+            held, limit_env, how = confine_gpus(cap_gib)
+            env = {**env, **limit_env}
+            print(f"{config}: {how}", flush=True)
+        if host_gib:
+            held.append(hold_host(host_gib))
+        for r in reversed(range(len(names))):
+            d = os.path.join(run, names[r])
+            for sub in ("output", "temp", "user"):
+                os.makedirs(os.path.join(d, sub), exist_ok=True)
+            e = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_")) or k == "TP2_CACHE_DIR"}
+            e["CUDA_VISIBLE_DEVICES"] = "0" if gpu0 else str(r)
+            if pack:
+                e.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(len(names)), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
+                         TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900")  # fmt: skip
+            port, path = free_port(), os.path.join(run, log.format(names[r]))
+            cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", args.base,
+                   "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
+                   "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
+                   "--front-end-root", args.front_end, *flags]  # fmt: skip
+            p = subprocess.Popen(cmd, cwd=args.comfyui, env={**e, **env}, stdout=open(path, "ab"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
+            servers.insert(0, {"name": names[r], "proc": p, "port": port, "dir": d, "log": path})
+        deadline = time.monotonic() + ready_s
+        for s in servers:
+            await poll(session, s, "/system_stats", lambda _: True, 0.5, deadline)
+        yield servers, how
+    finally:
+        for s in servers:
+            if s["proc"].poll() is None:
+                os.killpg(s["proc"].pid, signal.SIGTERM)
+        for s in servers:
             try:
-                idx, used = (int(x) for x in line.split(","))
-                self.samples.append((time.time(), idx, used))
-            except ValueError:
-                pass
+                s["proc"].wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(s["proc"].pid, signal.SIGKILL)
+        stop_all(held)
 
-    def peak(self, gpu: int, t0: float, t1: float) -> int:
-        return max((u for t, i, u in self.samples if i == gpu and t0 <= t <= t1), default=-1)
 
-    def stop(self):
-        if self.proc is not None:
-            self.proc.terminate()
+async def poll(session, s: dict, path: str, done, every: float, deadline: float = float("inf")):
+    """GET `path` of server `s` every `every` s until it answers 200 with JSON that done() accepts: that JSON. Its log's
+    tail in a RuntimeError when it exits first or time.monotonic() passes `deadline`."""
+    while s["proc"].poll() is None and time.monotonic() <= deadline:
+        try:
+            async with session.get(f"http://127.0.0.1:{s['port']}{path}") as r:
+                if r.status == 200 and done(got := await r.json()):
+                    return got
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(every)
+    why = "not ready" if s["proc"].poll() is None else "exited"
+    raise RuntimeError(f"{s['name']} {why}:\n" + open(s["log"], errors="replace").read()[-4000:])
+
+
+async def submit(session, servers: list[dict], wf: dict, linger: float = 0.0) -> tuple[list, list, list[int], float, float]:
+    """`wf` to every server as one prompt, each one's websocket events (time, type, data) kept until all have run it and
+    `linger` s more: (their histories, their events, their logs' sizes before, when it was sent, when all had run it)."""
+    pid, cids = str(uuid.uuid4()), [uuid.uuid4().hex for _ in servers]
+    events: list[list] = [[] for _ in servers]
+    log_at = [os.path.getsize(s["log"]) for s in servers]  # what the ranks log from here on
+
+    async def watch(i, s):
+        async with session.ws_connect(f"ws://127.0.0.1:{s['port']}/ws?clientId={cids[i]}") as sock:
+            async for msg in sock:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    d = json.loads(msg.data)
+                    events[i].append((time.time(), d["type"], d.get("data", {})))
+
+    watchers = [asyncio.create_task(watch(i, s)) for i, s in enumerate(servers)]
+    await asyncio.sleep(0.5)
+    t0 = time.time()
+    for s, cid in zip(servers, cids):
+        async with session.post(f"http://127.0.0.1:{s['port']}/prompt", json={"prompt": wf, "prompt_id": pid, "client_id": cid}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{s['name']} refused the prompt: {await r.text()}")
+    done = lambda got: got.get(pid, {}).get("status", {}).get("status_str") in ("success", "error")  # noqa: E731
+    hists = [(await poll(session, s, f"/history/{pid}", done, 0.2))[pid] for s in servers]
+    t1 = time.time()
+    await asyncio.sleep(linger)
+    for w in watchers:
+        w.cancel()
+    return hists, events, log_at, t0, t1
+
+
+def step_times(events: list[tuple[float, str, dict]], node: str | None) -> list[float]:
+    """When a server first reported each progress value of `node`, in order."""
+    first_seen: dict[int, float] = {}
+    for t, kind, d in events:
+        if kind == "progress" and d.get("node") == node:
+            first_seen.setdefault(d["value"], t)
+    return [first_seen[v] for v in sorted(first_seen)]
+
+
+def log_since(log: str, start: int) -> str:
+    with open(log, errors="replace") as f:
+        f.seek(start)
+        return f.read()
+
+
+def pack_lines(said: str) -> list[str]:
+    """The pack's capacity prediction and sampling peak lines in a server's log text."""
+    keys = (" capacity: ", " sampling peak: ", " sequence parallelism off ")
+    return [line.strip()[-400:] for line in said.splitlines() if any(k in line for k in keys)]
 
 
 # variant parts (--tp-sizes), joined with +: the environment or the ComfyUI flags each one sets
@@ -109,67 +195,32 @@ def one_gpu(args, variant: str) -> bool:
     return args.one_gpu or any(part.startswith("link") for part in variant.split("+"))
 
 
-def start_servers(
-    args, tp_size: int, run: str, variant: str = "", limit_env: dict[str, str] | None = None
-) -> list[tuple[subprocess.Popen, int, str]]:
-    master = free_port()
-    servers = []
-    for r in reversed(range(tp_size)):
-        d = os.path.join(run, f"tp{tp_size}{variant.replace('+', '-')}_rank{r}")
-        for sub in ("output", "temp", "user"):
-            os.makedirs(os.path.join(d, sub), exist_ok=True)
-        port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TP2_", "MASTER_"))}
-        env.update(limit_env or {}, CUDA_VISIBLE_DEVICES="0" if one_gpu(args, variant) else str(r))
-        if tp_size > 1 or "pack" in variant.split("+"):  # variant 'pack' at tp 1: the pack active on one GPU
-            env.update(TP2_RANK=str(r), TP2_WORLD_SIZE=str(tp_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
-                       TP2_ATTN_BACKEND=args.attn, TP2_PROMPT_TIMEOUT_S="900", TP2_TIMEOUT_S="900")  # fmt: skip
-            if one_gpu(args, variant) and tp_size > 1:
-                env["TP2_BENCH_GLOO_ON_CUDA"] = "1"  # read by profiler_node: NCCL refuses two ranks on one GPU
-        cmd = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", args.base,
-               "--output-directory", f"{d}/output", "--temp-directory", f"{d}/temp", "--user-directory", f"{d}/user",
-               "--database-url", f"sqlite:///{d}/db.sqlite", "--disable-auto-launch", "--disable-api-nodes",
-               "--front-end-root", args.front_end, *args.comfy_args.split()]  # fmt: skip
-        options = set(variant.split("+")) - {""}
-        for o in sorted(options):
-            name = o.rstrip("0123456789-")
-            if o in ENV_PARTS:
-                env.update(ENV_PARTS[o])
-            elif o in FLAG_PARTS:
-                cmd += [a for a in FLAG_PARTS[o] if a not in cmd]
-            elif name in NUMBERED_PARTS and o != name:
-                env[NUMBERED_PARTS[name]] = o[len(name) :].replace("-", ":")
-            elif o not in ("sdpa", "half", "pack", "easycache"):
-                raise SystemExit(f"unknown variant {o!r} in --tp-sizes (combine with +: {', '.join(PARTS)})")
-        if "half" in options and tp_size != 1:
-            raise SystemExit("variant 'half' (one GPU, a TP2 rank's half-width model, no communication) is for tp 1 only")
-        if args.profile:
-            env["TP2_BENCH_PROFILE_DIR"] = os.path.join(args.out, "profile", f"tp{tp_size}{variant.replace('+', '-')}")
-        if "sdpa" in options:  # torch SDPA attention instead of comfy-kitchen int8 attention, TP1 and TP ranks alike
-            cmd = [a for a in cmd if a != "--use-ck-attention"]
-            if tp_size > 1:
-                env["TP2_ATTN_BACKEND"] = "sdpa"
-        log = open(os.path.join(run, f"tp{tp_size}{variant.replace('+', '-')}_rank{r}.log"), "w")
-        p = subprocess.Popen(cmd, cwd=args.comfyui, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        servers.insert(0, (p, port, log.name))
-    return servers
-
-
-async def wait_ready(session, servers, timeout_s=300):
-    deadline = time.monotonic() + timeout_s
-    for p, port, log in servers:
-        while True:
-            if p.poll() is not None:
-                raise RuntimeError(f"server on {port} exited:\n" + open(log).read()[-4000:])
-            try:
-                async with session.get(f"http://127.0.0.1:{port}/system_stats") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server on {port} not ready:\n" + open(log).read()[-4000:])
-            await asyncio.sleep(0.5)
+def variant_settings(args, tp_size: int, variant: str) -> tuple[dict[str, str], list[str]]:
+    """The environment and the ComfyUI flags of a configuration's servers."""
+    options, env, flags = set(variant.split("+")) - {""}, {}, args.comfy_args.split()
+    if tp_size > 1 or "pack" in options:
+        env["TP2_ATTN_BACKEND"] = args.attn
+    if one_gpu(args, variant) and tp_size > 1:
+        env["TP2_BENCH_GLOO_ON_CUDA"] = "1"  # read by profiler_node: NCCL refuses two ranks on one GPU
+    for o in sorted(options):
+        name = o.rstrip("0123456789-")
+        if o in ENV_PARTS:
+            env.update(ENV_PARTS[o])
+        elif o in FLAG_PARTS:
+            flags += [a for a in FLAG_PARTS[o] if a not in flags]
+        elif name in NUMBERED_PARTS and o != name:
+            env[NUMBERED_PARTS[name]] = o[len(name) :].replace("-", ":")
+        elif o not in ("sdpa", "half", "pack", "easycache"):
+            raise SystemExit(f"unknown variant {o!r} in --tp-sizes (combine with +: {', '.join(PARTS)})")
+    if "half" in options and tp_size != 1:
+        raise SystemExit("variant 'half' (one GPU, a TP2 rank's half-width model, no communication) is for tp 1 only")
+    if args.profile:
+        env["TP2_BENCH_PROFILE_DIR"] = os.path.join(args.out, "profile", f"tp{tp_size}{variant.replace('+', '-')}")
+    if "sdpa" in options:  # torch SDPA attention instead of comfy-kitchen int8 attention, TP1 and TP ranks alike
+        flags = [a for a in flags if a != "--use-ck-attention"]
+        if tp_size > 1:
+            env["TP2_ATTN_BACKEND"] = "sdpa"
+    return env, flags
 
 
 def workflow(ckpt: str, cond: str, w: int, h: int, frames: int, steps: int, tag: str, easycache: bool = False) -> dict:
@@ -194,48 +245,12 @@ def workflow(ckpt: str, cond: str, w: int, h: int, frames: int, steps: int, tag:
     return wf
 
 
-async def run_one(session, servers, wf, run_dir) -> dict:
-    pid = str(uuid.uuid4())
-    events = [[] for _ in servers]  # (time, type, data)
-
-    async def ws(i, port, cid):
-        async with session.ws_connect(f"ws://127.0.0.1:{port}/ws?clientId={cid}") as sock:
-            async for msg in sock:
-                if msg.type == aiohttp.WSMsgType.TEXT:
-                    d = json.loads(msg.data)
-                    events[i].append((time.time(), d["type"], d.get("data", {})))
-
-    cids = [uuid.uuid4().hex for _ in servers]
-    log_at = [os.path.getsize(log) if os.path.exists(log) else 0 for _, _, log in servers]  # what the ranks log from here on
-    watchers = [asyncio.create_task(ws(i, port, cids[i])) for i, (_, port, _) in enumerate(servers)]
-    await asyncio.sleep(0.5)
-    t0 = time.time()
-    for (_, port, _), cid in zip(servers, cids):
-        async with session.post(f"http://127.0.0.1:{port}/prompt", json={"prompt": wf, "prompt_id": pid, "client_id": cid}) as r:
-            if r.status != 200:
-                raise RuntimeError(f"port {port} refused: {await r.text()}")
-    hists = []
-    for p, port, log in servers:
-        while True:
-            async with session.get(f"http://127.0.0.1:{port}/history/{pid}") as r:
-                h = (await r.json()).get(pid)
-            if h and h["status"].get("status_str") in ("success", "error"):
-                hists.append(h)
-                break
-            if p.poll() is not None:
-                raise RuntimeError(f"server {port} died:\n" + open(log).read()[-4000:])
-            await asyncio.sleep(0.2)
-    t1 = time.time()
-    for w in watchers:
-        w.cancel()
+async def run_one(session, servers, wf) -> dict:
+    hists, events, log_at, t0, t1 = await submit(session, servers, wf)
     errors = [m for h in hists for k, m in h["status"].get("messages", []) if k == "execution_error"]
     if errors:
         return {"error": errors[0].get("exception_message", "")[:2000], "t0": t0, "t1": t1}
-    first_seen: dict[int, float] = {}  # progress value -> when rank 0 first reported it
-    for t, kind, d in events[0]:
-        if kind == "progress" and d.get("node") == "5":
-            first_seen.setdefault(d["value"], t)
-    steps = [first_seen[v] for v in sorted(first_seen)]
+    steps = step_times(events[0], "5")  # rank 0's
     per_step = [b - a for a, b in zip(steps, steps[1:])]
     # The progress events are the CPU's view: where the sampler does not wait for the GPU each step (ComfyUI's dynamic
     # VRAM), the CPU runs ahead and their spacing understates a step. The sampler's node ends once its latent is on the
@@ -248,14 +263,12 @@ async def run_one(session, servers, wf, run_dir) -> dict:
         after = [t for t, kind, d in ev if kind == "executing" and starts and t > starts[0] and d.get("node") != "1"]
         loads.append(round(after[0] - starts[0], 1) if starts and after else None)
     digests, video, replaced = [], None, 0
-    for (_p, _port, log), h, at in zip(servers, hists, log_at):
+    for s, h, at in zip(servers, hists, log_at):
         for node in sorted(h["outputs"]):
             for item in h["outputs"][node].get("latents", []):
-                video = video or (os.path.join(os.path.dirname(log), os.path.basename(log)[:-4], "output", item["subfolder"], item["filename"])
+                video = video or (os.path.join(s["dir"], "output", item["subfolder"], item["filename"])
                                   if "_video" in item["filename"] else None)  # fmt: skip
-        with open(log, errors="replace") as f:
-            f.seek(at)
-            said = f.read()
+        said = log_since(s["log"], at)
         # what each rank computed (the profiler node logs each saved latent's digest before the pack makes the files alike)
         digests.append(" ".join(sorted(line.split("tp2-bench latent ")[1] for line in said.splitlines() if "tp2-bench latent " in line)))
         replaced += said.count("other bytes than rank 0")  # nodes/same_outputs.py: a rank's output replaced by rank 0's
@@ -264,68 +277,35 @@ async def run_one(session, servers, wf, run_dir) -> dict:
             "digest": digests[0].split(" ")[-1][:12], "video_latent": video, "t0": t0, "t1": t1}  # fmt: skip
 
 
-def stop_servers(servers):
-    for p, _, _ in servers:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p, _, _ in servers:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-
-
-def pack_lines(log: str, start: int) -> list[str]:
-    """The pack's capacity prediction and sampling peak lines a server logged since byte `start`."""
-    with open(log, errors="replace") as f:
-        f.seek(start)
-        return [
-            line.strip()[-400:] for line in f if any(k in line for k in (" capacity: ", " sampling peak: ", " sequence parallelism off "))
-        ]
-
-
 async def main_async(args) -> list[dict]:
-    mem, procs = GpuMemory(), ProcessSampler()
-    rows = []
-    run_dir = os.path.join(args.out, "run")
-    os.makedirs(run_dir, exist_ok=True)
+    procs, rows, run_dir = ProcessSampler(cards=True), [], os.path.join(args.out, "run")
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
             for config in args.tp_sizes:
                 tp, _, variant = config.partition(":")
                 tp = int(tp)
-                ballast, limit_env = [], {}
-                if args.cap_gib:
-                    ballast, limit_env, how = confine_gpus(args.cap_gib, servers_per_gpu(tp, one_gpu(args, variant)))
-                    print(f"{config}: {how}", flush=True)
-                servers = start_servers(args, tp, run_dir, variant, limit_env)
-                try:
-                    await wait_ready(session, servers)
+                pack = tp > 1 or "pack" in variant.split("+")  # variant 'pack' at tp 1: the pack active on one GPU
+                env, flags = variant_settings(args, tp, variant)
+                where = (run_dir, [f"tp{tp}{variant.replace('+', '-')}_rank{r}" for r in range(tp)], "{}.log", pack, one_gpu(args, variant))
+                async with serving(session, args, config, *where, env, flags, 300, args.cap_gib) as (servers, _):
                     plan = [(r, args.steps, False) for r in args.resolutions] + (
                         [(r, args.memory_steps, True) for r in args.memory_resolutions] if tp > 1 else []
                     )
                     for res, steps, memory_only in plan:
-                        marks = [os.path.getsize(log) for _, _, log in servers]
+                        marks = [os.path.getsize(s["log"]) for s in servers]
                         w, h, *f = (int(x) for x in res.split("x"))  # WxH, or WxHxFRAMES for a memory run at another length
                         frames = f[0] if f else args.frames
                         ckpt = args.half_ckpt if "half" in variant.split("+") else args.ckpt
-                        out = await run_one(
-                            session,
-                            servers,
-                            workflow(ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}", "easycache" in variant.split("+")),
-                            run_dir,
-                        )
+                        wf = workflow(ckpt, args.cond, w, h, frames, steps, f"tp{tp}_{res}", "easycache" in variant.split("+"))
+                        out = await run_one(session, servers, wf)
                         out.update(tp_size=tp, variant=variant or "-", resolution=res, steps=steps, memory_only=memory_only)
-                        out["peak_mib"] = [mem.peak(0 if one_gpu(args, variant) else g, out["t0"], out["t1"] + 1.0) for g in range(tp)]
-                        out["process_peak_mib"] = [procs.peak(p.pid, "gpu_mib", out["t0"], out["t1"] + 1.0) for p, _, _ in servers]
-                        out["pack_log"] = [pack_lines(log, marks[i]) for i, (_, _, log) in enumerate(servers)]
+                        t0, t1 = out["t0"], out["t1"] + 1.0
+                        out["peak_mib"] = [procs.peak(0 if one_gpu(args, variant) else g, "card_mib", t0, t1) for g in range(tp)]
+                        out["process_peak_mib"] = [procs.peak(s["proc"].pid, "gpu_mib", t0, t1) for s in servers]
+                        out["pack_log"] = [pack_lines(log_since(s["log"], at)) for s, at in zip(servers, marks)]
                         rows.append(out)
                         print(json.dumps({k: v for k, v in out.items() if k not in ("t0", "t1")}), flush=True)
-                finally:
-                    stop_servers(servers)
-                    stop_all(ballast)
     finally:
-        mem.stop()
         procs.stop()
     return rows
 
@@ -370,8 +350,7 @@ def table(rows: list[dict]) -> str:
         base = tp1.get(_baseline_key(r))
         ratio = f"{base['s_per_step'] / r['s_per_step']:.2f}x" if base and r["s_per_step"] and not _is_baseline(r) else "-"
         sps = f"{r['s_per_step']:.3f}" if r["s_per_step"] else "-"
-        mem = ", ".join(f"{m / 1024:.1f}" for m in r["peak_mib"])
-        own = ", ".join("-" if m is None else f"{m / 1024:.1f}" for m in r.get("process_peak_mib", []))
+        mem, own = (", ".join("-" if m is None else f"{m / 1024:.1f}" for m in r.get(k, [])) for k in ("peak_mib", "process_peak_mib"))
         lines.append(
             f"| {r['resolution']}{' (memory)' if r['memory_only'] else ''} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | {sps} | {ratio} | {mem} | {own} | {r['load_s']} | {r['identical']} ({r.get('replaced', '-')}) | {r.get('sqnr_db_vs_tp1', '-')} |"
         )
@@ -408,7 +387,9 @@ def main(argv=None) -> int:
     args.tp_sizes = [x.strip() for x in args.tp_sizes.split(",") if x.strip()]  # "2" or "2:bf16" (TP2_REDUCE_DTYPE=bf16)
     args.resolutions = [r for r in args.resolutions.split(",") if r]
     args.memory_resolutions = [r for r in args.memory_resolutions.split(",") if r]
-    link_bench_node(args.base)
+    if args.cap_gib:
+        need_mps()
+    link_nodes(args.base, {"tp2_bench_profiler": BENCH_NODE})  # the profile, the one-GPU mode's group
     rows = asyncio.run(main_async(args))
     sqnr_vs_tp1(rows)
     with open(os.path.join(args.out, "bench.json"), "w") as f:

@@ -6,11 +6,11 @@
 # TP2_BENCH_FOLLOW_S seconds (default 540) or when the run ends, with what is done so far in $OUT:
 #   host_memory.log (the run's log), whole_video.jsonl (a row per config and prompt), its table, server_logs.tar.xz
 # The run: the four models at full size, each H3 file cut for 2 ranks into the rank cache as it is written and then freed
-# on disk (make_models.py --cut-ahead 2: the models and both caches fit the 64 GiB disk); CUDA MPS's per-client limit
-# checked; then the bundled T2V+audio workflow, 2 steps, cold then warm, both ranks on GPU 0 each confined to 22 GiB
-# (whole_video.py tp2@22 --one-gpu), at 832x480x124 and 1920x1088x124, the host unlimited and with 63 GiB held (a 64 GB
-# machine), with and without ComfyUI's --disable-pinned-memory, the rows not yet measured first; then one TP2 rank's block
-# over emulated links (link_emulator.py). Called by bench.sh: W, PY, PACK_DIR and PYTHONPATH set.
+# on disk (make_models.py --cut-ahead 2: the models and both caches fit the 64 GiB disk); then the bundled T2V+audio
+# workflow, 2 steps, cold then warm, both ranks on GPU 0 each confined to 22 GiB by CUDA MPS (whole_video.py tp2@22
+# --one-gpu), at 832x480x124 and 1920x1088x124, the host unlimited and with 63 GiB held (a 64 GB machine), with and
+# without ComfyUI's --disable-pinned-memory, the rows not yet measured first; then one TP2 rank's block over emulated
+# links (link_emulator.py). Called by bench.sh: W, PY, PACK_DIR and PYTHONPATH set.
 set -uo pipefail
 HM="$W/host_memory"; R="$HM/results"; PIDFILE="$HM/run.pid"
 export TP2_CACHE_DIR="$W/cache"
@@ -21,8 +21,6 @@ run() {
   local t0; t0=$(date +%s)
   "$PY" "$PACK_DIR/scripts/bench/make_models.py" --comfyui "$W/ComfyUI" --models "$base/models" --cut-ahead 2 || { echo "set-up failed"; return 1; }
   df -h "$W" | tail -1; echo "set-up took $(( $(date +%s) - t0 )) s"
-  "$PY" "$PACK_DIR/scripts/bench/process_memory.py" --probe-mps 22 || { export TP2_BENCH_GPU_LIMIT=ballast
-    echo "== CUDA MPS does not confine a client here: the ranks share one 44 GiB pool (gpu_ballast.py)"; }
   step() { echo "== $(date +%T) whole_video $*"; "${wv[@]}" "$@" || echo "== (a prompt failed: see its row)"; }
   # measured on 2026-12-06 (docs/PERFORMANCE.md): 832x480 pinned unlimited and unpinned on 64 GB, 1920x1088 pinned unlimited
   # (out of GPU memory) and the unpinned cold prompt on 64 GB; the rest, the launcher's default (no pinned copies) first
