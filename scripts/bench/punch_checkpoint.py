@@ -1,9 +1,6 @@
-#!/usr/bin/env python3
 """Free a safetensors checkpoint's large tensors on disk once each rank's cut of it is in the rank cache, so the models and
 the rank caches fit a small disk together (the device's 64 GiB holds the four models, 41 GB, or them plus two ranks' caches,
-not both whole).
-
-    python scripts/bench/punch_checkpoint.py FILE [FILE ...] [--min-bytes N]
+not both whole): make_models.py --cut-ahead.
 
 The data of every tensor of at least N bytes (1 MiB) is punched out (fallocate PUNCH_HOLE | KEEP_SIZE): the file keeps its
 size, name and header, every small tensor (the `.comfy_quant` markers the pack's planner reads) and the 16 windows of
@@ -14,14 +11,10 @@ bench's set-up compares the videos). A `FILE.punched` marker records the punch; 
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from tp2.safetensors_io import DTYPES, fingerprint_windows, read_header  # noqa: E402
+from tp2.safetensors_io import DTYPES, fingerprint_windows, read_header  # the pack's folder on sys.path (make_models.py)
 
 PAGE = 4096
 PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
@@ -57,17 +50,3 @@ def _gaps(lo: int, hi: int, keep: list[tuple[int, int]]) -> list[tuple[int, int]
             gaps.append((cur, a))
             cur = max(cur, b)
     return [(a, b) for a, b in gaps + [(cur, hi)] if b > a]
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", nargs="+")
-    ap.add_argument("--min-bytes", type=int, default=1 << 20, help="punch tensors of at least this many bytes (default 1 MiB)")
-    a = ap.parse_args(argv)
-    for path in a.files:
-        print(f"{path}: punched {punch(path, a.min_bytes) / 2**30:.2f} GiB", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

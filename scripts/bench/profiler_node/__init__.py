@@ -55,20 +55,6 @@ def _length(intervals) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def _overlap(xs, ys) -> float:
-    """Total length of the intersection of two sorted disjoint interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(xs) and j < len(ys):
-        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        total += max(0.0, b - a)
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
 def summarize(trace_path: str, wall_ms: float) -> dict:
     """Kernel totals, categories and exposed NCCL time from a chrome trace written by torch.profiler."""
     with open(trace_path) as f:
@@ -101,7 +87,7 @@ def summarize(trace_path: str, wall_ms: float) -> dict:
         "gpu_busy_ms": round(_length(busy) / 1e3, 2),
         "compute_busy_ms": round(_length(compute) / 1e3, 2),
         "nccl_ms": round(_length(nccl) / 1e3, 2),
-        "nccl_exposed_ms": round((_length(nccl) - _overlap(nccl, compute)) / 1e3, 2),
+        "nccl_exposed_ms": round((_length(busy) - _length(compute)) / 1e3, 2),  # NCCL time with no compute kernel beside it
         "categories_ms": {c: round(v, 2) for c, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
         "kernels": [{"name": n[:160], "ms": round(t, 3), "count": c, "category": _category(n)} for n, (t, c) in top],
         "idle_gaps": [
