@@ -13,13 +13,15 @@ Full size (the default; on a GPU machine, ~41 GB written):
 h3_small_vae (servers need H3_TEST_SMALL_VAE=1 and H3_TEST_TINY_TE=1 and both fixtures in custom_nodes), and the
 audio VAE at its real size. A file that exists is kept (delete it to write it again).
 --cut-ahead 2: as each H3 file is written, each rank's cut of it into the rank cache, then its large tensors freed on disk
-(punch_checkpoint.py): the models and two ranks' caches then fit the device's 64 GiB disk (~45 GB instead of ~81).
+(punch): the models and two ranks' caches then fit the device's 64 GiB disk (~45 GB instead of ~81).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
+import math
 import os
 import subprocess
 import sys
@@ -28,12 +30,14 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [os.path.join(ROOT, "scripts"), ROOT, os.path.dirname(os.path.abspath(__file__))]
 from make_workflows import AUDIO_VAE, DIT, TEXT_ENCODER, VIDEO_VAE  # noqa: E402
-from punch_checkpoint import punch  # noqa: E402
 
 from tp2 import settings  # noqa: E402
+from tp2.safetensors_io import DTYPES, fingerprint_windows, read_header  # noqa: E402
 
 FIXTURES = os.path.join(ROOT, "tests", "comfy", "fixtures")
 TINY_ENV = {"H3_TEST_SMALL_VAE": "1", "H3_TEST_TINY_TE": "1"}  # what servers need to build the tiny stand-ins
+PAGE = 4096
+PUNCH_HOLE_KEEP_SIZE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
 
 def fill_random(module, seed: int, device: str = "cpu") -> None:
@@ -86,9 +90,38 @@ def rank_cuts(path: str, tp_size: int) -> list[list[str]]:
     return [glob.glob(os.path.join(folder, f"{glob.escape(stem)}.*.tp{tp_size}-rank{r}.safetensors")) for r in range(tp_size)]
 
 
+def punch(path: str, min_bytes: int) -> int:
+    """Free on disk (fallocate PUNCH_HOLE | KEEP_SIZE) the data of `path`'s tensors of at least `min_bytes` but the windows
+    of tp2.safetensors_io's file fingerprint: the file keeps its size, header and small tensors (the `.comfy_quant`
+    markers the pack's planner reads), so the rank cache still knows it as the file its cuts came from. Punched bytes
+    read back as zeros: punch only what the rank cache serves (the set-up's test compares the videos). A PATH.punched
+    marker records it. Returns the bytes freed."""
+    header = read_header(path)
+    keep, libc, freed = sorted(fingerprint_windows(header)), ctypes.CDLL("libc.so.6", use_errno=True), 0
+    with open(path, "r+b") as f:
+        for info in header.tensors.values():
+            lo = info.start
+            hi = lo + math.prod(info.shape) * DTYPES[info.dtype].itemsize
+            if hi - lo < min_bytes:
+                continue
+            gaps, cur = [], lo  # [lo, hi) without the kept windows
+            for a, b in keep:
+                if b > cur and a < hi:
+                    gaps.append((cur, a))
+                    cur = max(cur, b)
+            for a, b in gaps + [(cur, hi)]:
+                a, b = -(-a // PAGE) * PAGE, b // PAGE * PAGE  # whole pages inside the gap
+                if b > a:
+                    if libc.fallocate(f.fileno(), PUNCH_HOLE_KEEP_SIZE, ctypes.c_long(a), ctypes.c_long(b - a)) != 0:
+                        raise OSError(ctypes.get_errno(), f"cannot punch holes in {path} (its file system may not support it)")
+                    freed += b - a
+    open(path + ".punched", "w").write(f"{freed}\n")
+    return freed
+
+
 def cut_ahead_and_punch(path: str, tp_size: int, min_bytes: int) -> None:
     """Each rank's cut of H3 file `path` into the rank cache now (`python -m tp2.rank_cache`, as a user would), then the
-    file's large tensors freed on disk (punch_checkpoint.py), so the next model fits beside the cuts."""
+    file's large tensors freed on disk (punch), so the next model fits beside the cuts."""
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "tp2.rank_cache", path, "--tp-size", str(tp_size)], check=True, cwd=ROOT)
     freed = punch(path, min_bytes)
