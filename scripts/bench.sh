@@ -37,7 +37,6 @@ echo '<html><body>minimax-h3-tp2 benchmark</body></html>' > "$W/fe/index.html"
 export PYTHONPATH="$W/site${PYTHONPATH:+:$PYTHONPATH}"
 BASE="$W/base"; mkdir -p "$BASE/custom_nodes" "$BASE/models/diffusion_models" "$BASE/models/h3_conditioning"
 ln -sfn "$PACK_DIR" "$BASE/custom_nodes/minimax-h3-tp2"
-ln -sfn "$PACK_DIR/scripts/bench/profiler_node" "$BASE/custom_nodes/tp2_bench_profiler"   # inert unless --profile
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 "$PY" -c "import torch, comfy_kitchen; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'int8 attention', comfy_kitchen.int8_attention_is_available())"
 if [[ "${1:-}" == --host-memory ]]; then mkdir -p "$W/host_memory"; exec bash "$PACK_DIR/scripts/bench/host_memory.sh" start; fi

@@ -33,12 +33,14 @@ wire (TP2_WIRE; `--wire fp32,bf16,int8`) and TP2_OVERLAP, over each link of `--l
 
 from __future__ import annotations
 
-import contextlib
+import argparse
+import dataclasses
+import json
 import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+import unittest.mock
 
 import torch
 import torch.distributed as dist
@@ -48,10 +50,10 @@ BUS_FACTOR = {
     **{op: lambda n: (n - 1) / n for op in ("reduce_scatter", "all_gather", "all_to_all")},
 }
 CALIBRATION_CYCLES = 20_000_000  # torch.cuda._sleep's spin timed once: ~10 ms on an H100 or H200
-BALANCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib", "balance.py")  # the block
+LIB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib")  # balance.py: the block
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Link:
     gbps: float  # bus bandwidth, GB/s (nccl-tests' busbw)
     latency_s: float = 0.0
@@ -73,7 +75,7 @@ class Link:
 FREE = Link(math.inf)  # a link that takes no time: the compute alone
 
 
-@dataclass
+@dataclasses.dataclass
 class Collective:
     """One tensor collective as issued: `shape` and `dtype` of this rank's input, `nbytes` of the whole tensor (a
     reduce-scatter's input, an all-gather's output), `site` the innermost caller outside tp2/collectives.py and tp2/wire.py, and
@@ -87,7 +89,7 @@ class Collective:
     index: int
     issued_before_wait: int | None = None
     link_s: float = 0.0
-    work: object = field(default=None, repr=False)
+    work: object = dataclasses.field(default=None, repr=False)
 
     def key(self) -> tuple:
         return self.op, self.shape, self.dtype, self.nbytes, self.site, self.issued_before_wait
@@ -259,15 +261,9 @@ class EmulatedDist:
         return self._links[device]
 
 
-@contextlib.contextmanager
 def collectives_through(collectives, shim: EmulatedDist):
     """tp2.collectives (the module `collectives`) calling `shim` for torch.distributed while the block runs."""
-    real = collectives.dist
-    collectives.dist = shim
-    try:
-        yield shim
-    finally:
-        collectives.dist = real
+    return unittest.mock.patch.object(collectives, "dist", shim)
 
 
 def present(tp, backend: str):
@@ -372,11 +368,6 @@ def time_block(balance, shape, device: torch.device, link: Link, overlap: int, r
 
 
 def main() -> None:
-    import argparse
-    import dataclasses
-    import importlib.util
-    import json
-
     ap = argparse.ArgumentParser(description="One TP2 rank's H3 block over an emulated link, on and off TP2_OVERLAP (ms per block).")
     ap.add_argument("--link", default="10:15", help="GBPS[:LATENCY_US],... (default: PCIe without peer-to-peer, NCCL through host memory)")
     ap.add_argument("--tokens", type=int, default=15100, help="15100: 832x480x124")
@@ -390,16 +381,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--cpu", action="store_true", help="a small int8 block on the CPU (eager GEMM): a check of the script")
     a = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("balance", BALANCE)
-    balance = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(balance)
+    sys.path.insert(0, LIB)
+    import balance
+
+    from kernels import wire_codec
+    from tp2 import wire as wires
+
     device = torch.device("cpu" if a.cpu else "cuda")
     whole = dict(heads=8, head_dim=64, hidden=512, ffn=1024, tokens=256) if a.cpu else dict(tokens=a.tokens)
     shape = dataclasses.replace(balance.H3_BLOCK, **whole)
     half = dataclasses.replace(shape, heads=shape.heads // 2, ffn=shape.ffn // 2)  # one rank's widths at an even split
-    from kernels import wire_codec
-    from tp2 import wire as wires
-
     wires.use_fused(wire_codec.select)
     tp1_ms = time_block(balance, shape, device, FREE, 1, torch.float32, a.repeats, tp_size=1)["block_s"] * 1e3 if a.tp1 else None
     for wire, overlap in ((w, int(n)) for w in a.wire.split(",") for n in a.overlap.split(",")):

@@ -13,6 +13,7 @@ computed. Always: every SaveLatent's tensor digest as this rank computed it, log
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -60,26 +61,21 @@ def summarize(trace_path: str, wall_ms: float) -> dict:
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
-    per_kernel: dict[str, list] = {}
-    per_cat: dict[str, float] = {}
+    per_kernel, per_cat = collections.defaultdict(lambda: [0.0, 0]), collections.defaultdict(float)
     for e in kernels:
-        k = per_kernel.setdefault(e["name"], [0.0, 0])
-        k[0] += e["dur"] / 1e3
-        k[1] += 1
-        cat = _category(e["name"])
-        per_cat[cat] = per_cat.get(cat, 0.0) + e["dur"] / 1e3
+        per_kernel[e["name"]][0] += e["dur"] / 1e3
+        per_kernel[e["name"]][1] += 1
+        per_cat[_category(e["name"])] += e["dur"] / 1e3
     nccl = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if _category(e["name"]) == "nccl"])
     compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if _category(e["name"]) != "nccl"])
     busy = _union(nccl + compute)
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
-    ordered = sorted(kernels, key=lambda e: e["ts"])
-    gaps: dict[tuple[str, str], list] = {}  # idle GPU (no kernel on any stream) by the kernels around it
+    gaps = collections.defaultdict(lambda: [0.0, 0])  # idle GPU (no kernel on any stream) by the kernels around it
     end, prev = None, None
-    for e in ordered:
+    for e in sorted(kernels, key=lambda e: e["ts"]):
         if end is not None and e["ts"] > end:
-            g = gaps.setdefault((prev["name"][:70], e["name"][:70]), [0.0, 0])
-            g[0] += (e["ts"] - end) / 1e3
-            g[1] += 1
+            gaps[prev["name"][:70], e["name"][:70]][0] += (e["ts"] - end) / 1e3
+            gaps[prev["name"][:70], e["name"][:70]][1] += 1
         if end is None or e["ts"] + e["dur"] > end:
             end, prev = e["ts"] + e["dur"], e
     return {
