@@ -17,22 +17,21 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib"))
+import torch
+import torch.nn.functional as F
+
+SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(SCRIPTS, "lib"))
 from balance import H3_BLOCK, MEASUREMENTS, block_timer  # scripts/lib  # noqa: E402
 
 from tp2.checkpoint import CheckpointLayout  # noqa: E402
 from tp2.plan import resolve_plan  # noqa: E402
 from tp2.split import parse_split  # noqa: E402
 
-LAYOUT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests", "unit", "data", "h3_int8_convrot.layout.json"
-)
+LAYOUT = os.path.join(os.path.dirname(SCRIPTS), "tests", "unit", "data", "h3_int8_convrot.layout.json")
 
 
 def attention_ms(heads: int, tokens: int, head_dim: int) -> float:
-    import torch
-    import torch.nn.functional as F
-
     q, k, v = (torch.randn(1, heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     times = []
     for i in range(3 + MEASUREMENTS):
@@ -60,8 +59,6 @@ def main() -> None:
         for r in range(len(shares)):
             heads, ffn = plan.local_heads(r), plan.local_ffn(r)
             shape = H3_BLOCK.__class__(**{**H3_BLOCK.__dict__, "heads": heads, "ffn": ffn, "tokens": a.tokens})
-            import torch
-
             timer = block_timer(torch.device("cuda"), shape)
             block = statistics.median(timer() for _ in range(MEASUREMENTS)) * 1e3
             del timer

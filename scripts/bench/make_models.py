@@ -129,11 +129,9 @@ def cut_ahead_and_punch(path: str, tp_size: int, min_bytes: int) -> None:
           f"{time.monotonic() - t0:.0f} s", flush=True)  # fmt: skip
 
 
-def write_models(models: str, comfyui: str, tiny: bool = False, cut_ahead: int = 0, min_bytes: int = 1 << 20) -> dict[str, str]:
-    """Write what is missing; returns {relative path under models/: absolute path}. cut_ahead N: the DiT's and the text
-    encoder's rank caches for N ranks cut as each is written, then their large tensors freed on disk (a file freed
-    before whose cuts are missing is written again)."""
-    files = {f"diffusion_models/{DIT}": None, f"text_encoders/{TEXT_ENCODER}": None, f"vae/{VIDEO_VAE}": None, f"vae/{AUDIO_VAE}": None}
+def write_models(models: str, comfyui: str, tiny: bool = False, cut_ahead: int = 0, min_bytes: int = 1 << 20) -> None:
+    """Write what is missing under `models`. cut_ahead N: the DiT's and the text encoder's rank caches for N ranks cut as
+    each is written, then their large tensors freed on disk (a file freed before whose cuts are missing is written again)."""
     py, scripts = sys.executable, os.path.join(ROOT, "scripts")
     size = [] if tiny else ["--full-size"]
     makers = {
@@ -143,8 +141,8 @@ def write_models(models: str, comfyui: str, tiny: bool = False, cut_ahead: int =
         f"vae/{AUDIO_VAE}": lambda p: [py, __file__, "--vae", "audio", p, "--comfyui", comfyui, *(["--tiny"] if tiny else [])],
     }
     env = dict(os.environ, **(TINY_ENV if tiny else {}))
-    for rel in files:
-        path = files[rel] = os.path.join(models, rel)
+    for rel, make in makers.items():
+        path = os.path.join(models, rel)
         h3 = cut_ahead and rel.startswith(("diffusion_models/", "text_encoders/"))
         if h3 and os.path.exists(path + ".punched") and not all(rank_cuts(path, cut_ahead)):
             print(f"make_models: {rel} was freed on disk and a rank's cut of it is missing: writing it again", flush=True)
@@ -156,12 +154,11 @@ def write_models(models: str, comfyui: str, tiny: bool = False, cut_ahead: int =
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)
         t0 = time.monotonic()
-        subprocess.run(makers[rel](path + ".part"), check=True, env=env, cwd=comfyui)
+        subprocess.run(make(path + ".part"), check=True, env=env, cwd=comfyui)
         os.replace(path + ".part", path)
         print(f"make_models: {rel} {os.path.getsize(path) / 2**30:.2f} GiB in {time.monotonic() - t0:.0f} s", flush=True)
         if h3:
             cut_ahead_and_punch(path, cut_ahead, min_bytes)
-    return files
 
 
 def main(argv=None) -> int:

@@ -14,11 +14,15 @@ computed. Always: every SaveLatent's tensor digest as this rank computed it, log
 from __future__ import annotations
 
 import collections
+import hashlib
+import importlib.util
 import json
 import logging
 import os
 import re
+import sys
 import tempfile
+import time
 
 NODE_CLASS_MAPPINGS: dict = {}
 PACK = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
@@ -110,8 +114,6 @@ def _text(tag: str, s: dict) -> str:
 
 
 def _install(out_dir: str, call_no: int) -> None:
-    import time
-
     import comfy.ldm.minimax.model as h3
     import torch
 
@@ -151,8 +153,6 @@ def _install(out_dir: str, call_no: int) -> None:
 
 def _pack_module(name: str, why: str):
     """The pack's module `name` (e.g. tp2.collectives) as ComfyUI loaded it: call after every custom node is loaded."""
-    import sys
-
     want = os.path.join(PACK, *name.split(".")) + ".py"
     for loaded, mod in list(sys.modules.items()):
         if loaded.endswith("." + name) and os.path.realpath(getattr(mod, "__file__", "") or "") == want:
@@ -176,17 +176,6 @@ def _gloo_on_cuda() -> None:
     log.info("the TP group forms over gloo (TP2_BENCH_GLOO_ON_CUDA)")
 
 
-def _link_emulator():
-    """scripts/bench/link_emulator.py, loaded from the pack's folder."""
-    import importlib.util
-    import sys
-
-    found = importlib.util.spec_from_file_location("tp2_bench_link_emulator", os.path.join(PACK, "scripts", "bench", "link_emulator.py"))
-    module = sys.modules[found.name] = importlib.util.module_from_spec(found)  # its dataclasses look their module up
-    found.loader.exec_module(module)
-    return module
-
-
 def _emulated_link(spec: str) -> None:
     """TP2_BENCH_LINK=GBPS[:LATENCY_US], every rank on one GPU (bench_comfy.py's variant linkB-L): rank 0 runs for
     real, its tensor collectives over that link (scripts/bench/link_emulator.py); the other ranks are hollow peers:
@@ -194,7 +183,10 @@ def _emulated_link(spec: str) -> None:
     collectives take no time, so the GPU is rank 0's. Outputs: rank 0's (the pack makes every rank's files its own)."""
     import comfy.ldm.minimax.model as h3
 
-    emulator, rank = _link_emulator(), int(os.environ.get("TP2_RANK", "0"))
+    found = importlib.util.spec_from_file_location("tp2_bench_link_emulator", os.path.join(PACK, "scripts", "bench", "link_emulator.py"))
+    emulator = sys.modules[found.name] = importlib.util.module_from_spec(found)  # its dataclasses look their module up
+    found.loader.exec_module(emulator)
+    rank = int(os.environ.get("TP2_RANK", "0"))
     link = emulator.Link.parse(spec) if rank == 0 else emulator.FREE
     collectives = _pack_module("tp2.collectives", "TP2_BENCH_LINK")
     emulator.emulate_group_formation(_pack_module("tp2.session", "TP2_BENCH_LINK"), collectives, link)
@@ -259,8 +251,6 @@ def _host_memory_log() -> None:
 def _latent_digests() -> None:
     """Each SaveLatent's tensor as this rank computed it, logged (`tp2-bench latent PREFIX SHA256`) before it is written:
     the pack makes the ranks' files the same bytes afterwards, so the files cannot say whether the ranks computed alike."""
-    import hashlib
-
     import torch
 
     import nodes
