@@ -13,9 +13,6 @@ includes writing the trace in step 3); each rank's checkpoint load (UNETLoader's
 the files alike) and how many outputs the pack replaced with rank 0's; the pack's capacity-check (not enforced here) and
 sampler-peak log lines. Prints a table; writes bench.json. --cap-gib G: every process a G GiB card (CUDA MPS's per-process
 limit, process_memory.confine_gpus; without MPS the script stops at once): a real limit for the allocator and dynamic VRAM.
---one-gpu: every rank on GPU 0 over gloo (memory real, speed not). Variant linkB-L (e.g. 2:link216-10): that layout with
-rank 0's tensor collectives over an emulated link of B GB/s and L us and the other ranks hollow
-(scripts/bench/link_emulator.py): rank 0's s/step is TP's on that link.
 """
 
 from __future__ import annotations
@@ -50,8 +47,7 @@ def link_nodes(base: str, links: dict[str, str]) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
 
 
@@ -237,10 +233,8 @@ def workflow(ckpt: str, cond: str, w: int, h: int, frames: int, steps: int, tag:
         "8": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 1], "filename_prefix": f"latents/{tag}_audio"}},
     }  # fmt: skip
     if easycache:
-        wf["9"] = {
-            "class_type": "EasyCache",
-            "inputs": {"model": ["1", 0], "reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False},
-        }
+        inputs = {"model": ["1", 0], "reuse_threshold": 0.2, "start_percent": 0.15, "end_percent": 0.95, "verbose": False}
+        wf["9"] = {"class_type": "EasyCache", "inputs": inputs}
         wf["5"]["inputs"]["model"] = ["9", 0]
     return wf
 
@@ -342,18 +336,16 @@ def table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        head = f" | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | "  # after the resolution
         if "error" in r:
-            lines.append(
-                f"| {r['resolution']} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | ERROR: {r['error'][:120]} | | | | | |"
-            )
+            lines.append(f"| {r['resolution']}{head}ERROR: {r['error'][:120]} | | | | | |")
             continue
         base = tp1.get(_baseline_key(r))
         ratio = f"{base['s_per_step'] / r['s_per_step']:.2f}x" if base and r["s_per_step"] and not _is_baseline(r) else "-"
         sps = f"{r['s_per_step']:.3f}" if r["s_per_step"] else "-"
         mem, own = (", ".join("-" if m is None else f"{m / 1024:.1f}" for m in r.get(k, [])) for k in ("peak_mib", "process_peak_mib"))
-        lines.append(
-            f"| {r['resolution']}{' (memory)' if r['memory_only'] else ''} | {r['tp_size']} | {r.get('variant', '')} | {r['steps']} | {sps} | {ratio} | {mem} | {own} | {r['load_s']} | {r['identical']} ({r.get('replaced', '-')}) | {r.get('sqnr_db_vs_tp1', '-')} |"
-        )
+        lines.append(f"| {r['resolution']}{' (memory)' if r['memory_only'] else ''}{head}{sps} | {ratio} | {mem} | {own} | {r['load_s']} | "
+                     f"{r['identical']} ({r.get('replaced', '-')}) | {r.get('sqnr_db_vs_tp1', '-')} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -384,9 +376,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cap-gib", type=float, help="every process as if on a card of this many GiB (see the docstring)")
     ap.add_argument("--one-gpu", action="store_true", help="every rank on GPU 0, their group over gloo (memory real, speed not)")
     args = ap.parse_args(argv)
-    args.tp_sizes = [x.strip() for x in args.tp_sizes.split(",") if x.strip()]  # "2" or "2:bf16" (TP2_REDUCE_DTYPE=bf16)
-    args.resolutions = [r for r in args.resolutions.split(",") if r]
-    args.memory_resolutions = [r for r in args.memory_resolutions.split(",") if r]
+    for name in ("tp_sizes", "resolutions", "memory_resolutions"):  # "2" or "2:bf16" (TP2_REDUCE_DTYPE=bf16); WxH
+        setattr(args, name, [x.strip() for x in getattr(args, name).split(",") if x.strip()])
     if args.cap_gib:
         need_mps()
     link_nodes(args.base, {"tp2_bench_profiler": BENCH_NODE})  # the profile, the one-GPU mode's group

@@ -19,12 +19,9 @@ the sum's magnitude); a reduce-scatter gives this rank's rows of its input, an a
 rank's place. Every collective is recorded as a Collective (op, shape, dtype, bytes, call site, what was issued
 before its wait); with no link, EmulatedDist records a real group's collectives and runs them for real.
 
-The ComfyUI benchmark uses it through scripts/bench/profiler_node (TP2_BENCH_LINK; bench_comfy.py's variant linkB-L).
-On one GPU (an H200 for the 2x H200 figures of docs/PERFORMANCE.md), after `scripts/bench/stage.sh` here:
-  TP2_BENCH_SMOKE=0 bash scripts/bench.sh --tp-sizes 2:link216-10+overlap1,2:bf16+fnorm+link216-10+overlap1 \\
-      --resolutions 832x480,1344x768 --memory-resolutions "" --steps 6
-(216 GB/s, 10 us: NCCL's reduce-scatter on 2x H200, docs/bench/2026-11-30_profile_tp2_bf16_sp_fnorm_rank0.txt; overlap1:
-TP2_OVERLAP off, as those figures were taken; drop it for today's default.) This file as a script times one rank's
+The ComfyUI benchmark uses it through scripts/bench/profiler_node (TP2_BENCH_LINK: bench_comfy.py's variant linkB-L;
+2:link216-10+overlap1 is NCCL's reduce-scatter on 2x H200, docs/bench/2026-11-30_profile_tp2_bf16_sp_fnorm_rank0.txt,
+with TP2_OVERLAP off as those figures were taken). This file as a script times one rank's
 H3 block (scripts/lib/balance.py's, the row-parallel layers through tp2.layers; `--fast`: sequence parallelism's) per
 wire (TP2_WIRE; `--wire fp32,bf16,int8`) and TP2_OVERLAP, over each link of `--link`, `--tp1` beside the whole block on one GPU:
   mkdir -p /tmp/ck && tar -C /tmp/ck -xJf .device/comfy_kitchen.tar.xz

@@ -69,14 +69,11 @@ def _write_vae(kind: str, path: str, comfyui: str, tiny: bool) -> None:
     import h3_small_vae  # with H3_TEST_SMALL_VAE=1 (tiny) it makes ComfyUI build its VAE class small
 
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
-    if kind == "video":
-        from comfy.ldm.minimax.vae import MiniMaxH3VideoVAE as cls
+    from comfy.ldm.minimax.audio_vae import MiniMaxH3AudioVAE
+    from comfy.ldm.minimax.vae import MiniMaxH3VideoVAE
 
-        dtype = torch.float32 if tiny else torch.float16
-    else:
-        from comfy.ldm.minimax.audio_vae import MiniMaxH3AudioVAE as cls
-
-        dtype = torch.float32
+    cls = MiniMaxH3VideoVAE if kind == "video" else MiniMaxH3AudioVAE
+    dtype = torch.float16 if kind == "video" and not tiny else torch.float32
     with torch.device(device):
         vae = cls()
     fill_random(vae, seed=0 if kind == "video" else 1, device=device)
@@ -148,16 +145,13 @@ def write_models(models: str, comfyui: str, tiny: bool = False, cut_ahead: int =
             print(f"make_models: {rel} was freed on disk and a rank's cut of it is missing: writing it again", flush=True)
             os.remove(path)
             os.remove(path + ".punched")
-        if os.path.exists(path):
-            if h3 and not os.path.exists(path + ".punched"):
-                cut_ahead_and_punch(path, cut_ahead, min_bytes)
-            continue
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        t0 = time.monotonic()
-        subprocess.run(make(path + ".part"), check=True, env=env, cwd=comfyui)
-        os.replace(path + ".part", path)
-        print(f"make_models: {rel} {os.path.getsize(path) / 2**30:.2f} GiB in {time.monotonic() - t0:.0f} s", flush=True)
-        if h3:
+        if written := not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            t0 = time.monotonic()
+            subprocess.run(make(path + ".part"), check=True, env=env, cwd=comfyui)
+            os.replace(path + ".part", path)
+            print(f"make_models: {rel} {os.path.getsize(path) / 2**30:.2f} GiB in {time.monotonic() - t0:.0f} s", flush=True)
+        if h3 and (written or not os.path.exists(path + ".punched")):
             cut_ahead_and_punch(path, cut_ahead, min_bytes)
 
 
@@ -166,13 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--comfyui", required=True, help="a ComfyUI checkout with MiniMax-H3 (its VAE classes are used)")
     ap.add_argument("--models", help="a ComfyUI models/ folder to fill")
     ap.add_argument("--tiny", action="store_true", help="the CPU test stand-ins instead of the full-size models")
-    ap.add_argument(
-        "--cut-ahead",
-        type=int,
-        default=0,
-        metavar="TP_SIZE",
-        help="cut the DiT's and encoder's rank caches for TP_SIZE ranks (TP2_CACHE_DIR), then free those files' large tensors on disk",
-    )
+    ap.add_argument("--cut-ahead", type=int, default=0, metavar="TP_SIZE", help="cut the H3 files for TP_SIZE ranks, then punch them")
     ap.add_argument("--punch-min-bytes", type=int, default=1 << 20, help=argparse.SUPPRESS)  # the tests' tiny files
     ap.add_argument("--vae", nargs=2, metavar=("video|audio", "PATH"), help=argparse.SUPPRESS)  # the child's job
     a = ap.parse_args(argv)

@@ -5,15 +5,14 @@
         [--workflow h3_tp2_t2v_832x480] [--fast] [--steps N] [--frames N] [--size WxH] [--prompts cold,warm] [--tiny]
         [--host-hold-gib G]
 
-BASE's models/ holds the bundled workflows' four files (scripts/bench/make_models.py). Configs, side by side, each on its
-own servers: `tp1` stock ComfyUI, `tp1pack` the pack at tp_size 1, `tpN` N ranks (--one-gpu: all on GPU 0 over gloo;
-memory real, speed not); `@G` (tp2@22) caps each process at G GiB (CUDA MPS's per-process limit,
-process_memory.confine_gpus; without MPS the script stops at once); `+FLAG` (tp2@22+fast-disk) adds ComfyUI's --FLAG to
-that config's servers. --host-hold-gib: G GiB of the host held by another process (process_memory.hold_host; 63 of a
-128 GiB machine leave what a 64 GB machine has). Prompts: cold (as shipped), warm (new text and seed), any other name: as warm. Per prompt and process: wall time per phase (spans between `executing` events), nvidia-smi peak, the
-pack's capacity lines, peak host RSS (and anonymous memory per phase), the host memory as each node starts (the profiler
-node's `tp2-bench host` lines: ComfyUI's pinned copies per model), models (re)loaded, the MP4's size and sha256. Writes OUT/whole_video.jsonl and
-OUT/whole_video_table.md (each phase's ratio to stock TP1). --tiny: CPU stand-ins, 64x64, 5 frames, 2 steps.
+BASE's models/ holds the bundled workflows' four files (scripts/bench/make_models.py). Configs (parse_config), side by
+side, each on its own servers; `@G` caps each process at G GiB (CUDA MPS's per-process limit; without MPS the script
+stops at once). --host-hold-gib G: G GiB of the host held by another process (process_memory.hold_host; 63 of a 128 GiB
+machine leave what a 64 GB machine has). Prompts: cold (as shipped), warm (new text and seed), any other name: as warm.
+Per prompt and process: wall time per phase (spans between `executing` events), nvidia-smi peak, the pack's capacity
+lines, peak host RSS (and anonymous memory per phase), the host memory as each node starts (the profiler node's
+`tp2-bench host` lines: ComfyUI's pinned copies per model), models (re)loaded, the MP4's size and sha256. Writes
+OUT/whole_video.jsonl and OUT/whole_video_table.md (each phase's ratio to stock TP1).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -29,13 +29,10 @@ import subprocess
 import sys
 
 import aiohttp
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-from bench_comfy import BENCH_NODE, link_nodes, log_since, pack_lines, serving, step_times, submit  # noqa: E402
-from make_models import FIXTURES, TINY_ENV  # noqa: E402
-from process_memory import ProcessSampler, need_mps  # noqa: E402
+import torch
+from bench_comfy import BENCH_NODE, link_nodes, log_since, pack_lines, serving, step_times, submit  # beside this file
+from make_models import FIXTURES, ROOT, TINY_ENV
+from process_memory import ProcessSampler, need_mps
 
 PHASES = {
     "UNETLoader": "load", "CLIPLoader": "load", "VAELoader": "load", "MiniMaxH3ImageToVideo": "text encode",
@@ -149,18 +146,13 @@ def host_lines(said: str, classes: dict[str, str]) -> list[dict]:
 
 
 def environment(args) -> dict:
-    env = {"commit": args.commit}
+    """The pack's commit, GPU 0's name and driver, torch's and comfy-kitchen's versions (the servers run this Python)."""
+    smi = ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader", "-i", "0"]
     try:
-        env["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader", "-i", "0"],
-                                    capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+        gpu = subprocess.run(smi, capture_output=True, text=True, timeout=30).stdout.strip()
     except (FileNotFoundError, subprocess.TimeoutExpired):
-        env["gpu"] = "none (CPU)"
-    code = "import torch, importlib.metadata as m; print(torch.__version__, m.version('comfy-kitchen'))"
-    try:
-        env["torch"], env["comfy_kitchen"] = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
-    except ValueError:
-        pass
-    return env
+        gpu = "none (CPU)"
+    return {"commit": args.commit, "gpu": gpu, "torch": torch.__version__, "comfy_kitchen": importlib.metadata.version("comfy-kitchen")}
 
 
 async def main_async(args) -> list[dict]:
@@ -226,10 +218,9 @@ def table(rows: list[dict]) -> str:
 
 
 def _commit() -> str:
+    git = ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"]
     try:
-        return subprocess.run(
-            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
+        return subprocess.run(git, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

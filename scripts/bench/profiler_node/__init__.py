@@ -228,13 +228,9 @@ def _host_memory_log() -> None:
         out["pinned"] = gib(mm.TOTAL_PINNED_MEMORY)
         if torch.cuda.is_available():  # torch's own pinned blocks (gloo's staging of CUDA tensors, pin_memory()), cached
             out["torch_host_alloc"] = gib(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
-        models = {}
-        for lm in mm.current_loaded_models:
-            m = lm.model
-            if m is not None and m.is_dynamic():
-                name = type(m.model).__name__
-                models[name] = [gib(m.pinned_memory_size()), gib(m.loaded_ram_size())]  # registered pins, host buffers
-        out["models"] = models
+        dynamic = [lm.model for lm in mm.current_loaded_models if lm.model is not None and lm.model.is_dynamic()]
+        # per model: its registered pins, its host buffers
+        out["models"] = {type(m.model).__name__: [gib(m.pinned_memory_size()), gib(m.loaded_ram_size())] for m in dynamic}
         return out
 
     def send_sync(event, data, sid=None):
